@@ -1,0 +1,70 @@
+"""Batch: one ragged batch shape for prefill chunks, decodes and verification.
+
+Each sequence adds q_len query tokens at positions [start_pos, start_pos + q_len): a prefill
+chunk (q_len = n), a decode (1) or a verification (1 + k drafts). `logits_indices` picks the
+rows that need logits: the last `num_logits` rows of each sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttnMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] int64: block_id * block_size + offset
+    block_tables: torch.Tensor  # [batch, max_blocks] int32
+    seq_lens: list[int]  # [batch] context length including the new tokens
+    cu_q_lens: list[int]  # [batch + 1] query row offsets
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    attn: AttnMetadata
+    logits_indices: torch.Tensor  # [num_logits] int64
+    cu_logits: list[int]  # [batch + 1] offsets of each sequence's rows in the logits
+
+
+@dataclass
+class BatchItem:
+    token_ids: list[int]  # the q_len tokens to feed
+    start_pos: int  # position of token_ids[0]
+    block_ids: list[int]  # the sequence's block table (must cover start_pos + q_len)
+    num_logits: int  # how many of the last rows need logits (0 for a mid-prompt chunk)
+
+
+def build_batch(items: list[BatchItem], block_size: int, device: torch.device | str = "cpu") -> Batch:
+    """Lay out `items` into flat tensors. Worked example, block_size 4:
+    items = [([7, 8, 9], start 0, blocks [5], 1), ([3], start 6, blocks [2, 0], 1)]
+    -> input_ids [7, 8, 9, 3], positions [0, 1, 2, 6], slot_mapping [20, 21, 22, 2],
+       seq_lens [3, 7], cu_q_lens [0, 3, 4], logits_indices [2, 3].
+    """
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    seq_lens: list[int] = []
+    cu_q_lens = [0]
+    logits_indices: list[int] = []
+    cu_logits = [0]
+    max_blocks = max(len(it.block_ids) for it in items)
+    tables = torch.zeros((len(items), max_blocks), dtype=torch.int32)
+    for b, it in enumerate(items):
+        q_len = len(it.token_ids)
+        end = it.start_pos + q_len
+        assert q_len >= 1 and len(it.block_ids) * block_size >= end, "block table too short"
+        input_ids.extend(it.token_ids)
+        positions.extend(range(it.start_pos, end))
+        slots.extend(it.block_ids[p // block_size] * block_size + p % block_size for p in range(it.start_pos, end))
+        seq_lens.append(end)
+        row_end = cu_q_lens[-1] + q_len
+        logits_indices.extend(range(row_end - it.num_logits, row_end))
+        cu_q_lens.append(row_end)
+        cu_logits.append(cu_logits[-1] + it.num_logits)
+        tables[b, : len(it.block_ids)] = torch.tensor(it.block_ids, dtype=torch.int32)
+    as_long = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)  # noqa: E731
+    attn = AttnMetadata(as_long(slots), tables.to(device), seq_lens, cu_q_lens)
+    return Batch(as_long(input_ids), as_long(positions), attn, as_long(logits_indices), cu_logits)

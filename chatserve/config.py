@@ -1,0 +1,96 @@
+"""Frozen configuration dataclasses. Built once; an unknown key is an error."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3", "fp8_e5m2")
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Speculative decoding: `method` is "draft" (a small model) or "ngram" (prompt lookup)."""
+
+    method: str = "draft"
+    draft_model: str | None = None
+    num_draft_tokens: int = 4  # the maximum k; adaptive speculation picks k in [0, max]
+    ngram_min: int = 1
+    ngram_max: int = 4
+    adaptive: bool = True
+    draft_kv_cache_dtype: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.method not in ("draft", "ngram"):
+            raise ValueError(f"spec.method: must be 'draft' or 'ngram', got {self.method!r}")
+        if self.method == "draft" and not self.draft_model:
+            raise ValueError("spec.draft_model: required when spec.method is 'draft'")
+        if not 1 <= self.num_draft_tokens <= 16:
+            raise ValueError(f"spec.num_draft_tokens: must be in [1, 16], got {self.num_draft_tokens}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError("spec.ngram_min/ngram_max: need 1 <= ngram_min <= ngram_max")
+        if self.draft_kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"spec.draft_kv_cache_dtype: one of {KV_CACHE_DTYPES}, got {self.draft_kv_cache_dtype!r}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = "smollm2-135m-instruct"
+    dtype: str = "float32"  # "float32" | "bfloat16" | "float16"
+    block_size: int = 16
+    kv_cache_memory: int | None = None  # bytes for the whole pool (all models); None = from free memory
+    kv_cache_dtype: str = "auto"
+    max_model_len: int | None = None  # None = the model's own limit
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 512  # token budget per step (prefill chunks + decodes + drafts)
+    enable_prefix_caching: bool = True
+    num_threads: int | None = None  # torch threads; None = leave torch's default
+    seed: int = 0
+    spec: SpecConfig | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype: must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype: one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.block_size not in (8, 16, 32, 64):
+            raise ValueError(f"block_size: one of 8, 16, 32, 64, got {self.block_size}")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 16:
+            raise ValueError("max_num_seqs must be >= 1 and max_num_batched_tokens >= 16")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory: must be positive bytes, got {self.kv_cache_memory}")
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "EngineConfig":
+        """Strict construction: unknown keys raise instead of being dropped."""
+        return _strict(cls, values)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    allowed_origins: tuple[str, ...] = ()  # besides the server's own host
+    max_message_bytes: int = 1 << 20
+    max_prompt_tokens: int | None = None  # None = the model's context limit
+    max_tokens_limit: int = 4096  # the largest max_tokens a client may ask for
+    max_connections: int = 64
+    served_model_name: str | None = None
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "ServerConfig":
+        return _strict(cls, values)
+
+
+def _strict(cls, values: dict):
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - names)
+    if unknown:
+        raise ValueError(f"{cls.__name__}: unknown key(s) {unknown}; known: {sorted(names)}")
+    if cls is EngineConfig and isinstance(values.get("spec"), dict):
+        values = {**values, "spec": _strict(SpecConfig, values["spec"])}
+    return cls(**values)
+
+
+__all__ = ["EngineConfig", "SpecConfig", "ServerConfig", "KV_CACHE_DTYPES"]

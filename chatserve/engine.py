@@ -1,0 +1,212 @@
+"""Engine: add_request / step / abort. Owns the scheduler, the runners and the proposer.
+
+step() is the only loop: schedule -> propose drafts -> one target forward over a ragged
+batch -> sample or verify -> update (append tokens, roll back, free, finish) -> deltas.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import torch
+
+from chatserve.batch import BatchItem
+from chatserve.config import EngineConfig
+from chatserve.loading import LoadedModels, load_models
+from chatserve.request import Request, Status
+from chatserve.sampler import Sampler
+from chatserve.sampling_params import Delta, SamplingParams
+from chatserve.scheduler import ScheduledSeq, Scheduler
+from chatserve.spec_runner import SpecRunner
+from chatserve.tokenizer import IncrementalDetokenizer
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, models: LoadedModels | None = None):
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        torch.manual_seed(config.seed)
+        self.models = models or load_models(config)
+        self.tokenizer = self.models.tokenizer
+        self.max_model_len = self.models.max_model_len
+        self.block_manager = self.models.block_manager
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.sampler = Sampler(self.tokenizer.eos_token_ids)
+        self.spec = SpecRunner.create(config.spec, self.models) if config.spec else None
+        self.requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_model(cls, model: str, **kwargs) -> "Engine":
+        return cls(EngineConfig.from_dict({"model": model, **kwargs}))
+
+    # -- requests -------------------------------------------------------------------------
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already running")
+        if not prompt_token_ids:
+            raise ValueError("prompt: must contain at least one token")
+        if any((not isinstance(t, int)) or t < 0 or t >= self.models.vocab_size for t in prompt_token_ids):
+            raise ValueError(f"prompt: token ids must be integers in [0, {self.models.vocab_size})")
+        n = len(prompt_token_ids)
+        if n >= self.max_model_len:
+            raise ValueError(
+                f"prompt: {n} tokens do not fit the model's context of {self.max_model_len} tokens "
+                f"(at most {self.max_model_len - 1} prompt tokens)"
+            )
+        blocks_needed = -(-(n + 1) // self.block_manager.block_size)
+        if blocks_needed > self.block_manager.num_blocks:
+            raise ValueError(
+                f"prompt: {n} tokens need {blocks_needed} KV blocks but the pool holds only "
+                f"{self.block_manager.num_blocks}; raise --kv-cache-memory"
+            )
+        req = Request(request_id, list(prompt_token_ids), params)
+        req.detok = IncrementalDetokenizer(self.tokenizer.decode, params.stop)
+        if self.spec:
+            self.spec.init_request(req)
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+        return request_id
+
+    def abort(self, request_id: str) -> Delta | None:
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        self.scheduler.finish(req, "abort")
+        req.stats.finish_time = time.perf_counter()
+        return Delta(request_id, "", [], "abort", req.stats)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -- the loop -------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list[Delta]:
+        if self.spec:
+            self.spec.plan(self.scheduler.running)
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
+            return []
+        if self.spec:
+            self.spec.propose([s for s in scheduled if s.num_draft_tokens > 0])
+        items = [self._batch_item(s) for s in scheduled]
+        logits, cu_logits = self.models.target_runner.run(items)  # [num_logits, vocab]
+        now = time.perf_counter()
+        deltas = []
+        for i, s in enumerate(scheduled):
+            rows = logits[cu_logits[i] : cu_logits[i + 1]]
+            delta = self._update(s, rows, now)
+            if delta is not None:
+                deltas.append(delta)
+        return deltas
+
+    def _batch_item(self, s: ScheduledSeq) -> BatchItem:
+        req = s.req
+        start = req.num_computed_tokens
+        tokens = req.token_ids[start : start + s.num_new_tokens]
+        if s.is_decode:
+            tokens = tokens + req.draft_token_ids
+            num_logits = len(tokens)
+        else:
+            num_logits = 0
+        return BatchItem(tokens, start, req.table.block_ids, num_logits)
+
+    def _update(self, s: ScheduledSeq, rows: torch.Tensor, now: float) -> Delta | None:
+        """Apply one step's result to one request: advance, append, roll back, finish."""
+        req = s.req
+        len_before = len(req.token_ids)
+        if not s.is_decode:
+            req.num_computed_tokens += s.num_new_tokens  # a mid-prompt chunk: nothing to emit
+            return None
+        drafts = req.draft_token_ids
+        if drafts:
+            new_tokens, num_accepted = self.sampler.verify(req, rows, drafts, self.spec.draft_probs(req))
+            self.spec.record(req, len(drafts), num_accepted)
+        else:
+            new_tokens = self.sampler.sample(req, rows[-1:])
+        req.draft_token_ids = []
+        # Valid target KV: everything fed except the rejected drafts.
+        req.num_computed_tokens = len_before + len(new_tokens) - 1
+        if req.stats.first_token_time is None:
+            req.stats.first_token_time = now
+        return self._append(req, new_tokens, now)
+
+    def _append(self, req: Request, new_tokens: list[int], now: float) -> Delta:
+        """Append tokens one at a time, stopping exactly at the first finish condition."""
+        text_parts: list[str] = []
+        emitted: list[int] = []
+        reason = None
+        for tok in new_tokens:
+            req.token_ids.append(tok)
+            emitted.append(tok)
+            reason = self._finish_reason(req, tok)
+            if reason != "stop":  # EOS and stop token ids add no text
+                text, hit_stop = req.detok.add([tok])
+                text_parts.append(text)
+                reason = "stop" if hit_stop else reason
+            if reason:
+                break
+        req.num_computed_tokens = min(req.num_computed_tokens, len(req.token_ids) - 1)
+        req.num_draft_computed_tokens = min(req.num_draft_computed_tokens, req.num_computed_tokens)
+        self.block_manager.truncate(req.table, len(req.token_ids))
+        self.block_manager.commit(req.table, req.token_ids, self._num_committed(req))
+        req.stats.num_generated = req.num_output_tokens
+        if reason:
+            text_parts.append(req.detok.flush())
+            self.scheduler.finish(req, reason)
+            self.requests.pop(req.request_id, None)
+            req.stats.finish_time = now
+            return Delta(req.request_id, "".join(text_parts), emitted, reason, req.stats)
+        return Delta(req.request_id, "".join(text_parts), emitted)
+
+    def _finish_reason(self, req: Request, tok: int) -> str | None:
+        p = req.params
+        if (tok in self.tokenizer.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids:
+            return "stop"
+        if req.num_output_tokens >= p.max_tokens or len(req.token_ids) >= self.max_model_len:
+            return "length"
+        return None
+
+    def _num_committed(self, req: Request) -> int:
+        if self.spec and self.spec.has_draft_model:
+            return min(req.num_computed_tokens, req.num_draft_computed_tokens)
+        return req.num_computed_tokens
+
+    # -- conveniences ---------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[dict]:
+        """Run a batch to completion; returns one dict per prompt (text, token_ids, stats)."""
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
+        results = {i: {"text": "", "token_ids": [], "finish_reason": None, "stats": None} for i in ids}
+        while self.has_unfinished():
+            for d in self.step():
+                r = results[d.request_id]
+                r["text"] += d.text
+                r["token_ids"] += d.token_ids
+                if d.finished:
+                    r["finish_reason"], r["stats"] = d.finish_reason, d.stats
+        return [results[i] for i in ids]
+
+    def pool_stats(self) -> dict:
+        bm = self.block_manager
+        return {
+            "num_blocks": bm.num_blocks,
+            "num_free_blocks": bm.num_free_blocks,
+            "block_size": bm.block_size,
+            "kv_usage": 1.0 - bm.num_free_blocks / bm.num_blocks,
+            "num_cached_blocks": len(bm.cached_free),
+            "prefix_cache_queries": bm.num_prefix_queries,
+            "prefix_cache_hits": bm.num_prefix_hits,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+        }
+
+    def check_no_leaks(self) -> None:
+        """After all requests finished, every block is free (cached-free counts as free)."""
+        bm = self.block_manager
+        bm.check_invariants([r.table for r in self.requests.values()])
+        assert not self.requests or any(r.status != Status.FINISHED for r in self.requests.values())

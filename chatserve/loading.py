@@ -1,0 +1,100 @@
+"""Build what the engine runs on: tokenizer, target (and draft) models, one shared KV pool."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from chatserve.block_manager import BlockManager
+from chatserve.config import EngineConfig
+from chatserve.kv_cache import CacheShape, KVCache, available_memory_bytes, plan_num_blocks
+from chatserve.model_runner import ModelRunner
+from chatserve.models.llama import DecoderLM
+from chatserve.models.loader import load_model
+from chatserve.tokenizer import Tokenizer
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LoadedModels:
+    tokenizer: Tokenizer
+    target: DecoderLM
+    target_runner: ModelRunner
+    draft: DecoderLM | None
+    draft_runner: ModelRunner | None
+    block_manager: BlockManager
+    max_model_len: int
+    vocab_size: int
+
+
+def resolve(name_or_path: str) -> Path:
+    path = Path(name_or_path).expanduser()
+    if path.is_dir() and (path / "config.json").exists():
+        return path
+    from chatserve.catalog import resolve_model
+
+    return resolve_model(name_or_path)
+
+
+def read_config(model_dir: Path):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(model_dir))
+
+
+def load_models(config: EngineConfig) -> LoadedModels:
+    dtype = DTYPES[config.dtype]
+    target_dir = resolve(config.model)
+    target_cfg = read_config(target_dir)
+    max_model_len = min(config.max_model_len or 10**9, target_cfg.max_position_embeddings)
+    tokenizer = Tokenizer(target_dir)
+    target = load_model(target_dir, target_cfg, dtype, max_model_len).eval()
+    draft = None
+    if config.spec and config.spec.method == "draft":
+        draft_dir = resolve(config.spec.draft_model)
+        draft_cfg = read_config(draft_dir)
+        check_same_vocab(tokenizer, Tokenizer(draft_dir), target_cfg, draft_cfg)
+        draft = load_model(draft_dir, draft_cfg, dtype, max_model_len).eval()
+    shapes = [cache_shape(target, dtype)] + ([cache_shape(draft, dtype)] if draft else [])
+    num_blocks = plan_num_blocks(kv_budget(config, shapes, max_model_len), shapes, config.block_size)
+    if num_blocks < 4:
+        raise ValueError(f"kv_cache_memory: room for only {num_blocks} KV blocks; give the pool more memory")
+    bm = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+    target_runner = ModelRunner(target, KVCache(shapes[0], num_blocks, config.block_size))
+    draft_runner = ModelRunner(draft, KVCache(shapes[1], num_blocks, config.block_size)) if draft else None
+    vocab = target_cfg.vocab_size
+    return LoadedModels(tokenizer, target, target_runner, draft, draft_runner, bm, max_model_len, vocab)
+
+
+def cache_shape(model: DecoderLM, dtype: torch.dtype) -> CacheShape:
+    return CacheShape(model.num_layers, model.num_kv_heads, model.head_dim, dtype)
+
+
+def kv_budget(config: EngineConfig, shapes: list[CacheShape], max_model_len: int) -> int:
+    """Bytes for the pool: as given, else enough for max_num_seqs full contexts, capped at a
+    quarter of free memory."""
+    if config.kv_cache_memory:
+        return config.kv_cache_memory
+    per_token = sum(s.bytes_per_block(config.block_size) for s in shapes) // config.block_size
+    wanted = per_token * max_model_len * config.max_num_seqs
+    return max(min(wanted, available_memory_bytes() // 4), 64 * per_token * config.block_size)
+
+
+def check_same_vocab(target_tok: Tokenizer, draft_tok: Tokenizer, target_cfg, draft_cfg) -> None:
+    """A draft must tokenize exactly like the target, or its proposals mean nothing."""
+    t_vocab, d_vocab = target_tok.hf.get_vocab(), draft_tok.hf.get_vocab()
+    if t_vocab != d_vocab:
+        diff = len(set(t_vocab.items()) ^ set(d_vocab.items()))
+        raise ValueError(
+            f"draft model's tokenizer differs from the target's ({len(d_vocab)} vs {len(t_vocab)} tokens, "
+            f"{diff} entries differ): speculation needs the same vocabulary"
+        )
+    if draft_cfg.vocab_size != target_cfg.vocab_size:
+        print(
+            f"note: draft vocab_size {draft_cfg.vocab_size} != target {target_cfg.vocab_size} (padding rows)",
+            file=sys.stderr,
+        )

@@ -1,0 +1,74 @@
+"""Request: one generation's token ids, progress counters and block table. No tensors.
+
+Regions of `token_ids` (prompt + generated, all committed, never drafts):
+
+    [0, num_computed_tokens)              KV in the target cache
+    [num_computed_tokens, len(token_ids)) still to feed to the target (prefill or last token)
+    [0, num_draft_computed_tokens)        KV in the draft cache (lags by the tokens it has not seen)
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from chatserve.block_manager import BlockTable
+from chatserve.sampling_params import RequestStats, SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_draft_computed_tokens: int = 0
+    table: BlockTable = field(default_factory=BlockTable)
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    stats: RequestStats = field(default_factory=RequestStats)
+    generator: torch.Generator | None = None
+    num_draft_tokens: int = 0  # k chosen for this step by the scheduler
+    draft_token_ids: list[int] = field(default_factory=list)  # proposals under verification
+    spec_controller: object | None = None  # spec.adaptive.AdaptiveDraftLength, set by the engine
+    detok: object | None = None  # chatserve.tokenizer.IncrementalDetokenizer
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+        self.stats.prompt_tokens = len(self.prompt_token_ids)
+        if not self.stats.arrival_time:
+            self.stats.arrival_time = time.perf_counter()
+        if self.params.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.params.seed)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids) :]
+
+    @property
+    def is_prefilling(self) -> bool:
+        """True while more than the last token is still to be fed to the target."""
+        return len(self.token_ids) - self.num_computed_tokens > 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == Status.FINISHED

@@ -1,0 +1,78 @@
+"""Sampler: one request's logits rows -> emitted token ids, plain or by verifying drafts.
+
+All probability maths lives in spec/; this file only gathers a request's settings and
+randomness (its seeded generator) and calls it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from chatserve.request import Request
+from spec.proposer import one_hot_draft_probs
+from spec.sampling import apply_repetition_penalty, exponential_noise, logits_to_probs, sample_from_probs, uniform_noise
+from spec.verify import rejection_sample, verify_greedy
+
+
+class Sampler:
+    def __init__(self, eos_token_ids: tuple[int, ...]):
+        self.eos_token_ids = eos_token_ids
+
+    def sample(self, req: Request, rows: torch.Tensor) -> list[int]:
+        """rows: [1, vocab] logits of the last position -> one token."""
+        logits = self._penalize(req, rows, [])
+        if req.params.is_greedy:
+            return [int(logits[0].argmax())]
+        probs = self.probs(req, logits)  # [1, vocab]
+        noise = exponential_noise(1, probs.shape[1], [req.generator])
+        return [int(sample_from_probs(probs, noise)[0])]
+
+    def verify(
+        self, req: Request, rows: torch.Tensor, drafts: list[int], draft_probs: torch.Tensor | None
+    ) -> tuple[list[int], int]:
+        """rows: [k + 1, vocab] target logits after the last token and after each draft.
+        draft_probs: [k, vocab] or None (one-hot). -> (emitted tokens, num accepted)."""
+        k = len(drafts)
+        logits = self._penalize(req, rows, drafts)
+        draft_ids = torch.tensor([drafts], dtype=torch.long)  # [1, k]
+        num_drafts = torch.tensor([k])
+        if req.params.is_greedy:
+            out, num_accepted = verify_greedy(draft_ids, num_drafts, logits.argmax(-1).unsqueeze(0))
+        else:
+            target_probs = self.probs(req, logits).unsqueeze(0)  # [1, k + 1, vocab]
+            vocab = target_probs.shape[-1]
+            if draft_probs is None:
+                draft_probs = one_hot_draft_probs(draft_ids, vocab)[0]
+            draft_probs = _fit_vocab(draft_probs, vocab).unsqueeze(0)  # [1, k, vocab]
+            uniform = uniform_noise(1, k, [req.generator])
+            noise = exponential_noise(1, vocab, [req.generator])
+            out, num_accepted = rejection_sample(draft_ids, num_drafts, draft_probs, target_probs, uniform, noise)
+        n = int(num_accepted[0])
+        return out[0, : n + 1].tolist(), n
+
+    def probs(self, req: Request, logits: torch.Tensor) -> torch.Tensor:
+        """[n, vocab] logits -> [n, vocab] probabilities under req's temperature/top-k/top-p/min-p."""
+        p, n = req.params, logits.shape[0]
+        return logits_to_probs(
+            logits,
+            torch.full((n,), p.temperature),
+            torch.full((n,), p.top_k, dtype=torch.long),
+            torch.full((n,), p.top_p),
+            torch.full((n,), p.min_p),
+        )
+
+    def _penalize(self, req: Request, rows: torch.Tensor, drafts: list[int]) -> torch.Tensor:
+        penalty = req.params.repetition_penalty
+        if penalty == 1.0:
+            return rows
+        seen = [req.token_ids + drafts[:j] for j in range(rows.shape[0])]
+        return apply_repetition_penalty(rows.clone(), seen, [penalty] * rows.shape[0])
+
+
+def _fit_vocab(probs: torch.Tensor, vocab: int) -> torch.Tensor:
+    """A draft head may have a few padding rows more or fewer than the target's."""
+    if probs.shape[-1] == vocab:
+        return probs
+    if probs.shape[-1] > vocab:
+        return probs[..., :vocab]
+    return torch.nn.functional.pad(probs, (0, vocab - probs.shape[-1]))

@@ -1,0 +1,157 @@
+"""SamplingParams: what a caller may ask of one generation, validated on construction."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling and stopping settings (vLLM's names and meanings).
+
+    temperature 0 means greedy. top_k 0 (or -1) disables top-k; top_p 1.0 and min_p 0.0
+    disable theirs. Every invalid value raises ValueError naming the field.
+    """
+
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    # Speculation per request: None = engine default; 0 disables drafting for this request.
+    num_draft_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if self.top_k == -1:
+            object.__setattr__(self, "top_k", 0)
+        _check_int("max_tokens", self.max_tokens, low=1)
+        _check_float("temperature", self.temperature, low=0.0, high=100.0)
+        _check_float("top_p", self.top_p, low=0.0, high=1.0, low_open=True)
+        _check_int("top_k", self.top_k, low=0)
+        _check_float("min_p", self.min_p, low=0.0, high=1.0)
+        _check_float("repetition_penalty", self.repetition_penalty, low=0.0, high=100.0, low_open=True)
+        if self.seed is not None:
+            _check_int("seed", self.seed, low=0)
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop: every stop string must be a non-empty string, got {s!r}")
+        for t in self.stop_token_ids:
+            _check_int("stop_token_ids", t, low=0)
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos: must be a boolean, got {self.ignore_eos!r}")
+        if self.num_draft_tokens is not None:
+            _check_int("num_draft_tokens", self.num_draft_tokens, low=0, high=16)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _check_int(name: str, value, low: int | None = None, high: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name}: must be an integer, got {value!r}")
+    if low is not None and value < low:
+        raise ValueError(f"{name}: must be >= {low}, got {value}")
+    if high is not None and value > high:
+        raise ValueError(f"{name}: must be <= {high}, got {value}")
+
+
+def _check_float(name: str, value, low: float, high: float, low_open: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name}: must be a finite number, got {value!r}")
+    if value < low or (low_open and value == low) or value > high:
+        bracket = "(" if low_open else "["
+        raise ValueError(f"{name}: must be in {bracket}{low}, {high}], got {value}")
+
+
+@dataclass
+class RequestStats:
+    """Per-request numbers reported when a request finishes (and summed into global metrics)."""
+
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    num_generated: int = 0
+    num_drafted: int = 0
+    num_accepted: int = 0
+    num_spec_steps: int = 0  # verification steps that had at least one draft token
+    accepted_by_position: list[int] = field(default_factory=list)  # [k]: accepted at draft position i
+    arrival_time: float = 0.0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def ttft_ms(self) -> float | None:
+        if self.first_token_time is None:
+            return None
+        return (self.first_token_time - self.arrival_time) * 1000.0
+
+    @property
+    def queue_ms(self) -> float | None:
+        if self.first_scheduled_time is None:
+            return None
+        return (self.first_scheduled_time - self.arrival_time) * 1000.0
+
+    @property
+    def tpot_ms(self) -> float | None:
+        """Mean time per output token after the first one."""
+        if self.first_token_time is None or self.finish_time is None or self.num_generated < 2:
+            return None
+        return (self.finish_time - self.first_token_time) * 1000.0 / (self.num_generated - 1)
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.num_accepted / self.num_drafted if self.num_drafted else None
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        """Mean tokens emitted per verification step (accepted drafts + 1)."""
+        if not self.num_spec_steps:
+            return None
+        return (self.num_accepted + self.num_spec_steps) / self.num_spec_steps
+
+    def to_dict(self) -> dict:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
+            "num_generated": self.num_generated,
+            "num_drafted": self.num_drafted,
+            "num_accepted": self.num_accepted,
+            "acceptance_rate": self.acceptance_rate,
+            "mean_accepted_length": self.mean_accepted_length,
+            "accepted_by_position": list(self.accepted_by_position),
+            "ttft_ms": self.ttft_ms,
+            "tpot_ms": self.tpot_ms,
+            "queue_ms": self.queue_ms,
+        }
+
+
+@dataclass
+class Delta:
+    """What one engine step produced for one request: new text and token ids, maybe the end.
+
+    finish_reason is None while running, else "stop" (EOS / stop string / stop token),
+    "length" (max_tokens or context limit), "abort" or "error" (with `error` set).
+    `stats` is set on the final delta.
+    """
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stats: RequestStats | None = None
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

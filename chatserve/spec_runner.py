@@ -1,0 +1,124 @@
+"""SpecRunner: the engine's side of speculation. Picks k per request, runs the proposer
+(n-gram, or the draft model on the shared pool), and keeps the statistics.
+
+The draft model writes its KV into the same block ids as the target (its own tensors), in
+slots the scheduler reserved as lookahead, so drafting never allocates.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from chatserve.batch import BatchItem
+from chatserve.config import SpecConfig
+from chatserve.request import Request
+from chatserve.sampler import Sampler
+from chatserve.scheduler import ScheduledSeq
+from spec.adaptive import AdaptiveDraftLength
+from spec.ngram import NgramProposer
+from spec.sampling import exponential_noise, sample_from_probs
+from spec.stats import SpecStats
+
+
+class SpecRunner:
+    def __init__(self, config: SpecConfig, models, sampler: Sampler):
+        self.config = config
+        self.models = models
+        self.sampler = sampler
+        self.has_draft_model = config.method == "draft"
+        self.ngram = None if self.has_draft_model else NgramProposer(config.ngram_min, config.ngram_max, 16)
+        self.stats = SpecStats()
+        self._draft_probs: dict[str, torch.Tensor] = {}
+        self.draft_seconds = 0.0
+
+    @classmethod
+    def create(cls, config: SpecConfig, models) -> "SpecRunner":
+        return cls(config, models, Sampler(models.tokenizer.eos_token_ids))
+
+    def init_request(self, req: Request) -> None:
+        if self.config.adaptive:
+            draft_cost = 0.35 if self.has_draft_model else 0.02
+            req.spec_controller = AdaptiveDraftLength(self.config.num_draft_tokens, draft_step_cost=draft_cost)
+
+    def plan(self, running: list[Request]) -> None:
+        """Set req.num_draft_tokens (k) for every running request that will decode next step."""
+        batch_size = len(running)
+        for req in running:
+            req.num_draft_tokens = 0
+            if req.is_prefilling or req.num_output_tokens == 0:
+                continue
+            k = self._wanted_k(req, batch_size)
+            # Never overshoot max_tokens or the context: k drafts emit up to k + 1 tokens.
+            k = min(k, req.params.max_tokens - req.num_output_tokens - 1, self.models.max_model_len - len(req.token_ids) - 1)
+            req.num_draft_tokens = max(k, 0)
+
+    def _wanted_k(self, req: Request, batch_size: int) -> int:
+        if req.params.num_draft_tokens is not None:
+            return min(req.params.num_draft_tokens, self.config.num_draft_tokens)
+        if req.spec_controller is None:
+            return self.config.num_draft_tokens
+        return req.spec_controller.next_k(batch_size)
+
+    def propose(self, seqs: list[ScheduledSeq]) -> None:
+        """Fill req.draft_token_ids (<= num_draft_tokens each) for the scheduled decodes."""
+        if not seqs:
+            return
+        if self.ngram is not None:
+            draft = self.ngram.propose([s.req.token_ids for s in seqs], [s.num_draft_tokens for s in seqs])
+            for s, tokens in zip(seqs, draft.token_ids):
+                s.req.draft_token_ids = list(tokens)
+            return
+        start = time.perf_counter()
+        self._propose_with_draft_model([s.req for s in seqs], [s.num_draft_tokens for s in seqs])
+        self.draft_seconds += time.perf_counter() - start
+
+    def _propose_with_draft_model(self, reqs: list[Request], ks: list[int]) -> None:
+        """Catch the draft up on the tokens it has not seen, then draft k tokens one by one."""
+        runner = self.models.draft_runner
+        items = [BatchItem(r.token_ids[r.num_draft_computed_tokens :], r.num_draft_computed_tokens, r.table.block_ids, 1) for r in reqs]
+        probs_per_req: dict[str, list[torch.Tensor]] = {r.request_id: [] for r in reqs}
+        active = list(range(len(reqs)))
+        while active:
+            logits, _ = runner.run(items)  # [len(active), vocab]
+            next_active, next_items = [], []
+            for row, i in enumerate(active):
+                req = reqs[i]
+                req.num_draft_computed_tokens = items[row].start_pos + len(items[row].token_ids)
+                token, probs = self._draft_one(req, logits[row : row + 1])
+                req.draft_token_ids.append(token)
+                if probs is not None:
+                    probs_per_req[req.request_id].append(probs)
+                if len(req.draft_token_ids) < ks[i]:
+                    pos = len(req.token_ids) + len(req.draft_token_ids) - 1
+                    next_active.append(i)
+                    next_items.append(BatchItem([token], pos, req.table.block_ids, 1))
+            active, items = next_active, next_items
+        for r in reqs:
+            rows = probs_per_req[r.request_id]
+            self._draft_probs[r.request_id] = torch.cat(rows) if rows else None
+
+    def _draft_one(self, req: Request, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+        """logits [1, vocab] -> (draft token, its distribution [1, vocab] or None if greedy)."""
+        if req.params.is_greedy:
+            return int(logits[0].argmax()), None
+        probs = self.sampler.probs(req, logits)
+        noise = exponential_noise(1, probs.shape[1], [req.generator])
+        return int(sample_from_probs(probs, noise)[0]), probs
+
+    def draft_probs(self, req: Request) -> torch.Tensor | None:
+        return self._draft_probs.pop(req.request_id, None)
+
+    def record(self, req: Request, num_drafted: int, num_accepted: int) -> None:
+        st = req.stats
+        st.num_drafted += num_drafted
+        st.num_accepted += num_accepted
+        st.num_spec_steps += 1
+        if len(st.accepted_by_position) < num_drafted:
+            st.accepted_by_position += [0] * (num_drafted - len(st.accepted_by_position))
+        for i in range(num_accepted):
+            st.accepted_by_position[i] += 1
+        self.stats.update(num_drafted, num_accepted)
+        if req.spec_controller is not None:
+            req.spec_controller.update(num_drafted, num_accepted)

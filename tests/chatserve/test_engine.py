@@ -1,0 +1,193 @@
+"""Engine behaviour on tiny random models: batching, preemption, prefix reuse, stops, errors."""
+
+import pytest
+
+from chatserve.config import EngineConfig, SpecConfig
+from chatserve.engine import Engine
+from chatserve.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+PROMPTS = [
+    "Hello there",
+    "def add(a, b):",
+    "The quick brown fox jumps over",
+    "x",
+    "Once upon a time, in a land far away, there lived",
+    "1, 2, 3, 4,",
+    "SELECT * FROM",
+    "Lorem ipsum dolor sit amet",
+]
+
+
+def make_engine(model_dir, **kw):
+    kw.setdefault("kv_cache_memory", 8 << 20)
+    return Engine(EngineConfig(model=str(model_dir), **kw))
+
+
+def assert_pool_empty(engine):
+    bm = engine.block_manager
+    bm.check_invariants()
+    assert bm.num_free_blocks == bm.num_blocks, "blocks leaked"
+    assert not engine.requests
+
+
+@pytest.fixture(scope="module")
+def alone_outputs(tiny_llama_dir):
+    engine = make_engine(tiny_llama_dir)
+    prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
+    return prompts, [engine.generate([p], GREEDY)[0]["token_ids"] for p in prompts]
+
+
+def test_batch_invariance_eight_concurrent(tiny_llama_dir, alone_outputs):
+    prompts, alone = alone_outputs
+    engine = make_engine(tiny_llama_dir, max_num_batched_tokens=32)  # forces chunked prefill too
+    outs = engine.generate(prompts, GREEDY)
+    assert [o["token_ids"] for o in outs] == alone
+    assert_pool_empty(engine)
+
+
+def test_preemption_keeps_outputs(tiny_llama_dir, alone_outputs):
+    prompts, alone = alone_outputs
+    # 12 blocks of 16 tokens cannot hold 8 sequences of ~40 tokens at once.
+    per_block = 2 * 2 * 16 * 2 * 16 * 4  # layers * (k, v) * block * kv_heads * head_dim * fp32
+    engine = make_engine(tiny_llama_dir, kv_cache_memory=12 * per_block, enable_prefix_caching=False)
+    assert engine.block_manager.num_blocks == 12
+    outs = engine.generate(prompts, GREEDY)
+    assert engine.scheduler.num_preemptions > 0
+    assert [o["token_ids"] for o in outs] == alone
+    assert_pool_empty(engine)
+
+
+def test_second_turn_computes_only_new_tokens(tiny_llama_dir):
+    engine = make_engine(tiny_llama_dir)
+    history = engine.tokenizer.encode("a long conversation " * 50)  # ~1,000 tokens
+    first = engine.generate([history], GREEDY)[0]
+    assert first["stats"].cached_tokens == 0
+    turn2 = history + first["token_ids"] + engine.tokenizer.encode(" and then?")
+    second = engine.generate([turn2], GREEDY)[0]
+    computed = second["stats"].prompt_tokens - second["stats"].cached_tokens
+    assert second["stats"].cached_tokens >= len(history) + len(first["token_ids"]) - 16
+    assert computed <= 16 + len(" and then?")
+    # and the answer is what a cold engine gives
+    cold = make_engine(tiny_llama_dir, enable_prefix_caching=False).generate([turn2], GREEDY)[0]
+    assert second["token_ids"] == cold["token_ids"]
+    assert_pool_empty(engine)
+
+
+def test_stop_strings_trim_exactly_and_never_leak(tiny_llama_dir):
+    engine = make_engine(tiny_llama_dir)
+    ids = engine.tokenizer.encode("Hello there")
+    full = engine.generate([ids], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))[0]
+    text = full["text"]
+    stop = text[10:13]
+    assert len(stop) == 3
+    out = engine.generate([ids], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, stop=[stop]))[0]
+    assert out["finish_reason"] == "stop"
+    assert out["text"] == text[: text.index(stop)]
+    assert stop not in out["text"]
+
+
+def test_stop_token_ids_and_max_tokens(tiny_llama_dir):
+    engine = make_engine(tiny_llama_dir)
+    ids = engine.tokenizer.encode("Hello")
+    full = engine.generate([ids], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))[0]
+    assert len(full["token_ids"]) == 10 and full["finish_reason"] == "length"
+    target = full["token_ids"][4]
+    out = engine.generate([ids], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, stop_token_ids=[target]))[0]
+    assert out["finish_reason"] == "stop"
+    assert out["token_ids"] == full["token_ids"][: full["token_ids"].index(target) + 1]
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(tiny_llama_dir):
+    engine = make_engine(tiny_llama_dir)
+    ids = engine.tokenizer.encode("Hello")
+    p = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.9, top_k=50, seed=123, ignore_eos=True)
+    a = engine.generate([ids], p)[0]["token_ids"]
+    others = [engine.tokenizer.encode(x) for x in PROMPTS[:3]]
+    b = engine.generate([ids] + others, [p] + [SamplingParams(max_tokens=16, temperature=1.0)] * 3)[0]["token_ids"]
+    assert a == b
+    c = engine.generate([ids], SamplingParams(max_tokens=16, temperature=0.9, seed=124, ignore_eos=True))[0]["token_ids"]
+    assert a != c
+
+
+def test_abort_frees_blocks_at_once(tiny_llama_dir):
+    engine = make_engine(tiny_llama_dir)
+    rid = engine.add_request(engine.tokenizer.encode("Hello " * 30), GREEDY)
+    engine.step()
+    assert engine.block_manager.num_free_blocks < engine.block_manager.num_blocks
+    delta = engine.abort(rid)
+    assert delta.finish_reason == "abort"
+    assert not engine.has_unfinished()
+    assert_pool_empty(engine)
+
+
+def test_bad_input_errors_name_the_problem(tiny_llama_dir):
+    engine = make_engine(tiny_llama_dir)
+    with pytest.raises(ValueError, match="2048"):
+        engine.add_request([5] * 2048, GREEDY)
+    with pytest.raises(ValueError, match="token ids"):
+        engine.add_request([5, 99999], GREEDY)
+    with pytest.raises(ValueError, match="at least one token"):
+        engine.add_request([], GREEDY)
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0)
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens="5")
+    with pytest.raises(ValueError, match="unknown key"):
+        EngineConfig.from_dict({"modle": "x"})
+    assert_pool_empty(engine)
+
+
+# -- speculation: greedy output must not change -------------------------------------------
+
+
+def spec_engine(model_dir, draft, method="draft", **kw):
+    spec = SpecConfig(method=method, draft_model=str(draft) if draft else None, num_draft_tokens=4, adaptive=False)
+    return make_engine(model_dir, spec=spec, **kw)
+
+
+def test_self_draft_accepts_everything_and_matches(tiny_llama_dir, alone_outputs):
+    prompts, alone = alone_outputs
+    engine = spec_engine(tiny_llama_dir, tiny_llama_dir)
+    outs = engine.generate(prompts[:3], GREEDY)
+    assert [o["token_ids"] for o in outs] == alone[:3]
+    for o in outs:
+        assert o["stats"].num_drafted > 0
+        assert o["stats"].num_accepted == o["stats"].num_drafted  # acceptance 1.0
+    assert_pool_empty(engine)
+
+
+def test_random_draft_rejects_most_and_still_matches(tiny_llama_dir, tiny_draft_dir, alone_outputs):
+    prompts, alone = alone_outputs
+    engine = spec_engine(tiny_llama_dir, tiny_draft_dir)
+    outs = engine.generate(prompts, GREEDY)  # 8 batched together
+    assert [o["token_ids"] for o in outs] == alone
+    drafted = sum(o["stats"].num_drafted for o in outs)
+    accepted = sum(o["stats"].num_accepted for o in outs)
+    assert drafted > 0 and accepted < drafted / 2
+    assert_pool_empty(engine)
+
+
+def test_ngram_matches_and_finds_repeats(tiny_llama_dir, alone_outputs):
+    prompts, alone = alone_outputs
+    engine = spec_engine(tiny_llama_dir, None, method="ngram")
+    outs = engine.generate(prompts, GREEDY)
+    assert [o["token_ids"] for o in outs] == alone
+    assert_pool_empty(engine)
+
+
+def test_spec_respects_max_tokens_and_stop(tiny_llama_dir):
+    engine = spec_engine(tiny_llama_dir, tiny_llama_dir)
+    plain = make_engine(tiny_llama_dir)
+    ids = plain.tokenizer.encode("Hello there")
+    for n in (1, 2, 5, 7):
+        p = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+        assert engine.generate([ids], p)[0]["token_ids"] == plain.generate([ids], p)[0]["token_ids"]
+    full = plain.generate([ids], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))[0]
+    stop = full["text"][12:15]
+    p = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, stop=[stop])
+    a, b = engine.generate([ids], p)[0], plain.generate([ids], p)[0]
+    assert a["text"] == b["text"] and a["token_ids"] == b["token_ids"]
+    assert_pool_empty(engine)
