@@ -47,10 +47,23 @@ class Engine:
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already running")
+        self.check_prompt(prompt_token_ids)
+        req = Request(request_id, list(prompt_token_ids), params)
+        req.detok = IncrementalDetokenizer(self.tokenizer.decode, params.stop)
+        if self.spec:
+            self.spec.init_request(req)
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+        return request_id
+
+    def check_prompt(self, prompt_token_ids: list[int]) -> None:
+        """Raise ValueError (with the numbers) for a prompt this engine can never run.
+        Reads only immutable state, so any thread may call it."""
         if not prompt_token_ids:
             raise ValueError("prompt: must contain at least one token")
-        if any((not isinstance(t, int)) or t < 0 or t >= self.models.vocab_size for t in prompt_token_ids):
-            raise ValueError(f"prompt: token ids must be integers in [0, {self.models.vocab_size})")
+        vocab = self.models.vocab_size
+        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in prompt_token_ids):
+            raise ValueError(f"prompt: token ids must be integers in [0, {vocab})")
         n = len(prompt_token_ids)
         if n >= self.max_model_len:
             raise ValueError(
@@ -63,13 +76,6 @@ class Engine:
                 f"prompt: {n} tokens need {blocks_needed} KV blocks but the pool holds only "
                 f"{self.block_manager.num_blocks}; raise --kv-cache-memory"
             )
-        req = Request(request_id, list(prompt_token_ids), params)
-        req.detok = IncrementalDetokenizer(self.tokenizer.decode, params.stop)
-        if self.spec:
-            self.spec.init_request(req)
-        self.requests[request_id] = req
-        self.scheduler.add(req)
-        return request_id
 
     def abort(self, request_id: str) -> Delta | None:
         req = self.requests.pop(request_id, None)

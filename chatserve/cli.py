@@ -1,0 +1,193 @@
+"""`chatserve` command line: generate, serve, models, pull. Parsing and printing only."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from chatserve.config import KV_CACHE_DTYPES, EngineConfig, ServerConfig, SpecConfig
+
+
+def _engine_args(p: argparse.ArgumentParser, default_model: str, default_draft: str | None) -> None:
+    p.add_argument("--model", default=default_model, help="catalog name, local HF directory, .gguf file or hub id")
+    p.add_argument("--draft-model", default=default_draft, help="draft model for speculation (same tokenizer)")
+    p.add_argument("--draft", choices=["model", "ngram"], default=None, help="'ngram' = prompt lookup, no draft model")
+    p.add_argument("--no-spec", action="store_true", help="disable speculative decoding")
+    p.add_argument("--num-draft-tokens", type=int, default=4, help="maximum draft length k")
+    p.add_argument("--no-adaptive", action="store_true", help="always draft k tokens (no adaptive k)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
+    p.add_argument("--draft-kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
+    p.add_argument("--kv-cache-memory", type=_bytes, default=None, help="pool bytes, e.g. 2G or 512M")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--threads", type=int, default=None, help="torch threads")
+
+
+def _bytes(text: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    text = text.strip().upper().rstrip("B").rstrip("I")
+    if text and text[-1] in units:
+        return int(float(text[:-1]) * units[text[-1]])
+    return int(text)
+
+
+def engine_config(args) -> EngineConfig:
+    spec = None
+    if not args.no_spec and (args.draft == "ngram" or args.draft_model):
+        method = "ngram" if args.draft == "ngram" else "draft"
+        spec = SpecConfig(
+            method=method,
+            draft_model=args.draft_model if method == "draft" else None,
+            num_draft_tokens=args.num_draft_tokens,
+            adaptive=not args.no_adaptive,
+            draft_kv_cache_dtype=args.draft_kv_cache_dtype,
+        )
+    return EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
+        kv_cache_memory=args.kv_cache_memory,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        num_threads=args.threads,
+        spec=spec,
+    )
+
+
+def cmd_generate(args) -> int:
+    from chatserve.engine import Engine
+    from chatserve.sampling_params import SamplingParams
+
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=tuple(args.stop or ()),
+        ignore_eos=args.ignore_eos,
+    )
+    engine = Engine(engine_config(args))
+    tok = engine.tokenizer
+    prompt_ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else tok.encode(args.prompt)
+    engine.add_request(prompt_ids, params, "cli")
+    text, token_ids, final = [], [], None
+    while engine.has_unfinished():
+        for d in engine.step():
+            text.append(d.text)
+            token_ids += d.token_ids
+            if not args.json:
+                print(d.text, end="", flush=True)
+            if d.finished:
+                final = d
+    st = final.stats
+    if args.json:
+        out = {
+            "text": "".join(text),
+            "token_ids": token_ids,
+            "prompt_tokens": len(prompt_ids),
+            "finish_reason": final.finish_reason,
+            "stats": {**st.to_dict(), "num_generated": len(token_ids)},
+        }
+        print(json.dumps(out))
+    else:
+        rate = f", acceptance {st.acceptance_rate:.0%}" if st.acceptance_rate is not None else ""
+        tpot = f"{st.tpot_ms:.1f}" if st.tpot_ms is not None else "-"
+        print(f"\n[{final.finish_reason}] {len(token_ids)} tokens, TTFT {st.ttft_ms:.0f} ms, TPOT {tpot} ms{rate}", file=sys.stderr)
+    return 0
+
+
+def cmd_serve(args) -> int:
+    from chatserve.async_engine import AsyncEngine
+    from chatserve.engine import Engine
+    from chatserve.server import run_server
+
+    config = engine_config(args)
+    start = time.perf_counter()
+    engine = Engine(config)
+    draft = None if not config.spec else (config.spec.draft_model or config.spec.method)
+    print(f"loaded {config.model} (draft: {draft}) in {time.perf_counter() - start:.1f} s", file=sys.stderr)
+    server_config = ServerConfig(
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        allowed_origins=tuple(args.allowed_origins or ()),
+        max_message_bytes=args.max_message_bytes,
+        max_prompt_tokens=args.max_prompt_tokens,
+        max_tokens_limit=args.max_tokens_limit,
+        max_connections=args.max_connections,
+        served_model_name=args.served_model_name or config.model,
+    )
+    run_server(AsyncEngine(engine, server_config.served_model_name, draft), server_config)
+    return 0
+
+
+def cmd_models(args) -> int:
+    from chatserve.catalog import cmd_models as show
+
+    show()
+    return 0
+
+
+def cmd_pull(args) -> int:
+    from chatserve.catalog import cmd_pull as pull
+
+    pull(args.name)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from chatserve.catalog import DEFAULT_DRAFT, DEFAULT_TARGET, SMALL_MODEL
+
+    parser = argparse.ArgumentParser(prog="chatserve", description="Low-latency speculative LLM chat server")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text for one prompt")
+    _engine_args(g, SMALL_MODEL, None)
+    g.add_argument("prompt")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt as one user message in the chat template")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--json", action="store_true", help="print one JSON object")
+    g.set_defaults(func=cmd_generate)
+
+    s = sub.add_parser("serve", help="start the websocket / OpenAI-compatible chat server")
+    _engine_args(s, DEFAULT_TARGET, DEFAULT_DRAFT)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=None)
+    s.add_argument("--allowed-origins", nargs="*", default=None)
+    s.add_argument("--max-message-bytes", type=int, default=1 << 20)
+    s.add_argument("--max-prompt-tokens", type=int, default=None)
+    s.add_argument("--max-tokens-limit", type=int, default=4096)
+    s.add_argument("--max-connections", type=int, default=64)
+    s.add_argument("--served-model-name", default=None)
+    s.set_defaults(func=cmd_serve)
+
+    m = sub.add_parser("models", help="list the model catalog")
+    m.set_defaults(func=cmd_models)
+    p = sub.add_parser("pull", help="fetch a catalog model into the cache")
+    p.add_argument("name")
+    p.set_defaults(func=cmd_pull)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"chatserve: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

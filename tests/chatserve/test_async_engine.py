@@ -1,0 +1,102 @@
+"""AsyncEngine over the real engine (tiny model): streaming, cancellation, errors, no leaks."""
+
+import asyncio
+
+import pytest
+
+from chatserve.async_engine import AsyncEngine, Conversation
+from chatserve.config import EngineConfig
+from chatserve.engine import Engine
+from chatserve.sampling_params import SamplingParams
+
+
+@pytest.fixture
+def aengine(tiny_llama_dir):
+    ae = AsyncEngine(Engine(EngineConfig(model=str(tiny_llama_dir), kv_cache_memory=8 << 20)), "tiny")
+    yield ae
+    ae.shutdown()
+
+
+async def wait_pool_free(ae, timeout=5.0):
+    for _ in range(int(timeout / 0.02)):
+        st = ae.stats()
+        if st["num_free_blocks"] == st["num_blocks"] and st["num_running"] == 0 and st["num_waiting"] == 0:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"pool not free: {ae.stats()}")
+
+
+def test_stream_matches_sync_generate(aengine, tiny_llama_dir):
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    ids = aengine.tokenize("Hello")
+
+    async def run():
+        out = [d async for d in aengine.generate(ids, params)]
+        await wait_pool_free(aengine)
+        return out
+
+    deltas = asyncio.run(run())
+    assert deltas[-1].finish_reason == "length" and deltas[-1].stats.num_generated == 20
+    sync = Engine(EngineConfig(model=str(tiny_llama_dir), kv_cache_memory=8 << 20)).generate([ids], params)[0]
+    assert sum((d.token_ids for d in deltas), []) == sync["token_ids"]
+
+
+def test_cancel_mid_stream_frees_blocks(aengine):
+    params = SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True)
+
+    async def run():
+        n = 0
+        agen = aengine.generate(aengine.tokenize("Hello " * 20), params)
+        async for _ in agen:
+            n += 1
+            if n == 3:
+                break
+        await agen.aclose()
+        await wait_pool_free(aengine)
+        return n
+
+    assert asyncio.run(run()) == 3
+
+
+def test_task_cancellation_aborts(aengine):
+    params = SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True)
+
+    async def consume():
+        async for _ in aengine.generate(aengine.tokenize("Hi"), params):
+            pass
+
+    async def run():
+        task = asyncio.create_task(consume())
+        await asyncio.sleep(0.2)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await wait_pool_free(aengine)
+
+    asyncio.run(run())
+
+
+def test_too_long_prompt_raises_before_streaming(aengine):
+    async def run():
+        with pytest.raises(ValueError, match="context"):
+            async for _ in aengine.generate([5] * 5000, SamplingParams(max_tokens=4)):
+                pass
+        # and the engine still serves
+        out = [d async for d in aengine.generate([5, 6], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))]
+        assert out[-1].finished
+
+    asyncio.run(run())
+
+
+def test_conversation_reuses_prefix(aengine):
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+
+    async def run():
+        conv = Conversation(aengine, system="You are terse. " * 20)
+        first = [d async for d in conv.send("Hello", params)]
+        second = [d async for d in conv.send("Again", params)]
+        return first[-1].stats, second[-1].stats
+
+    s1, s2 = asyncio.run(run())
+    assert s1.cached_tokens == 0
+    assert s2.cached_tokens >= 16 * ((s1.prompt_tokens - 1) // 16) - 16

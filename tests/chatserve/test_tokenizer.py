@@ -1,0 +1,54 @@
+"""Incremental detokenization: never half a character, never any part of a stop string."""
+
+from chatserve.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+def stream(tok, ids, stop=()):
+    d = IncrementalDetokenizer(tok.decode, stop)
+    pieces, hit = [], False
+    for t in ids:
+        text, hit = d.add([t])
+        pieces.append(text)
+        if hit:
+            break
+    pieces.append(d.flush())
+    return pieces, hit
+
+
+def test_multibyte_characters_are_never_split(tiny_llama_dir):
+    tok = Tokenizer(tiny_llama_dir)
+    text = "héllo wörld ✓ 日本語 🙂!"
+    ids = tok.encode(text)
+    assert len(ids) > len(text)  # byte-level: several tokens per character
+    pieces, _ = stream(tok, ids)
+    assert "".join(pieces) == text
+    assert all("\ufffd" not in p for p in pieces)
+
+
+def test_stop_string_is_cut_and_never_sent(tiny_llama_dir):
+    tok = Tokenizer(tiny_llama_dir)
+    ids = tok.encode("The answer is 42. STOP here and more")
+    pieces, hit = stream(tok, ids, stop=("STOP",))
+    assert hit
+    assert "".join(pieces) == "The answer is 42. "
+    assert not any("S" in p for p in pieces[-3:] if p.strip())  # no partial "STO" ever went out
+
+
+def test_holdback_releases_text_that_cannot_start_a_stop(tiny_llama_dir):
+    tok = Tokenizer(tiny_llama_dir)
+    ids = tok.encode("abcdef")
+    pieces, hit = stream(tok, ids, stop=("xyz",))
+    assert not hit and "".join(pieces) == "abcdef"
+
+
+def test_chat_template_validation(tiny_llama_dir):
+    tok = Tokenizer(tiny_llama_dir)
+    ids = tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert tok.decode(ids).endswith("assistant\n")
+    for bad in ([], [{"role": "user"}], [{"role": "robot", "content": "x"}], "hi"):
+        try:
+            tok.apply_chat_template(bad)
+        except ValueError as e:
+            assert "messages" in str(e)
+        else:
+            raise AssertionError(f"accepted {bad!r}")
