@@ -76,8 +76,9 @@ def run_hf(model, prompt: list[int], max_tokens: int) -> dict:
     clock = Clock()
     start = time.perf_counter()
     with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-                             do_sample=False, streamer=clock, pad_token_id=0)
+        x = torch.tensor([prompt])  # explicit mask: the pad id may also be the chat end-of-turn token
+        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_tokens, do_sample=False,
+                             streamer=clock, eos_token_id=None, pad_token_id=0)
     wall = time.perf_counter() - start
     times = clock.times[1:]  # the first put is the prompt
     n = len(times)

@@ -1,0 +1,108 @@
+"""Per-request choice of k, the number of draft tokens, from acceptance and measured costs.
+
+Integers and floats only; the engine measures costs and reports outcomes.
+"""
+
+from __future__ import annotations
+
+
+class AdaptiveDraftLength:
+    """Picks k in [0, max_k] to maximize expected emitted tokens per unit of cost.
+
+    With per-position acceptance rate alpha (an EMA), a step with k drafts emits on average
+        expected_tokens(k) = 1 + alpha + ... + alpha^k = (1 - alpha^(k+1)) / (1 - alpha)
+    tokens (accepted + one recovered or bonus; Leviathan et al., arXiv:2211.17192, eq. 1).
+    Costs are in units of one plain target decode step at the current batch size, so plain
+    decoding (k = 0) emits 1 token per unit. For k >= 1 (a linear model):
+        cost(k) = k * draft_step_cost + verify_base_cost + verify_per_token_cost * k * batch_size
+    The base term is the weight reads of one target forward; the per-token term is the
+    compute for the k extra positions of every sequence, which is what grows with batch.
+    next_k returns 0 when no k beats plain decoding, or when alpha < min_accept_rate. While
+    at 0, every probe_every-th call drafts again (with the k a fresh request would get) so
+    that the estimate can recover.
+    """
+
+    def __init__(
+        self,
+        max_k: int,
+        ema: float = 0.2,
+        min_accept_rate: float = 0.1,
+        probe_every: int = 16,
+        initial_accept_rate: float = 0.8,
+        draft_step_cost: float = 0.5,
+        verify_base_cost: float = 1.0,
+        verify_per_token_cost: float = 0.05,
+    ):
+        if max_k < 0 or not 0.0 < ema <= 1.0 or probe_every < 1 or not 0.0 <= initial_accept_rate <= 1.0:
+            raise ValueError("need max_k >= 0, 0 < ema <= 1, probe_every >= 1, 0 <= initial_accept_rate <= 1")
+        self.max_k = max_k
+        self.ema = ema
+        self.min_accept_rate = min_accept_rate
+        self.probe_every = probe_every
+        self.initial_accept_rate = initial_accept_rate
+        self.set_costs(draft_step_cost, verify_base_cost, verify_per_token_cost)
+        # alpha = accepted / attempted draft positions, both as EMAs; the prior weighs one position.
+        self._accepted_ema = initial_accept_rate
+        self._attempted_ema = 1.0
+        self._num_steps_at_zero = 0
+
+    def set_costs(
+        self, draft_step_cost: float, verify_base_cost: float, verify_per_token_cost: float
+    ) -> None:
+        """Relative costs, in units of one target decode step (the engine may update them online)."""
+        if min(draft_step_cost, verify_base_cost, verify_per_token_cost) < 0:
+            raise ValueError("costs must be >= 0")
+        self.draft_step_cost = draft_step_cost
+        self.verify_base_cost = verify_base_cost
+        self.verify_per_token_cost = verify_per_token_cost
+
+    @property
+    def accept_rate(self) -> float:
+        """Current estimate of alpha, the probability that a draft position is accepted."""
+        return self._accepted_ema / self._attempted_ema
+
+    def next_k(self, batch_size: int = 1) -> int:
+        """k for this request's next step; call once per step."""
+        if self.accept_rate >= self.min_accept_rate:
+            k = self._best_k(self.accept_rate, batch_size)
+            if k > 0:
+                self._num_steps_at_zero = 0
+                return k
+        self._num_steps_at_zero += 1
+        if self._num_steps_at_zero < self.probe_every:
+            return 0
+        self._num_steps_at_zero = 0
+        return self._best_k(self.initial_accept_rate, batch_size)
+
+    def update(self, num_drafted: int, num_accepted: int) -> None:
+        """Record a step's outcome: the first num_accepted of num_drafted drafts were accepted."""
+        if not 0 <= num_accepted <= num_drafted:
+            raise ValueError(f"need 0 <= num_accepted <= num_drafted, got {num_accepted}, {num_drafted}")
+        if num_drafted == 0:
+            return
+        # Positions actually tested: the accepted ones plus the rejected one, if any.
+        num_attempted = num_accepted + (num_accepted < num_drafted)
+        self._accepted_ema += self.ema * (num_accepted - self._accepted_ema)
+        self._attempted_ema += self.ema * (num_attempted - self._attempted_ema)
+
+    def expected_tokens(self, k: int, accept_rate: float | None = None) -> float:
+        """Mean tokens emitted by a step with k drafts: (1 - alpha^(k+1)) / (1 - alpha)."""
+        alpha = self.accept_rate if accept_rate is None else accept_rate
+        if alpha >= 1.0:
+            return k + 1.0
+        return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+    def cost(self, k: int, batch_size: int = 1) -> float:
+        """Cost of a step with k drafts, in target decode steps at this batch size."""
+        if k == 0:
+            return 1.0
+        verify_cost = self.verify_base_cost + self.verify_per_token_cost * k * batch_size
+        return k * self.draft_step_cost + verify_cost
+
+    def _best_k(self, accept_rate: float, batch_size: int) -> int:
+        best_k, best_rate = 0, 1.0  # plain decoding: 1 token per unit of cost
+        for k in range(1, self.max_k + 1):
+            rate = self.expected_tokens(k, accept_rate) / self.cost(k, batch_size)
+            if rate > best_rate:
+                best_k, best_rate = k, rate
+        return best_k

@@ -1,0 +1,216 @@
+"""Logits -> probabilities -> token ids, shared by the draft and the target.
+
+Pure torch on whatever device the inputs live on; no model, no request objects.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+
+def apply_repetition_penalty(
+    logits: torch.Tensor,  # [num_rows, vocab_size], modified in place
+    seen_token_ids: Sequence[torch.Tensor | Sequence[int]],  # per row: token ids seen so far
+    penalties: Sequence[float],  # [num_rows]
+) -> torch.Tensor:
+    """Penalize every token a row has seen (HF / vLLM semantics) and return `logits`.
+
+    For a seen token: logit > 0 -> logit / penalty, else logit * penalty. A token seen
+    several times is penalized once. Rows with penalty 1.0 are untouched. One scatter over a
+    padded index tensor; no Python loop over tokens.
+    """
+    penalized_rows = [i for i, penalty in enumerate(penalties) if penalty != 1.0]
+    if not penalized_rows:
+        return logits
+    vocab_size = logits.shape[1]
+    device = logits.device
+    # Pad with vocab_size: scatters into an extra column that is then dropped.
+    seen = torch.nn.utils.rnn.pad_sequence(
+        [torch.as_tensor(seen_token_ids[i], dtype=torch.long).reshape(-1) for i in penalized_rows],
+        batch_first=True,
+        padding_value=vocab_size,
+    ).to(device)  # [num_penalized, max_seen]
+    is_seen = torch.zeros(len(penalized_rows), vocab_size + 1, dtype=torch.bool, device=device)
+    is_seen.scatter_(1, seen, True)
+    is_seen = is_seen[:, :vocab_size]  # [num_penalized, vocab_size]
+
+    row_indices = torch.tensor(penalized_rows, device=device)  # [num_penalized]
+    row_logits = logits[row_indices]  # [num_penalized, vocab_size] (a copy)
+    row_penalties = torch.tensor([penalties[i] for i in penalized_rows], dtype=logits.dtype, device=device)
+    row_penalties = row_penalties.unsqueeze(1)  # [num_penalized, 1]
+    penalized = torch.where(row_logits > 0, row_logits / row_penalties, row_logits * row_penalties)
+    logits[row_indices] = torch.where(is_seen, penalized, row_logits)
+    return logits
+
+
+def logits_to_probs(
+    logits: torch.Tensor,  # [num_rows, vocab_size] float32, not modified
+    temperature: torch.Tensor,  # [num_rows] float; 0 = greedy
+    top_k: torch.Tensor,  # [num_rows] long; 0 = off
+    top_p: torch.Tensor,  # [num_rows] float; 1.0 = off
+    min_p: torch.Tensor,  # [num_rows] float; 0.0 = off
+) -> torch.Tensor:  # [num_rows, vocab_size] float32
+    """Temperature, then top-k, top-p and min-p masks (vLLM's order), then softmax.
+
+    Greedy rows (temperature 0) get a one-hot at the argmax of `logits`. A filter that no
+    row uses costs nothing; top-k and top-p share one partial sort. Used for both draft and
+    target, so both see one transform.
+    """
+    is_greedy = temperature == 0  # [num_rows]
+    safe_temperature = torch.where(is_greedy, torch.ones_like(temperature), temperature)
+    scaled = logits.float() / safe_temperature.unsqueeze(1).float()  # [num_rows, vocab_size]
+
+    if bool((top_k > 0).any() | (top_p < 1.0).any()):
+        scaled = _apply_top_k_top_p(scaled, top_k, top_p)
+    if bool((min_p > 0).any()):
+        scaled = _apply_min_p(scaled, min_p)
+    probs = torch.softmax(scaled, dim=-1)  # [num_rows, vocab_size]
+
+    if bool(is_greedy.any()):
+        one_hots = torch.zeros_like(probs)
+        one_hots.scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
+        probs = torch.where(is_greedy.unsqueeze(1), one_hots, probs)
+    return probs
+
+
+# Top-p rows without top-k first look for their nucleus among this many tokens.
+NUCLEUS_GUESS = 1024
+
+
+def _apply_top_k_top_p(
+    logits: torch.Tensor,  # [num_rows, vocab_size], modified in place
+    top_k: torch.Tensor,  # [num_rows] long; 0 = off
+    top_p: torch.Tensor,  # [num_rows] float; 1.0 = off
+) -> torch.Tensor:
+    """Keep the top-k, then the top-p nucleus of what is left, with one partial sort.
+
+    Both filters keep a prefix of the row in descending order, so each row needs one
+    threshold; a token tied with the last kept one is kept too.
+    """
+    has_top_k = top_k > 0  # [num_rows]
+    has_top_p = top_p < 1.0  # [num_rows]
+    full_lse = logits.logsumexp(dim=-1) if bool(has_top_p.any()) else None  # [num_rows]
+    values = _top_values(logits, top_k, top_p, full_lse)  # [num_rows, num_cols], descending
+    num_cols = values.shape[1]
+    k = torch.where(has_top_k, top_k.clamp_max(num_cols), num_cols)  # [num_rows]
+    thresholds = values.gather(1, (k - 1).unsqueeze(1))  # [num_rows, 1]
+    thresholds.masked_fill_(~has_top_k.unsqueeze(1), float("-inf"))
+    if full_lse is not None:
+        # Normalize over the top-k (rows with top-k) or over the whole row (rows without).
+        is_in_k = torch.arange(num_cols, device=logits.device) < k.unsqueeze(1)  # [num_rows, num_cols]
+        values_in_k = values.masked_fill(~is_in_k, float("-inf"))
+        lse = torch.where(has_top_k, values_in_k.logsumexp(dim=-1), full_lse)  # [num_rows]
+        cum_probs = (values_in_k - lse.unsqueeze(1)).exp().cumsum(dim=-1)  # [num_rows, num_cols]
+        mass_before = torch.nn.functional.pad(cum_probs[:, :-1], (1, 0))  # exclusive cumsum
+        # Keep while the larger tokens hold < top_p (vLLM: drop the smallest tokens whose
+        # total is <= 1 - top_p); the largest token is always kept.
+        num_kept = ((mass_before < top_p.float().unsqueeze(1)) & is_in_k).sum(dim=-1).clamp_min(1)
+        top_p_thresholds = values.gather(1, (num_kept - 1).unsqueeze(1))  # [num_rows, 1]
+        thresholds = torch.where(has_top_p.unsqueeze(1), top_p_thresholds, thresholds)
+    return logits.masked_fill_(logits < thresholds, float("-inf"))
+
+
+def _top_values(
+    logits: torch.Tensor,  # [num_rows, vocab_size]
+    top_k: torch.Tensor,  # [num_rows] long; 0 = off
+    top_p: torch.Tensor,  # [num_rows] float; 1.0 = off
+    full_lse: torch.Tensor | None,  # [num_rows] logsumexp of logits; None if no row uses top-p
+) -> torch.Tensor:  # [num_rows, num_cols] descending
+    """The largest values, as many columns as any row's filter can keep.
+
+    That is the largest k, and for top-p rows without top-k the first NUCLEUS_GUESS tokens,
+    or the whole row (a full sort, ~17 ms per 152k-token row on our CPU) only if those hold
+    less than top_p of the row's mass.
+    """
+    vocab_size = logits.shape[1]
+    needs_nucleus = (top_p < 1.0) & (top_k == 0)  # [num_rows]
+    num_cols = int(top_k.max().clamp(1, vocab_size))
+    if bool(needs_nucleus.any()):
+        num_cols = max(num_cols, min(vocab_size, NUCLEUS_GUESS))
+    values = logits.topk(num_cols, dim=-1).values  # [num_rows, num_cols]
+    if num_cols < vocab_size and bool(needs_nucleus.any()):
+        guessed_mass = (values.logsumexp(dim=-1) - full_lse).exp()  # [num_rows]
+        if bool((needs_nucleus & (guessed_mass < top_p)).any()):
+            values = logits.sort(dim=-1, descending=True).values  # [num_rows, vocab_size]
+    return values
+
+
+def _apply_min_p(
+    logits: torch.Tensor,  # [num_rows, vocab_size], modified in place
+    min_p: torch.Tensor,  # [num_rows] float; 0.0 = off
+) -> torch.Tensor:
+    """Drop tokens with prob < min_p * max prob, i.e. logit < max logit + log(min_p)."""
+    thresholds = logits.amax(dim=-1, keepdim=True) + min_p.float().log().unsqueeze(1)  # [num_rows, 1]
+    return logits.masked_fill_(logits < thresholds, float("-inf"))
+
+
+def sample_from_probs(
+    probs: torch.Tensor,  # [num_rows, vocab_size], need not be normalized
+    exp_noise: torch.Tensor,  # [num_rows, vocab_size], i.i.d. Exp(1), all > 0
+) -> torch.Tensor:  # [num_rows] long
+    """argmax(probs / exp_noise): a sample from probs / probs.sum() with no device sync.
+
+    Each token's arrival time noise / prob is Exp(prob); the first arrival is token i with
+    probability prob_i / sum(probs) (gpt-fast `multinomial_sample_one_no_sync`, vLLM).
+    Scaling a row does not change its argmax, so rows need not be normalized.
+    """
+    return (probs / exp_noise).argmax(dim=-1)
+
+
+def exponential_noise(
+    num_rows: int,
+    vocab_size: int,
+    generators: Sequence[torch.Generator | None],  # [num_rows]; None = global RNG
+    device: torch.device | str | None = None,
+) -> torch.Tensor:  # [num_rows, vocab_size] float32, all > 0
+    """Exp(1) noise for `sample_from_probs`; row i draws from generators[i] if set.
+
+    A seeded row's noise depends only on its generator, not on its batch neighbours.
+    """
+    return _noise(num_rows, vocab_size, generators, device, _fill_exponential)
+
+
+def uniform_noise(
+    num_rows: int,
+    num_cols: int,
+    generators: Sequence[torch.Generator | None],  # [num_rows]; None = global RNG
+    device: torch.device | str | None = None,
+) -> torch.Tensor:  # [num_rows, num_cols] float32 in [0, 1)
+    """U[0, 1) noise per row, e.g. the `uniform` [batch, k] of `rejection_sample`."""
+    return _noise(num_rows, num_cols, generators, device, _fill_uniform)
+
+
+def _fill_exponential(out: torch.Tensor, generator: torch.Generator | None) -> None:
+    out.exponential_(generator=generator)
+    # Exp(1) can round to 0.0, and 0 / 0 would be NaN, which argmax would pick.
+    out.clamp_(min=torch.finfo(out.dtype).tiny)
+
+
+def _fill_uniform(out: torch.Tensor, generator: torch.Generator | None) -> None:
+    out.uniform_(generator=generator)
+
+
+def _noise(
+    num_rows: int,
+    num_cols: int,
+    generators: Sequence[torch.Generator | None],
+    device: torch.device | str | None,
+    fill: Callable[[torch.Tensor, torch.Generator | None], None],
+) -> torch.Tensor:  # [num_rows, num_cols]
+    if len(generators) != num_rows:
+        raise ValueError(f"need one generator (or None) per row: {len(generators)} != {num_rows}")
+    out = torch.empty(num_rows, num_cols, dtype=torch.float32, device=device)
+    unseeded_rows = [i for i, g in enumerate(generators) if g is None]
+    if len(unseeded_rows) == num_rows:
+        fill(out, None)
+        return out
+    if unseeded_rows:
+        unseeded = torch.empty(len(unseeded_rows), num_cols, dtype=torch.float32, device=device)
+        fill(unseeded, None)
+        out[torch.tensor(unseeded_rows, device=device)] = unseeded
+    for i, generator in enumerate(generators):
+        if generator is not None:
+            fill(out[i], generator)
+    return out

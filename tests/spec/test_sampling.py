@@ -1,0 +1,211 @@
+import math
+
+import pytest
+import torch
+
+from spec import sampling
+from spec.sampling import (
+    apply_repetition_penalty,
+    exponential_noise,
+    logits_to_probs,
+    sample_from_probs,
+    uniform_noise,
+)
+
+
+def _probs(
+    logits: torch.Tensor,  # [num_rows, vocab_size]
+    temperature: float | list[float] = 1.0,
+    top_k: int | list[int] = 0,
+    top_p: float | list[float] = 1.0,
+    min_p: float | list[float] = 0.0,
+) -> torch.Tensor:  # [num_rows, vocab_size]
+    num_rows = logits.shape[0]
+
+    def per_row(value, dtype):
+        values = value if isinstance(value, list) else [value] * num_rows
+        return torch.tensor(values, dtype=dtype)
+
+    return logits_to_probs(
+        logits,
+        per_row(temperature, torch.float32),
+        per_row(top_k, torch.long),
+        per_row(top_p, torch.float32),
+        per_row(min_p, torch.float32),
+    )
+
+
+def _log(probs: list[float]) -> torch.Tensor:  # [1, len(probs)]
+    return torch.tensor([probs]).log()
+
+
+def test_no_filters_is_softmax():
+    logits = torch.randn(3, 10, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(_probs(logits), logits.softmax(-1))
+
+
+def test_temperature():
+    logits = torch.tensor([[1.0, 2.0, 4.0]])
+    torch.testing.assert_close(_probs(logits, temperature=2.0), (logits / 2).softmax(-1))
+
+
+def test_greedy_rows_are_one_hot_at_argmax():
+    logits = torch.tensor([[0.1, 3.0, 0.2, 2.9], [5.0, 0.0, 0.0, 0.0]])
+    probs = _probs(logits, temperature=[0.0, 1.0], top_k=[1, 0], top_p=[0.5, 1.0])
+    assert probs[0].tolist() == [0.0, 1.0, 0.0, 0.0]
+    torch.testing.assert_close(probs[1], logits[1].softmax(-1))
+
+
+def test_top_k():
+    logits = _log([0.1, 0.4, 0.2, 0.3])
+    expected = torch.tensor([[0.0, 0.4, 0.0, 0.3]]) / 0.7
+    torch.testing.assert_close(_probs(logits, top_k=2), expected)
+    torch.testing.assert_close(_probs(logits, top_k=10), logits.softmax(-1))  # k > vocab_size
+
+
+def test_top_p_keeps_smallest_set_with_mass_at_least_p():
+    logits = _log([0.15, 0.5, 0.1, 0.25])
+    # Ascending mass: 0.1, 0.25 (+0.15), 0.5, 1.0 -> drop the two whose total is <= 0.3.
+    expected = torch.tensor([[0.0, 0.5, 0.0, 0.25]]) / 0.75
+    torch.testing.assert_close(_probs(logits, top_p=0.7), expected)
+
+
+def test_top_p_always_keeps_the_top_token():
+    logits = _log([0.2, 0.6, 0.2])
+    assert _probs(logits, top_p=0.01).tolist() == [[0.0, 1.0, 0.0]]
+
+
+def test_top_k_then_top_p():
+    logits = _log([0.05, 0.4, 0.3, 0.25])
+    # Top-2 -> {0.4, 0.3} renormalized to {4/7, 3/7}; top_p 0.5 drops 3/7 (<= 0.5).
+    assert _probs(logits, top_k=2, top_p=0.5).tolist() == [[0.0, 1.0, 0.0, 0.0]]
+
+
+def test_min_p():
+    logits = _log([0.5, 0.3, 0.15, 0.05])
+    # Threshold 0.4 * 0.5 = 0.2 keeps 0.5 and 0.3.
+    expected = torch.tensor([[0.5, 0.3, 0.0, 0.0]]) / 0.8
+    torch.testing.assert_close(_probs(logits, min_p=0.4), expected)
+
+
+def test_filters_apply_only_to_their_rows():
+    logits = _log([0.1, 0.4, 0.2, 0.3]).repeat(4, 1)
+    probs = _probs(logits, top_k=[2, 0, 0, 0], top_p=[1.0, 0.5, 1.0, 1.0], min_p=[0.0, 0.0, 0.6, 0.0])
+    full = torch.tensor([0.1, 0.4, 0.2, 0.3])
+    torch.testing.assert_close(probs[0], torch.tensor([0.0, 0.4, 0.0, 0.3]) / 0.7)
+    torch.testing.assert_close(probs[1], torch.tensor([0.0, 0.4, 0.0, 0.3]) / 0.7)
+    torch.testing.assert_close(probs[2], torch.tensor([0.0, 0.4, 0.0, 0.3]) / 0.7)
+    torch.testing.assert_close(probs[3], full)
+
+
+def _ref_top_k_top_p(logits, top_k, top_p):
+    """vLLM's `apply_top_k_top_p`: one full ascending sort, masks, scatter back."""
+    vocab_size = logits.shape[1]
+    sorted_logits, sorted_idx = logits.sort(dim=-1)
+    k = torch.where(top_k > 0, top_k.clamp_max(vocab_size), vocab_size)
+    sorted_logits[sorted_logits < sorted_logits.gather(1, (vocab_size - k).unsqueeze(1))] = float("-inf")
+    is_dropped = sorted_logits.softmax(-1).cumsum(-1) <= (1 - top_p).unsqueeze(1)
+    is_dropped[:, -1] = False
+    sorted_logits[is_dropped] = float("-inf")
+    return torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits).softmax(-1)
+
+
+@pytest.mark.parametrize(
+    "nucleus_guess, logit_scale, is_full_sort",
+    [(1024, 4.0, False), (30, 12.0, False), (30, 4.0, True), (3, 4.0, True)],
+)
+def test_top_k_top_p_matches_full_sort_reference(monkeypatch, nucleus_guess, logit_scale, is_full_sort):
+    # Peaked rows keep their nucleus inside the guess; flat rows force the full sort.
+    gen = torch.Generator().manual_seed(2)
+    num_rows, vocab_size = 64, 200
+    row_scales = logit_scale * (0.5 + 0.5 * torch.rand(num_rows, 1, generator=gen))
+    is_boosted = torch.arange(vocab_size) < 3
+    logits = (torch.randn(num_rows, vocab_size, generator=gen) + 2.0 * is_boosted) * row_scales
+    top_k = torch.randint(0, 60, (num_rows,), generator=gen) * (torch.rand(num_rows, generator=gen) < 0.6)
+    top_p = torch.where(torch.rand(num_rows, generator=gen) < 0.6, torch.rand(num_rows, generator=gen), 1.0)
+    top_k[:3], top_p[:3] = torch.tensor([0, 25, 5]), torch.tensor([1.0, 0.9, 1.0])
+    expected = _ref_top_k_top_p(logits, top_k, top_p)
+
+    monkeypatch.setattr(sampling, "NUCLEUS_GUESS", nucleus_guess)
+    num_sorts = []
+    real_sort = torch.Tensor.sort
+    monkeypatch.setattr(torch.Tensor, "sort", lambda *a, **kw: num_sorts.append(1) or real_sort(*a, **kw))
+    ones = torch.ones(num_rows)
+    probs = logits_to_probs(logits, ones, top_k, top_p, torch.zeros(num_rows))
+    torch.testing.assert_close(probs, expected)
+    assert len(num_sorts) == int(is_full_sort)
+
+
+def _ref_repetition_penalty(logits, seen_token_ids, penalties):
+    out = logits.clone()
+    for row, (seen, penalty) in enumerate(zip(seen_token_ids, penalties)):
+        for token_id in set(int(t) for t in seen):
+            value = out[row, token_id]
+            out[row, token_id] = value / penalty if value > 0 else value * penalty
+    return out
+
+
+def test_repetition_penalty_matches_loop_reference():
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(5, 40, generator=gen)
+    seen = [
+        [1, 2, 2, 39],
+        torch.tensor([0, 5, 7]),
+        [],
+        torch.randint(0, 40, (30,), generator=gen),
+        [3, 4],
+    ]
+    penalties = [1.3, 0.8, 2.0, 1.7, 1.0]
+    expected = _ref_repetition_penalty(logits, seen, penalties)
+    out = apply_repetition_penalty(logits, seen, penalties)
+    assert out is logits
+    torch.testing.assert_close(out, expected)
+
+
+def test_repetition_penalty_all_ones_is_a_no_op():
+    logits = torch.randn(2, 8)
+    before = logits.clone()
+    apply_repetition_penalty(logits, [[1, 2], [3]], [1.0, 1.0])
+    assert torch.equal(logits, before)
+
+
+def test_sample_from_probs_picks_argmax_of_probs_over_noise():
+    probs = torch.tensor([[0.2, 0.8], [0.5, 0.5], [0.0, 1.0]])
+    exp_noise = torch.tensor([[0.1, 1.0], [2.0, 1.0], [1e-30, 5.0]])
+    assert sample_from_probs(probs, exp_noise).tolist() == [0, 1, 1]
+
+
+def test_sample_from_probs_distribution(generator):
+    probs = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    num_rows = 100_000
+    noise = exponential_noise(1, num_rows * 4, [generator]).view(num_rows, 4)
+    counts = torch.bincount(sample_from_probs(probs.expand(num_rows, 4), noise), minlength=4)
+    sigma = (probs * (1 - probs) / num_rows).sqrt()
+    assert ((counts / num_rows - probs).abs() < 5 * sigma).all()
+
+
+def test_exponential_noise_per_row_seeds_are_reproducible():
+    def noise(seeds):
+        generators = [None if s is None else torch.Generator().manual_seed(s) for s in seeds]
+        return exponential_noise(len(seeds), 32, generators)
+
+    first = noise([7, None, 8])
+    second = noise([None, 8, None, 7])
+    assert torch.equal(first[0], second[3])
+    assert torch.equal(first[2], second[1])
+    assert not torch.equal(first[0], first[2])
+    assert (first > 0).all() and first.shape == (3, 32)
+
+
+def test_unseeded_noise_is_exponential():
+    noise = exponential_noise(1000, 100, [None] * 1000)
+    assert noise.mean().item() == pytest.approx(1.0, abs=0.02)
+    assert (noise > 0).all()
+
+
+def test_uniform_noise_seeded_and_in_range():
+    u = uniform_noise(2, 1000, [torch.Generator().manual_seed(1), None])
+    again = uniform_noise(1, 1000, [torch.Generator().manual_seed(1)])
+    assert torch.equal(u[0], again[0])
+    assert ((u >= 0) & (u < 1)).all()
+    assert u.mean().item() == pytest.approx(0.5, abs=math.sqrt(1 / 12 / 2000) * 5)
