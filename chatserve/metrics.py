@@ -1,0 +1,133 @@
+"""Prometheus metrics for one app: server-side request timings, plus engine counters read at scrape time.
+
+Names follow vLLM's (`vllm:time_to_first_token_seconds` -> `chatserve:time_to_first_token_seconds`).
+The registry is per app, so two apps in one process (tests) never share counters.
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from chatserve.sampling_params import RequestStats
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
+                0.4, 0.5, 0.75, 1.0, 2.5)
+_REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                    120.0, 240.0, 480.0)
+
+# engine.stats() key -> (metric name, help). Counters are cumulative in the engine.
+_ENGINE_GAUGES = {
+    "num_running": ("chatserve:num_requests_running", "Requests in the running batch."),
+    "num_waiting": ("chatserve:num_requests_waiting", "Requests waiting to be scheduled."),
+    "kv_usage": ("chatserve:kv_cache_usage_perc", "KV-cache block usage, 0..1 (1 = full)."),
+}
+_ENGINE_COUNTERS = {
+    "prefix_cache_queries": ("chatserve:prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
+    "prefix_cache_hits": ("chatserve:prefix_cache_hits", "Prompt tokens found in the prefix cache."),
+    "num_preemptions": ("chatserve:num_preemptions", "Requests preempted (blocks freed, recomputed later)."),
+    "spec_num_drafts": ("chatserve:spec_decode_num_drafts", "Verification steps with at least one draft token."),
+    "spec_num_draft_tokens": ("chatserve:spec_decode_num_draft_tokens", "Draft tokens proposed."),
+    "spec_num_accepted_tokens": ("chatserve:spec_decode_num_accepted_tokens", "Draft tokens accepted."),
+}
+
+
+class _EngineCollector:
+    """Reads engine.stats() on each scrape; a failing engine yields no engine metrics, not a 500."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def collect(self):
+        try:
+            stats = self.engine.stats()
+        except Exception:
+            return
+        for key, (name, doc) in _ENGINE_GAUGES.items():
+            if stats.get(key) is not None:
+                yield GaugeMetricFamily(name, doc, value=float(stats[key]))
+        for key, (name, doc) in _ENGINE_COUNTERS.items():
+            if stats.get(key) is not None:
+                yield CounterMetricFamily(name, doc, value=float(stats[key]))
+
+
+class ServerMetrics:
+    def __init__(self, engine):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram("chatserve:time_to_first_token_seconds", "Time to first token.",
+                              buckets=_TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("chatserve:inter_token_latency_seconds",
+                             "Time between output tokens (a burst of n accepted tokens counts n times gap/n).",
+                             buckets=_ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("chatserve:e2e_request_latency_seconds", "Request arrival to finish.",
+                             buckets=_REQUEST_BUCKETS, registry=r)
+        self.queue = Histogram("chatserve:request_queue_time_seconds", "Time waiting before first scheduled.",
+                               buckets=_REQUEST_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("chatserve:prompt_tokens", "Prompt tokens processed.", registry=r)
+        self.generation_tokens = Counter("chatserve:generation_tokens", "Tokens generated.", registry=r)
+        self.request_success = Counter("chatserve:request_success", "Finished requests by finish reason.",
+                                       ["finished_reason"], registry=r)
+        r.register(_EngineCollector(engine))
+
+    def start_request(self) -> "RequestTimer":
+        return RequestTimer(self)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class RequestTimer:
+    """Server-side clock for one request: observes latency metrics and fills in stats after a cancel."""
+
+    def __init__(self, metrics: ServerMetrics):
+        self.metrics = metrics
+        self.arrival_time = time.perf_counter()
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+        self.num_tokens = 0
+        self.is_finished = False
+
+    def on_delta(self, num_tokens: int) -> None:
+        if num_tokens <= 0:
+            return
+        now = time.perf_counter()
+        if self.first_token_time is None:
+            self.first_token_time = now
+            self.metrics.ttft.observe(now - self.arrival_time)
+        else:
+            gap = (now - self.last_token_time) / num_tokens
+            for _ in range(num_tokens):
+                self.metrics.itl.observe(gap)
+        self.last_token_time = now
+        self.num_tokens += num_tokens
+
+    def finish(self, finish_reason: str, prompt_tokens: int, stats: RequestStats | None) -> None:
+        """Count the request once; `stats` is the engine's (None after a cancel or disconnect)."""
+        if self.is_finished:
+            return
+        self.is_finished = True
+        m = self.metrics
+        m.e2e.observe(time.perf_counter() - self.arrival_time)
+        if stats is not None and stats.queue_ms is not None:
+            m.queue.observe(stats.queue_ms / 1000.0)
+        m.prompt_tokens.inc(prompt_tokens)
+        m.generation_tokens.inc(stats.num_generated if stats is not None else self.num_tokens)
+        m.request_success.labels(finished_reason=finish_reason).inc()
+
+    @property
+    def ttft_ms(self) -> float | None:
+        if self.first_token_time is None:
+            return None
+        return (self.first_token_time - self.arrival_time) * 1000.0
+
+    @property
+    def tpot_ms(self) -> float | None:
+        if self.num_tokens < 2:
+            return None
+        return (self.last_token_time - self.first_token_time) * 1000.0 / (self.num_tokens - 1)

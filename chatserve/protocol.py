@@ -1,0 +1,382 @@
+"""The wire format in one place: websocket messages, OpenAI request/response shapes, errors.
+
+Parsing and shaping only: no I/O, no engine. Malformed input raises ProtocolError(code, message).
+docs/protocol.md describes the same messages for clients.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from chatserve.sampling_params import RequestStats, SamplingParams
+
+# Error codes sent in websocket `error` messages and as OpenAI `error.code`.
+BAD_JSON = "bad_json"
+BAD_MESSAGE = "bad_message"  # valid JSON, wrong shape or types
+UNKNOWN_TYPE = "unknown_type"
+BINARY_FRAME = "binary_frame"
+TOO_LARGE = "too_large"
+EMPTY_MESSAGES = "empty_messages"
+INVALID_PARAMS = "invalid_params"
+PROMPT_TOO_LONG = "prompt_too_long"  # over the server's max_prompt_tokens
+INVALID_PROMPT = "invalid_prompt"  # the engine refused the prompt (context, KV pool, token ids)
+BUSY = "busy"
+UNKNOWN_ID = "unknown_id"
+UNAUTHORIZED = "unauthorized"
+FORBIDDEN_ORIGIN = "forbidden_origin"
+TOO_MANY_CONNECTIONS = "too_many_connections"
+MODEL_NOT_FOUND = "model_not_found"
+ENGINE_ERROR = "engine_error"
+
+ROLES = ("system", "user", "assistant")
+SETTINGS_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens",
+                 "stop", "seed", "speculation", "num_draft_tokens")
+MAX_ID_CHARS = 128
+
+
+class ProtocolError(Exception):
+    """A client mistake: `code` is one of the constants above, `status` the HTTP status to use."""
+
+    def __init__(self, code: str, message: str, status: int = 400, param: str | None = None,
+                 id: str | int | None = None):
+        super().__init__(message)
+        self.code, self.message, self.status, self.param = code, message, status, param
+        self.id = id  # the websocket turn it belongs to, if any
+
+
+# ---------------------------------------------------------------- websocket: client -> server
+
+@dataclass(frozen=True)
+class ChatTurn:
+    """`messages` replaces the connection's conversation; `content` appends one user message."""
+
+    id: str | int | None
+    messages: list[dict] | None
+    content: str | None
+    params: dict = field(default_factory=dict)  # overrides the connection settings for this turn
+
+
+@dataclass(frozen=True)
+class Settings:
+    params: dict
+
+
+@dataclass(frozen=True)
+class Cancel:
+    id: str | int | None  # None cancels whatever is running
+
+
+@dataclass(frozen=True)
+class Reset:
+    pass
+
+
+@dataclass(frozen=True)
+class Auth:
+    api_key: str
+
+
+ClientMessage = ChatTurn | Settings | Cancel | Reset | Auth
+
+
+def parse_client_message(text: str) -> ClientMessage:
+    """One websocket text frame -> a client message. Raises ProtocolError."""
+    try:
+        obj = json.loads(text)
+    except (json.JSONDecodeError, RecursionError) as e:
+        raise ProtocolError(BAD_JSON, f"message is not valid JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError(BAD_MESSAGE, "message must be a JSON object with a 'type' field")
+    kind = obj.get("type")
+    if kind == "chat":
+        return _parse_chat_turn(obj)
+    if kind == "settings":
+        _check_keys(obj, ("type", "params"))
+        return Settings(parse_settings(obj.get("params")))
+    if kind == "cancel":
+        _check_keys(obj, ("type", "id"))
+        return Cancel(_parse_id(obj.get("id")))
+    if kind == "reset":
+        _check_keys(obj, ("type",))
+        return Reset()
+    if kind == "auth":
+        _check_keys(obj, ("type", "api_key"))
+        if not isinstance(obj.get("api_key"), str):
+            raise ProtocolError(BAD_MESSAGE, "auth: 'api_key' must be a string")
+        return Auth(obj["api_key"])
+    if not isinstance(kind, str):
+        raise ProtocolError(BAD_MESSAGE, "message needs a string 'type': chat, settings, cancel, reset or auth")
+    raise ProtocolError(UNKNOWN_TYPE, f"unknown message type {kind!r}; expected chat, settings, cancel, reset or auth")
+
+
+def _parse_chat_turn(obj: dict) -> ChatTurn:
+    _check_keys(obj, ("type", "id", "messages", "content", "params"))
+    has_messages, has_content = "messages" in obj, "content" in obj
+    if has_messages == has_content:
+        raise ProtocolError(BAD_MESSAGE, "chat: give exactly one of 'messages' (full history) or 'content' "
+                            "(the next user message)")
+    params = parse_settings(obj["params"]) if "params" in obj else {}
+    if has_content:
+        content = obj["content"]
+        if not isinstance(content, str):
+            raise ProtocolError(BAD_MESSAGE, "chat: 'content' must be a string")
+        if not content.strip():
+            raise ProtocolError(EMPTY_MESSAGES, "chat: 'content' is empty")
+        return ChatTurn(_parse_id(obj.get("id")), None, content, params)
+    return ChatTurn(_parse_id(obj.get("id")), parse_chat_messages(obj["messages"]), None, params)
+
+
+def parse_chat_messages(messages) -> list[dict]:
+    """A list of {"role", "content"} -> normalized copies. Content may be a string or OpenAI text parts."""
+    if not isinstance(messages, list):
+        raise ProtocolError(BAD_MESSAGE, "'messages' must be a list of {role, content} objects", param="messages")
+    if not messages:
+        raise ProtocolError(EMPTY_MESSAGES, "'messages' is empty", param="messages")
+    normalized = []
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise ProtocolError(BAD_MESSAGE, f"{where} must be an object with 'role' and 'content'", param=where)
+        role = message.get("role")
+        if role not in ROLES:
+            raise ProtocolError(BAD_MESSAGE, f"{where}.role must be one of {list(ROLES)}, got {role!r}", param=where)
+        normalized.append({"role": role, "content": _message_text(message.get("content"), where)})
+    return normalized
+
+
+def _message_text(content, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                         and isinstance(p.get("text"), str) for p in content):
+        return "".join(p["text"] for p in content)
+    raise ProtocolError(BAD_MESSAGE, f"{where}.content must be a string or a list of text parts", param=where)
+
+
+def _parse_id(value) -> str | int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (str, int)) or len(str(value)) > MAX_ID_CHARS:
+        raise ProtocolError(BAD_MESSAGE, f"'id' must be a string or integer of at most {MAX_ID_CHARS} characters")
+    return value
+
+
+def _check_keys(obj: dict, allowed: tuple[str, ...]) -> None:
+    unknown = sorted(set(obj) - set(allowed))
+    if unknown:
+        raise ProtocolError(BAD_MESSAGE, f"{obj.get('type')}: unknown field(s) {unknown}; allowed: {list(allowed)}")
+
+
+# ---------------------------------------------------------------- settings -> SamplingParams
+
+def parse_settings(params) -> dict:
+    """Check the keys of a settings object; values are checked by build_sampling_params."""
+    if not isinstance(params, dict):
+        raise ProtocolError(BAD_MESSAGE, "'params' must be an object")
+    unknown = sorted(set(params) - set(SETTINGS_KEYS))
+    if unknown:
+        raise ProtocolError(INVALID_PARAMS, f"unknown setting(s) {unknown}; known: {list(SETTINGS_KEYS)}")
+    if "speculation" in params and not isinstance(params["speculation"], bool):
+        raise ProtocolError(INVALID_PARAMS, "speculation: must be true or false", param="speculation")
+    return dict(params)
+
+
+def build_sampling_params(settings: dict, max_tokens_limit: int) -> SamplingParams:
+    """Settings (websocket or OpenAI extras) -> SamplingParams. speculation=false -> num_draft_tokens=0."""
+    values = {k: v for k, v in settings.items() if k != "speculation" and v is not None}
+    if settings.get("speculation") is False:
+        values["num_draft_tokens"] = 0
+    if isinstance(values.get("stop"), list):
+        values["stop"] = tuple(values["stop"])
+    max_tokens = values.get("max_tokens")
+    if isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and max_tokens > max_tokens_limit:
+        raise ProtocolError(INVALID_PARAMS, f"max_tokens: must be <= {max_tokens_limit}, got {max_tokens}",
+                            param="max_tokens")
+    try:
+        return SamplingParams(**values)
+    except (ValueError, TypeError) as e:
+        param = str(e).split(":", 1)[0] if ":" in str(e) else None
+        raise ProtocolError(INVALID_PARAMS, str(e), param=param) from None
+
+
+# ---------------------------------------------------------------- websocket: server -> client
+
+@dataclass(frozen=True)
+class DoneStats:
+    """Per-turn numbers in a `done` message; None where unknown (for example after a cancel)."""
+
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+    queue_ms: float | None = None
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    generated_tokens: int = 0
+    drafted: int | None = None
+    accepted: int | None = None
+    acceptance_rate: float | None = None
+    mean_accepted_length: float | None = None
+
+    @classmethod
+    def from_request_stats(cls, stats: RequestStats) -> "DoneStats":
+        return cls(ttft_ms=stats.ttft_ms, tpot_ms=stats.tpot_ms, queue_ms=stats.queue_ms,
+                   prompt_tokens=stats.prompt_tokens, cached_tokens=stats.cached_tokens,
+                   generated_tokens=stats.num_generated, drafted=stats.num_drafted,
+                   accepted=stats.num_accepted, acceptance_rate=stats.acceptance_rate,
+                   mean_accepted_length=stats.mean_accepted_length)
+
+    def to_dict(self) -> dict:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+def ready_message(model: str, draft: str | None, max_model_len: int, max_tokens_limit: int, settings: dict) -> dict:
+    return {"type": "ready", "model": model, "draft": draft, "max_model_len": max_model_len,
+            "max_tokens_limit": max_tokens_limit, "settings": settings}
+
+
+def delta_message(id: str | int, text: str, num_tokens: int) -> dict:
+    return {"type": "delta", "id": id, "text": text, "num_tokens": num_tokens}
+
+
+def done_message(id: str | int, finish_reason: str, stats: DoneStats) -> dict:
+    return {"type": "done", "id": id, "finish_reason": finish_reason, "stats": stats.to_dict()}
+
+
+def error_message(code: str, message: str, id: str | int | None = None) -> dict:
+    out = {"type": "error", "code": code, "message": message}
+    if id is not None:
+        out["id"] = id
+    return out
+
+
+def settings_message(settings: dict) -> dict:
+    return {"type": "settings", "params": settings}
+
+
+def reset_message() -> dict:
+    return {"type": "reset"}
+
+
+def dumps(message: dict) -> str:
+    return json.dumps(message, separators=(",", ":"), ensure_ascii=False)
+
+
+# ---------------------------------------------------------------- OpenAI-compatible HTTP
+
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
+               503: "service_unavailable_error"}
+_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "stop",
+                  "speculation", "num_draft_tokens")  # top_k onwards are extensions (vLLM's and ours)
+
+
+@dataclass(frozen=True)
+class OpenAIRequest:
+    """A parsed /v1/chat/completions (`messages`) or /v1/completions (`prompt*`) body."""
+
+    model: str | None
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    messages: list[dict] | None = None
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+
+
+def parse_chat_completion_request(body, max_tokens_limit: int) -> OpenAIRequest:
+    """max_tokens defaults to max_tokens_limit: a chat reply runs until it stops (or the context ends)."""
+    common = _parse_openai_common(body, max_tokens_limit, max_tokens_limit)
+    if "messages" not in body:
+        raise ProtocolError(BAD_MESSAGE, "'messages' is required", param="messages")
+    return OpenAIRequest(**common, messages=parse_chat_messages(body["messages"]))
+
+
+def parse_completion_request(body, max_tokens_limit: int) -> OpenAIRequest:
+    """`prompt` is a string, a list of token ids, or a one-element list of either. max_tokens defaults to 16."""
+    common = _parse_openai_common(body, 16, max_tokens_limit)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ProtocolError(EMPTY_MESSAGES, "'prompt' is empty", param="prompt")
+        return OpenAIRequest(**common, prompt=prompt)
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                                   for t in prompt):
+        return OpenAIRequest(**common, prompt_token_ids=list(prompt))
+    if isinstance(prompt, list) and not prompt:
+        raise ProtocolError(EMPTY_MESSAGES, "'prompt' is empty", param="prompt")
+    raise ProtocolError(BAD_MESSAGE, "'prompt' must be a string or a list of token ids (batches are not supported)",
+                        param="prompt")
+
+
+def _parse_openai_common(body, default_max_tokens: int, max_tokens_limit: int) -> dict:
+    if not isinstance(body, dict):
+        raise ProtocolError(BAD_MESSAGE, "request body must be a JSON object")
+    model, stream, options = body.get("model"), body.get("stream", False), body.get("stream_options")
+    if model is not None and not isinstance(model, str):
+        raise ProtocolError(BAD_MESSAGE, "'model' must be a string", param="model")
+    if not isinstance(stream, bool) and stream is not None:
+        raise ProtocolError(BAD_MESSAGE, "'stream' must be a boolean", param="stream")
+    if options is not None and (not stream or not isinstance(options, dict)
+                                or not isinstance(options.get("include_usage", False), bool)):
+        raise ProtocolError(BAD_MESSAGE, "'stream_options' must be {\"include_usage\": bool} and needs stream=true",
+                            param="stream_options")
+    for name, allowed in (("n", (None, 1)), ("best_of", (None, 1)), ("logprobs", (None, False, 0)),
+                          ("echo", (None, False)), ("presence_penalty", (None, 0)), ("frequency_penalty", (None, 0))):
+        if body.get(name) not in allowed:
+            raise ProtocolError(INVALID_PARAMS, f"{name}: only {allowed[-1]!r} is supported", param=name)
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    settings = {k: body[k] for k in _SAMPLING_KEYS if k in body}
+    settings["max_tokens"] = min(default_max_tokens, max_tokens_limit) if max_tokens is None else max_tokens
+    if isinstance(settings.get("stop"), list) and not all(isinstance(s, str) for s in settings["stop"]):
+        raise ProtocolError(INVALID_PARAMS, "stop: must be a string or a list of strings", param="stop")
+    return {"model": model, "params": build_sampling_params(settings, max_tokens_limit), "stream": bool(stream),
+            "include_usage": bool(options and options.get("include_usage"))}
+
+
+def openai_error(code: str, message: str, status: int, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "server_error"),
+                      "param": param, "code": code}}
+
+
+def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens or 0}}
+
+
+def chat_completion_response(id: str, model: str, created: int, text: str, finish_reason: str, usage: dict) -> dict:
+    choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+              "finish_reason": finish_reason}
+    return {"id": id, "object": "chat.completion", "created": created, "model": model, "choices": [choice],
+            "usage": usage}
+
+
+def chat_completion_chunk(id: str, model: str, created: int, delta: dict, finish_reason: str | None = None,
+                          with_usage: bool = False) -> dict:
+    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    chunk = {"id": id, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [choice]}
+    if with_usage:
+        chunk["usage"] = None  # include_usage: every chunk carries "usage": null except the last
+    return chunk
+
+
+def completion_response(id: str, model: str, created: int, text: str, finish_reason: str | None,
+                        usage: dict | None = None, with_usage: bool = False) -> dict:
+    """A whole completion (usage set) or one streamed chunk (usage None)."""
+    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    out = {"id": id, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
+    if usage is not None or with_usage:
+        out["usage"] = usage
+    return out
+
+
+def usage_chunk(object: str, id: str, model: str, created: int, usage: dict) -> dict:
+    """The final streamed chunk when stream_options.include_usage is set: no choices, only usage."""
+    return {"id": id, "object": object, "created": created, "model": model, "choices": [], "usage": usage}
+
+
+def models_response(model: str, max_model_len: int, created: int) -> dict:
+    return {"object": "list", "data": [{"id": model, "object": "model", "created": created,
+                                        "owned_by": "chatserve", "max_model_len": max_model_len}]}

@@ -1,0 +1,93 @@
+"""Fixtures for server tests: a FakeEngine, a TestClient app, and a live uvicorn server in a thread."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+from starlette.testclient import TestClient
+
+from chatserve.config import ServerConfig
+from chatserve.server import create_app, make_uvicorn_server
+
+from .fake_engine import FakeEngine
+
+
+@pytest.fixture
+def engine() -> FakeEngine:
+    return FakeEngine()
+
+
+@pytest.fixture
+def make_client():
+    """make_client(engine, **ServerConfig fields) -> a started TestClient (closed after the test)."""
+    clients = []
+
+    def make(engine: FakeEngine, **config) -> TestClient:
+        client = TestClient(create_app(engine, ServerConfig(**config)))
+        clients.append(client.__enter__())
+        return client
+
+    yield make
+    for client in clients:
+        client.__exit__(None, None, None)
+
+
+@pytest.fixture
+def client(engine, make_client) -> TestClient:
+    return make_client(engine)
+
+
+def receive_until(ws, kind: str, limit: int = 10_000) -> list[dict]:
+    """Messages up to and including the first of type `kind`."""
+    messages = []
+    for _ in range(limit):
+        messages.append(ws.receive_json())
+        if messages[-1]["type"] == kind:
+            return messages
+    raise AssertionError(f"no {kind!r} message in {limit}")
+
+
+def chat(ws, **fields) -> list[dict]:
+    """Send one chat message and return everything up to its `done` (or `error`)."""
+    ws.send_json({"type": "chat", **fields})
+    messages = []
+    while True:
+        messages.append(ws.receive_json())
+        if messages[-1]["type"] in ("done", "error"):
+            return messages
+
+
+def wait_for(condition, timeout: float = 3.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        time.sleep(0.005)
+
+
+class LiveServer:
+    """uvicorn (uvloop, websockets-sansio) serving create_app(engine) on 127.0.0.1:<free port>."""
+
+    def __init__(self, engine: FakeEngine, port: int | None = None, **config):
+        self.port = port or _free_port()
+        self.server = make_uvicorn_server(engine, ServerConfig(port=self.port, **config), log_level="warning")
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> "LiveServer":
+        self.thread.start()
+        wait_for(lambda: self.server.started, timeout=10)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,146 @@
+"""The web UI in Debian's chromium (playwright, sync API) against uvicorn + FakeEngine.
+
+Streams a reply, stops one mid-stream, renders a code block, survives a server restart (the page
+re-sends its transcript), starts a new chat, and saves docs/screenshot.png.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+from .conftest import LiveServer, wait_for
+from .fake_engine import FakeEngine
+
+pytestmark = pytest.mark.browser
+CHROMIUM = "/usr/bin/chromium"
+SCREENSHOT = Path(__file__).resolve().parents[2] / "docs" / "screenshot.png"
+ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+        "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+REPLIES = {
+    "speculative": "Speculative decoding lets a small **draft** model propose a few tokens, and the large "
+                   "model checks them all in one forward pass. Accepted tokens are free speed; a rejected "
+                   "one is replaced by the target's own choice, so the output distribution is unchanged.",
+    "poem": "Silicon rivers hum beneath the floor,\nwhere tensors dream of tokens yet to come;\n" * 12,
+    "python": "Sure, here is a tiny example:\n\n```python\ndef greet(name: str) -> str:\n"
+              "    return f\"Hello, {name}!\"\n\nprint(greet(\"<world>\"))\n```\n\n"
+              "`greet` returns a string; the `<world>` tag is shown as text, not HTML.",
+}
+
+
+def reply_for(prompt: str, params) -> str:
+    last_user = re.findall(r"<user>(.*?)</user>", prompt, re.S)[-1].lower()
+    return next((text for key, text in REPLIES.items() if key in last_user), "Hello again!")
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if not os.path.exists(CHROMIUM):
+        pytest.skip("chromium is not installed (apt-get install -y chromium)")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=ARGS)
+        yield browser
+        browser.close()
+
+
+def send(page, text: str) -> None:
+    page.fill("#input", text)
+    page.press("#input", "Enter")
+
+
+def test_chat_ui(browser):
+    from playwright.sync_api import expect
+
+    engine = FakeEngine(reply_fn=reply_for, token_delay=0.004, tokens_per_delta=3)
+    page = browser.new_page(viewport={"width": 1000, "height": 900})
+    errors = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    with LiveServer(engine) as server:
+        page.goto(server.url)
+        expect(page.locator("#status")).to_have_attribute("data-state", "online")
+        expect(page.locator("#model")).to_have_text("fake-model + ngram")
+
+        send(page, "What is speculative decoding?")
+        first = page.locator(".msg.assistant").nth(0)
+        expect(first.locator(".stats")).to_contain_text("TTFT")
+        expect(first.locator(".stats")).to_contain_text("% accepted")
+        expect(first.locator(".content strong")).to_have_text("draft")
+        settings = engine.params[0]  # the page sends its settings when it connects
+        assert (settings.temperature, settings.top_p, settings.max_tokens) == (0.7, 0.95, 512)
+        assert settings.num_draft_tokens is None
+
+        engine.token_delay = 0.03
+        send(page, "Write a long poem about servers")
+        poem = page.locator(".msg.assistant").nth(1)
+        expect(poem.locator(".content")).to_contain_text("Silicon rivers")  # streamed text shows up
+        expect(page.locator("#stop")).to_be_visible()
+        page.click("#stop")
+        expect(poem.locator(".stats")).to_contain_text("stopped")
+        expect(page.locator("#send")).to_be_visible()
+        wait_for(lambda: engine.num_free_blocks == engine.num_blocks)
+        assert len(engine.abort_calls) == 1
+
+        engine.token_delay = 0.004
+        page.fill("#input", "Show me some python")
+        page.press("#input", "Shift+Enter")
+        page.type("#input", "please")
+        page.press("#input", "Enter")
+        code_turn = page.locator(".msg.assistant").nth(2)
+        expect(code_turn.locator(".stats")).to_contain_text("tok/s")
+        expect(code_turn.locator("pre code")).to_contain_text('print(greet("<world>"))')
+        expect(code_turn.locator(".code-head")).to_contain_text("python")
+        prompt = engine.detokenize(engine.prompts[2])
+        assert "<user>Show me some python\nplease</user>" in prompt
+        assert "What is speculative decoding?" in prompt and "Silicon rivers" in prompt  # one conversation
+
+        page.locator("#input").click()
+        page.screenshot(path=str(SCREENSHOT))
+        port = server.port
+
+    # The server goes away and comes back: the page reconnects and re-sends its transcript.
+    expect(page.locator("#status")).not_to_have_attribute("data-state", "online")
+    restarted = FakeEngine(reply_fn=reply_for)
+    with LiveServer(restarted, port=port):
+        expect(page.locator("#status")).to_have_attribute("data-state", "online", timeout=8000)
+        send(page, "Still there?")
+        expect(page.locator(".msg.assistant").nth(3).locator(".stats")).to_contain_text("tokens")
+        assert "Show me some python" in restarted.detokenize(restarted.prompts[0])
+
+        page.click("#new-chat")
+        expect(page.locator(".msg")).to_have_count(0)
+        send(page, "Fresh start")
+        expect(page.locator(".msg.assistant .stats")).to_contain_text("tokens")
+        assert restarted.detokenize(restarted.prompts[-1]) == "<user>Fresh start</user><assistant>"
+    assert errors == []
+    page.close()
+
+
+def test_narrow_screen_layout(browser):
+    from playwright.sync_api import expect
+
+    page = browser.new_page(viewport={"width": 390, "height": 760})
+    engine = FakeEngine("Short answer.")
+    with LiveServer(engine) as server:
+        page.goto(server.url)
+        expect(page.locator("#status")).to_have_attribute("data-state", "online")
+        send(page, "hi")
+        expect(page.locator(".msg.assistant .stats")).to_be_visible()
+        assert page.evaluate("document.documentElement.scrollWidth") <= 390  # no sideways scrolling
+        page.click("#settings-toggle")
+        expect(page.locator("#settings-panel")).to_be_visible()
+        page.uncheck("#speculation")
+        box = page.locator("#settings-panel").bounding_box()
+        assert box["x"] >= 0 and box["x"] + box["width"] <= 390
+        page.locator("#input").click()  # closes the panel
+        expect(page.locator("#settings-panel")).to_be_hidden()
+        send(page, "again, without drafting")
+        expect(page.locator(".msg.assistant").nth(1).locator(".stats")).to_be_visible()
+        assert engine.params[-1].num_draft_tokens == 0
+        expect(page.locator(".msg.assistant").nth(1).locator(".stats")).not_to_contain_text("accepted")
+    page.close()

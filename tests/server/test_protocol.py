@@ -1,0 +1,54 @@
+"""protocol.py on its own: parsing, settings -> SamplingParams, OpenAI request defaults."""
+
+from __future__ import annotations
+
+import pytest
+
+from chatserve import protocol as P
+from chatserve.sampling_params import RequestStats
+
+
+def test_settings_to_sampling_params():
+    params = P.build_sampling_params({"speculation": False, "stop": ["a", "b"], "top_k": -1, "temperature": 0}, 100)
+    assert params.num_draft_tokens == 0 and params.stop == ("a", "b") and params.top_k == 0 and params.is_greedy
+    assert P.build_sampling_params({"speculation": True, "num_draft_tokens": 3}, 100).num_draft_tokens == 3
+    assert P.build_sampling_params({"speculation": True}, 100).num_draft_tokens is None
+    with pytest.raises(P.ProtocolError) as e:
+        P.build_sampling_params({"max_tokens": 101}, 100)
+    assert e.value.code == P.INVALID_PARAMS and e.value.param == "max_tokens"
+    with pytest.raises(P.ProtocolError) as e:
+        P.build_sampling_params({"seed": -1}, 100)
+    assert e.value.param == "seed"
+
+
+def test_parse_client_messages():
+    turn = P.parse_client_message('{"type": "chat", "id": 3, "content": "hi", "params": {"max_tokens": 5}}')
+    assert turn == P.ChatTurn(3, None, "hi", {"max_tokens": 5})
+    turn = P.parse_client_message('{"type": "chat", "messages": [{"role": "user", "content": '
+                                  '[{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]}')
+    assert turn.messages == [{"role": "user", "content": "ab"}]
+    assert P.parse_client_message('{"type": "cancel"}') == P.Cancel(None)
+    assert P.parse_client_message('{"type": "reset"}') == P.Reset()
+    assert P.parse_client_message('{"type": "auth", "api_key": "k"}') == P.Auth("k")
+    with pytest.raises(P.ProtocolError) as e:
+        P.parse_client_message("[" * 100_000)  # deep nesting is bad JSON, not a crash
+    assert e.value.code == P.BAD_JSON
+
+
+def test_openai_defaults():
+    chat = P.parse_chat_completion_request({"messages": [{"role": "user", "content": "x"}]}, 4096)
+    assert chat.params.max_tokens == 4096 and not chat.stream and not chat.include_usage
+    completion = P.parse_completion_request({"prompt": ["hello"], "stream": True,
+                                             "stream_options": {"include_usage": True}}, 4096)
+    assert completion.prompt == "hello" and completion.params.max_tokens == 16 and completion.include_usage
+    assert P.parse_completion_request({"prompt": [[1, 2]]}, 10).prompt_token_ids == [1, 2]
+
+
+def test_done_stats_from_request_stats():
+    stats = RequestStats(prompt_tokens=10, cached_tokens=8, num_generated=5, num_drafted=8, num_accepted=6,
+                         num_spec_steps=2, arrival_time=1.0, first_scheduled_time=1.001,
+                         first_token_time=1.05, finish_time=1.09)
+    done = P.done_message("x", "stop", P.DoneStats.from_request_stats(stats))
+    assert done["stats"]["acceptance_rate"] == 0.75 and done["stats"]["mean_accepted_length"] == 4.0
+    assert done["stats"]["ttft_ms"] == pytest.approx(50.0) and done["stats"]["tpot_ms"] == pytest.approx(10.0)
+    assert done["stats"]["generated_tokens"] == 5 and done["stats"]["cached_tokens"] == 8
