@@ -1,0 +1,156 @@
+"""End to end against a real `chatserve serve` subprocess on a tiny model with a draft model:
+websocket streaming and multi-turn reuse, the openai client, cancel, disconnect, and after
+each the pool back to all blocks free (read from /health)."""
+
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from chatserve.config import EngineConfig
+from chatserve.engine import Engine
+from chatserve.sampling_params import SamplingParams
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def long_prompt(tiny_llama_dir):
+    """A user message whose greedy reply runs 300 tokens without EOS (so cancel has time)."""
+    engine = Engine(EngineConfig(model=str(tiny_llama_dir), kv_cache_memory=8 << 20))
+    for i in range(50):
+        text = f"Tell me a story number {i}"
+        ids = engine.tokenizer.apply_chat_template([{"role": "user", "content": text}])
+        if engine.generate([ids], SamplingParams(max_tokens=300, temperature=0.0))[0]["finish_reason"] == "length":
+            return text
+    pytest.fail("no prompt without an early EOS")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama_dir, tiny_draft_dir):
+    port = free_port()
+    cmd = [sys.executable, "-m", "chatserve.cli", "serve", "--model", str(tiny_llama_dir),
+           "--draft-model", str(tiny_draft_dir), "--no-adaptive", "--port", str(port),
+           "--kv-cache-memory", "8M", "--threads", "1", "--served-model-name", "tiny"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    base = f"http://127.0.0.1:{port}"
+    for _ in range(300):
+        if proc.poll() is not None:
+            pytest.fail("server exited:\n" + proc.stdout.read())
+        try:
+            if httpx.get(base + "/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    else:
+        proc.kill()
+        pytest.fail("server did not come up")
+    yield base
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+def wait_pool_free(base: str, timeout: float = 10.0) -> dict:
+    health = {}
+    for _ in range(int(timeout / 0.05)):
+        health = httpx.get(base + "/health").json()
+        if health["num_free_blocks"] == health["num_blocks"] and health["num_running"] == 0:
+            return health
+        time.sleep(0.05)
+    raise AssertionError(f"pool not back to free: {health}")
+
+
+@contextlib.contextmanager
+def ws_connect(base: str):
+    from websockets.sync.client import connect
+
+    with connect(base.replace("http", "ws") + "/ws") as ws:
+        assert json.loads(ws.recv())["type"] == "ready"
+        yield ws
+
+
+def run_turn(ws, content: str, **params) -> tuple[list[dict], dict]:
+    ws.send(json.dumps({"type": "chat", "content": content, "params": {"temperature": 0, **params}}))
+    deltas = []
+    while True:
+        msg = json.loads(ws.recv(timeout=60))
+        if msg["type"] == "delta":
+            deltas.append(msg)
+        else:
+            return deltas, msg
+
+
+def test_websocket_streams_and_second_turn_reuses_prefix(server):
+    with ws_connect(server) as ws:
+        deltas, done = run_turn(ws, "Hello there, how are you today? " * 3, max_tokens=24)
+        assert done["type"] == "done", done
+        assert deltas and done["stats"]["generated_tokens"] == sum(d["num_tokens"] for d in deltas)
+        assert done["stats"]["drafted"] > 0  # the draft model ran
+        deltas2, done2 = run_turn(ws, "And again?", max_tokens=8)
+        assert done2["type"] == "done" and done2["stats"]["cached_tokens"] > 0
+    wait_pool_free(server)
+
+
+def test_openai_client_whole_and_streamed(server):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=server + "/v1", api_key="unused")
+    messages = [{"role": "user", "content": "Say something"}]
+    whole = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0)
+    assert whole.choices[0].message.content is not None and whole.usage.completion_tokens >= 1
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content  # greedy: same text either way
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    wait_pool_free(server)
+
+
+def test_cancel_mid_stream_frees_blocks(server, long_prompt):
+    with ws_connect(server) as ws:
+        ws.send(json.dumps({"type": "chat", "id": "c1", "content": long_prompt,
+                            "params": {"temperature": 0, "max_tokens": 300}}))
+        first = json.loads(ws.recv(timeout=60))
+        assert first["type"] == "delta"
+        ws.send(json.dumps({"type": "cancel", "id": "c1"}))
+        while (msg := json.loads(ws.recv(timeout=60)))["type"] == "delta":
+            pass
+        assert msg["type"] == "done" and msg["finish_reason"] == "abort"
+        assert msg["stats"]["generated_tokens"] < 300
+        _, again = run_turn(ws, "still there?", max_tokens=4)  # the connection stays usable
+        assert again["type"] == "done"
+    wait_pool_free(server)
+
+
+def test_disconnect_mid_stream_aborts(server, long_prompt):
+    with ws_connect(server) as ws:
+        ws.send(json.dumps({"type": "chat", "content": long_prompt, "params": {"temperature": 0, "max_tokens": 300}}))
+        assert json.loads(ws.recv(timeout=60))["type"] == "delta"
+    # leaving the block closed the socket mid-stream
+    health = wait_pool_free(server)
+    assert health["status"] == "ok"
+
+
+def test_bad_input_then_server_still_answers(server):
+    with ws_connect(server) as ws:
+        ws.send("{not json")
+        assert json.loads(ws.recv(timeout=10))["code"] == "bad_json"
+        ws.send(json.dumps({"type": "chat", "content": "x" * 5000, "params": {"max_tokens": 4}}))
+        err = json.loads(ws.recv(timeout=30))
+        assert err["type"] == "error" and err["code"] in ("prompt_too_long", "invalid_prompt")
+        _, done = run_turn(ws, "ok?", max_tokens=4)
+        assert done["type"] == "done"
+    metrics = httpx.get(server + "/metrics").text
+    assert "chatserve:spec_decode_num_draft_tokens" in metrics
+    wait_pool_free(server)
