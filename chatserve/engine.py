@@ -12,7 +12,7 @@ import time
 import torch
 
 from chatserve.batch import BatchItem
-from chatserve.config import EngineConfig
+from chatserve.config import EngineConfig, SpecConfig
 from chatserve.loading import LoadedModels, load_models
 from chatserve.request import Request, Status
 from chatserve.sampler import Sampler
@@ -84,6 +84,16 @@ class Engine:
         self.scheduler.finish(req, "abort")
         req.stats.finish_time = time.perf_counter()
         return Delta(request_id, "", [], "abort", req.stats)
+
+    def set_speculation(self, spec: SpecConfig | None) -> None:
+        """Switch speculation (off / n-gram / the loaded draft model) between runs. Needs an
+        idle engine; the prefix cache is dropped since draft KV may not cover cached blocks."""
+        if self.has_unfinished():
+            raise RuntimeError("set_speculation: requests are still running")
+        if spec is not None and spec.method == "draft" and self.models.draft_runner is None:
+            raise ValueError("set_speculation: no draft model was loaded with this engine")
+        self.spec = SpecRunner.create(spec, self.models) if spec else None
+        self.block_manager.reset_prefix_cache()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
