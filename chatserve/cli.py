@@ -19,7 +19,8 @@ def _engine_args(p: argparse.ArgumentParser, default_model: str, default_draft: 
     p.add_argument("--no-adaptive", action="store_true", help="always draft k tokens (no adaptive k)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
-    p.add_argument("--draft-kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
+    p.add_argument("--draft-kv-cache-dtype", default=None, choices=KV_CACHE_DTYPES,
+                   help="the draft model's KV format (default: same as --kv-cache-dtype)")
     p.add_argument("--kv-cache-memory", type=_bytes, default=None, help="pool bytes, e.g. 2G or 512M")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=16)

@@ -18,7 +18,7 @@ class SpecConfig:
     ngram_min: int = 1
     ngram_max: int = 4
     adaptive: bool = True
-    draft_kv_cache_dtype: str = "auto"
+    draft_kv_cache_dtype: str | None = None  # None = the target's kv_cache_dtype
 
     def __post_init__(self) -> None:
         if self.method not in ("draft", "ngram"):
@@ -29,7 +29,7 @@ class SpecConfig:
             raise ValueError(f"spec.num_draft_tokens: must be in [1, 16], got {self.num_draft_tokens}")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError("spec.ngram_min/ngram_max: need 1 <= ngram_min <= ngram_max")
-        if self.draft_kv_cache_dtype not in KV_CACHE_DTYPES:
+        if self.draft_kv_cache_dtype is not None and self.draft_kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"spec.draft_kv_cache_dtype: one of {KV_CACHE_DTYPES}, got {self.draft_kv_cache_dtype!r}")
 
 

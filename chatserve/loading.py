@@ -59,7 +59,9 @@ def load_models(config: EngineConfig) -> LoadedModels:
         draft_cfg = read_config(draft_dir)
         check_same_vocab(tokenizer, Tokenizer(draft_dir), target_cfg, draft_cfg)
         draft = load_model(draft_dir, draft_cfg, dtype, max_model_len).eval()
-    shapes = [cache_shape(target, dtype)] + ([cache_shape(draft, dtype)] if draft else [])
+    shapes = [cache_shape(target, dtype, config.kv_cache_dtype)]
+    if draft:
+        shapes.append(cache_shape(draft, dtype, config.spec.draft_kv_cache_dtype or config.kv_cache_dtype))
     num_blocks = plan_num_blocks(kv_budget(config, shapes, max_model_len), shapes, config.block_size)
     if num_blocks < 4:
         raise ValueError(f"kv_cache_memory: room for only {num_blocks} KV blocks; give the pool more memory")
@@ -70,8 +72,8 @@ def load_models(config: EngineConfig) -> LoadedModels:
     return LoadedModels(tokenizer, target, target_runner, draft, draft_runner, bm, max_model_len, vocab)
 
 
-def cache_shape(model: DecoderLM, dtype: torch.dtype) -> CacheShape:
-    return CacheShape(model.num_layers, model.num_kv_heads, model.head_dim, dtype)
+def cache_shape(model: DecoderLM, dtype: torch.dtype, kv_format: str) -> CacheShape:
+    return CacheShape(model.num_layers, model.num_kv_heads, model.head_dim, dtype, kv_format)
 
 
 def kv_budget(config: EngineConfig, shapes: list[CacheShape], max_model_len: int) -> int:

@@ -65,8 +65,10 @@ class Attention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         q, k = self.rotary(positions, q, k)
-        kv_store(k, v, *kv_cache, attn.slot_mapping)
-        o = paged_attention(q, *kv_cache, attn.block_tables, attn.seq_lens, attn.cu_q_lens, self.scale)
+        k_cache, v_cache, k_scale, v_scale = kv_cache  # a chatserve.kv_cache.LayerCache
+        kv_store(k, v, k_cache, v_cache, attn.slot_mapping, k_scale=k_scale, v_scale=v_scale)
+        o = paged_attention(q, k_cache, v_cache, attn.block_tables, attn.seq_lens, attn.cu_q_lens, self.scale,
+                            k_scale=k_scale, v_scale=v_scale)
         return self.o_proj(o.reshape(-1, self.q_size))
 
 

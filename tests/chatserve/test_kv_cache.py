@@ -1,0 +1,153 @@
+"""Quantized KV caches end to end: the pool layout and byte budget (scales included), engines
+with int8 / fp8 target and draft caches, and speculation staying lossless on any cache dtype."""
+
+import json
+
+import pytest
+import torch
+
+from chatserve.cli import build_parser, engine_config
+from chatserve.cli import main as cli_main
+from chatserve.config import EngineConfig, SpecConfig
+from chatserve.engine import Engine
+from chatserve.kv_cache import CacheShape, KVCache, plan_num_blocks
+from chatserve.sampling_params import SamplingParams
+from quant.kv import SCALE_DTYPE
+
+GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+PROMPTS = [
+    "Hello there",
+    "def add(a, b):",
+    "The quick brown fox jumps over",
+    "Once upon a time, in a land far away, there lived",
+]
+QUANTIZED = ["int8", "fp8_e4m3", "fp8_e5m2"]
+
+
+def make_engine(model_dir, **kw):
+    kw.setdefault("kv_cache_memory", 8 << 20)
+    return Engine(EngineConfig(model=str(model_dir), **kw))
+
+
+def run(engine, prompts=PROMPTS):
+    ids = [engine.tokenizer.encode(p) for p in prompts]
+    outs = engine.generate(ids, GREEDY)
+    bm = engine.block_manager
+    bm.check_invariants()
+    assert bm.num_free_blocks == bm.num_blocks, "blocks leaked"
+    return [o["token_ids"] for o in outs], outs
+
+
+@pytest.fixture(scope="module")
+def auto_outputs(tiny_llama_dir):
+    return run(make_engine(tiny_llama_dir))[0]
+
+
+# -- layout and budget --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", ["auto", *QUANTIZED])
+def test_pool_layout_and_views(fmt):
+    shape = CacheShape(num_layers=3, num_kv_heads=2, head_dim=16, dtype=torch.float32, kv_format=fmt)
+    cache = KVCache(shape, num_blocks=5, block_size=8)
+    assert len(cache.layers) == 3
+    layer = cache.layers[1]
+    assert layer.k_cache.shape == (5, 8, 2, 16) and layer.v_cache.shape == (5, 8, 2, 16)
+    # views into the one pool, not copies
+    assert layer.k_cache.data_ptr() == cache.pool[1, 0].data_ptr()
+    if fmt == "auto":
+        assert layer.k_scale is None and layer.v_scale is None and cache.scales is None
+        assert cache.pool.dtype == torch.float32
+    else:
+        assert cache.pool.dtype in (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)
+        assert layer.k_scale.shape == (5, 8, 2) and layer.k_scale.dtype == SCALE_DTYPE
+        assert layer.v_scale.data_ptr() == cache.scales[1, 1].data_ptr()
+    assert cache.num_bytes == 5 * shape.bytes_per_block(8)
+
+
+def test_budget_counts_scales():
+    budget = 1 << 20
+    fp32 = CacheShape(30, 3, 64, torch.float32, "auto")
+    int8 = CacheShape(30, 3, 64, torch.float32, "int8")
+    per_token_int8 = 30 * 2 * (3 * 64 + 3 * SCALE_DTYPE.itemsize)
+    assert int8.bytes_per_block(16) == 16 * per_token_int8
+    assert plan_num_blocks(budget, [int8], 16) == budget // (16 * per_token_int8)
+    # a target and a draft with different formats share one block table
+    both = plan_num_blocks(budget, [fp32, int8], 16)
+    assert both == budget // (fp32.bytes_per_block(16) + int8.bytes_per_block(16))
+
+
+def test_engine_pool_fits_budget(tiny_llama_dir):
+    budget = 4 << 20
+    for fmt in ("auto", "int8"):
+        engine = make_engine(tiny_llama_dir, kv_cache_memory=budget, kv_cache_dtype=fmt)
+        cache = engine.models.target_runner.kv_cache
+        assert cache.num_bytes <= budget
+        assert cache.num_bytes > budget - cache.shape.bytes_per_block(engine.block_manager.block_size)
+
+
+# -- engine end to end --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", QUANTIZED)
+def test_quantized_engine_close_to_auto(tiny_llama_dir, auto_outputs, fmt):
+    outs, _ = run(make_engine(tiny_llama_dir, kv_cache_dtype=fmt))
+    assert [len(o) for o in outs] == [len(o) for o in auto_outputs]
+    same = sum(a == b for out, ref in zip(outs, auto_outputs) for a, b in zip(out, ref))
+    total = sum(len(o) for o in auto_outputs)
+    # int8 keeps ~2 decimal digits per value; fp8 e4m3 ~1, e5m2 less: greedy paths may fork late
+    assert same / total >= {"int8": 0.9, "fp8_e4m3": 0.6, "fp8_e5m2": 0.5}[fmt]
+    if fmt == "int8":
+        assert outs[0] == auto_outputs[0]
+
+
+def test_quantized_engine_batched_equals_alone(tiny_llama_dir):
+    engine = make_engine(tiny_llama_dir, kv_cache_dtype="int8", max_num_batched_tokens=32)
+    batched, _ = run(engine)
+    alone = [run(engine, [p])[0][0] for p in PROMPTS]
+    assert batched == alone
+
+
+@pytest.mark.parametrize("target_fmt,draft_fmt", [("int8", "int8"), ("int8", "fp8_e5m2"), ("auto", "int8"),
+                                                  ("fp8_e4m3", None)])
+def test_spec_lossless_on_quantized_caches(tiny_llama_dir, tiny_draft_dir, target_fmt, draft_fmt):
+    """The target verifies every token, so spec output equals spec off on the same target cache,
+    whatever the draft's cache holds."""
+    plain, _ = run(make_engine(tiny_llama_dir, kv_cache_dtype=target_fmt))
+    for draft in (tiny_llama_dir, tiny_draft_dir):
+        spec = SpecConfig(method="draft", draft_model=str(draft), num_draft_tokens=4, adaptive=False,
+                          draft_kv_cache_dtype=draft_fmt)
+        engine = make_engine(tiny_llama_dir, kv_cache_dtype=target_fmt, spec=spec)
+        draft_cache = engine.models.draft_runner.kv_cache
+        assert draft_cache.shape.kv_format == (draft_fmt or target_fmt)
+        outs, results = run(engine)
+        assert outs == plain
+        assert sum(r["stats"].num_drafted for r in results) > 0
+        if draft == tiny_llama_dir:  # self-draft: nearly every draft is accepted
+            drafted = sum(r["stats"].num_drafted for r in results)
+            assert sum(r["stats"].num_accepted for r in results) >= 0.8 * drafted
+
+
+def test_ngram_lossless_on_int8_cache(tiny_llama_dir):
+    plain, _ = run(make_engine(tiny_llama_dir, kv_cache_dtype="int8"))
+    spec = SpecConfig(method="ngram", num_draft_tokens=4, adaptive=False)
+    assert run(make_engine(tiny_llama_dir, kv_cache_dtype="int8", spec=spec))[0] == plain
+
+
+# -- command line -------------------------------------------------------------------------
+
+
+def test_cli_flags_reach_the_engine_config():
+    args = build_parser().parse_args(["serve", "--kv-cache-dtype", "int8", "--draft-kv-cache-dtype", "fp8_e4m3"])
+    config = engine_config(args)
+    assert config.kv_cache_dtype == "int8" and config.spec.draft_kv_cache_dtype == "fp8_e4m3"
+    args = build_parser().parse_args(["serve", "--kv-cache-dtype", "int8"])
+    assert engine_config(args).spec.draft_kv_cache_dtype is None  # = the target's
+
+
+def test_cli_generate_int8(tiny_llama_dir, capsys):
+    code = cli_main(["generate", "Hello there", "--model", str(tiny_llama_dir), "--kv-cache-dtype", "int8",
+                     "--kv-cache-memory", "4M", "--max-tokens", "8", "--ignore-eos", "--json"])
+    assert code == 0
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["token_ids"]) == 8 and out["finish_reason"] == "length"
