@@ -1,9 +1,12 @@
-"""KV-cache capacity per format for a fixed byte budget: pure arithmetic from model shapes.
+"""KV-cache capacity per format for a fixed byte budget, as the engine plans and allocates it.
 
-For each KV format (scales included, via quant.kv.kv_bytes_per_token), prints how many tokens
-a budget holds and how many 4k-token conversations fit, for SmolLM2-135M alone and for the
-Qwen2.5-Coder-1.5B target + 0.5B draft pair, whose caches share one block table (so a block
-costs target + draft bytes). Writes the same numbers as JSON.
+For each KV format, sizes the pool with the engine's own planner (chatserve.kv_cache:
+CacheShape.bytes_per_block counts K, V and the bf16 scales; plan_num_blocks), allocates it
+(torch.empty, so no page is touched) to check the real tensors fit the budget, and prints how
+many tokens it holds and how many 4k-token conversations fit, for SmolLM2-135M, the
+Qwen2.5-Coder-1.5B alone and the 1.5B target + 0.5B draft pair, whose caches share one block
+table (so a block costs target + draft bytes). Model shapes come from config.json in the model
+cache when present, else from the known configs below. Writes the same numbers as JSON.
 
     python benchmarks/kv_capacity.py [--budget-gib 1] [--block-size 16] [--out PATH]
 """
@@ -18,53 +21,60 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from quant.kv import kv_bytes_per_token  # noqa: E402
+from chatserve.kv_cache import CacheShape, KVCache, plan_num_blocks  # noqa: E402
 
-# name -> (num_layers, num_kv_heads, head_dim), from the models' config.json
-MODEL_SHAPES = {
-    "smollm2-135m": (30, 3, 64),
-    "qwen2.5-coder-1.5b": (28, 2, 128),
-    "qwen2.5-coder-0.5b": (24, 2, 64),
+MODEL_CACHE = Path("~/.cache/chatserve/models").expanduser()
+# name -> (num_layers, num_kv_heads, head_dim), the models' config.json (fallback when not cached)
+KNOWN_SHAPES = {
+    "smollm2-135m-instruct": (30, 3, 64),
+    "qwen2.5-coder-1.5b-instruct": (28, 2, 128),
+    "qwen2.5-coder-0.5b-instruct": (24, 2, 64),
 }
 SETUPS = {
-    "SmolLM2-135M": ["smollm2-135m"],
-    "Qwen2.5-Coder-1.5B + 0.5B draft": ["qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"],
+    "SmolLM2-135M": ["smollm2-135m-instruct"],
+    "Qwen2.5-Coder-1.5B": ["qwen2.5-coder-1.5b-instruct"],
+    "Qwen2.5-Coder-1.5B + 0.5B draft": ["qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"],
 }
 # label -> (KV format, model dtype): "auto" stores the model dtype
 FORMATS = {
     "fp32": ("auto", torch.float32),
     "bf16": ("auto", torch.bfloat16),
     "int8": ("int8", torch.bfloat16),
-    "fp8": ("fp8_e4m3", torch.bfloat16),  # e5m2 takes the same bytes
+    "fp8_e4m3": ("fp8_e4m3", torch.bfloat16),
+    "fp8_e5m2": ("fp8_e5m2", torch.bfloat16),
 }
 CONVERSATION_TOKENS = 4096
 GOAL_X_BF16, GOAL_X_FP32 = 1.9, 3.8  # what int8 / fp8 should reach, scales included
 
 
-def bytes_per_token(models: list[str], fmt: str, model_dtype: torch.dtype) -> int:
-    """All layers of all models sharing the block table (one cache entry per token each)."""
-    total = 0
-    for name in models:
-        num_layers, num_kv_heads, head_dim = MODEL_SHAPES[name]
-        total += num_layers * kv_bytes_per_token(fmt, num_kv_heads, head_dim, model_dtype)
-    return total
+def model_shape(name: str) -> tuple[tuple[int, int, int], str]:
+    """(num_layers, num_kv_heads, head_dim) and where it came from."""
+    config_path = MODEL_CACHE / name / "config.json"
+    if not config_path.exists():
+        return KNOWN_SHAPES[name], "known config"
+    cfg = json.loads(config_path.read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    return (cfg["num_hidden_layers"], cfg["num_key_value_heads"], head_dim), str(config_path)
 
 
 def capacity(models: list[str], budget_bytes: int, block_size: int) -> dict:
     rows = {}
     for label, (fmt, dtype) in FORMATS.items():
-        per_token = bytes_per_token(models, fmt, dtype)
-        num_blocks = budget_bytes // (per_token * block_size)
-        blocks_per_conversation = -(-CONVERSATION_TOKENS // block_size)
+        shapes = [CacheShape(*model_shape(name)[0], dtype, fmt) for name in models]
+        num_blocks = plan_num_blocks(budget_bytes, shapes, block_size)
+        allocated = sum(KVCache(s, num_blocks, block_size).num_bytes for s in shapes)
+        assert allocated <= budget_bytes, (label, allocated, budget_bytes)
         rows[label] = {
-            "bytes_per_token": per_token,
+            "bytes_per_token": sum(s.bytes_per_block(block_size) for s in shapes) // block_size,
+            "num_blocks": num_blocks,
+            "allocated_bytes": allocated,
             "tokens": num_blocks * block_size,
-            "conversations_4k": num_blocks // blocks_per_conversation,
+            "conversations_4k": num_blocks // -(-CONVERSATION_TOKENS // block_size),
         }
     for label, row in rows.items():
         row["x_bf16"] = round(row["tokens"] / rows["bf16"]["tokens"], 3)
         row["x_fp32"] = round(row["tokens"] / rows["fp32"]["tokens"], 3)
-        if label in ("int8", "fp8"):
+        if FORMATS[label][0] != "auto":
             row["meets_goal"] = row["x_bf16"] >= GOAL_X_BF16 and row["x_fp32"] >= GOAL_X_FP32
     return rows
 
@@ -76,17 +86,21 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "kv_capacity.json")
     args = parser.parse_args()
     budget = int(args.budget_gib * 2**30)
-    report = {"budget_bytes": budget, "block_size": args.block_size,
-              "conversation_tokens": CONVERSATION_TOKENS, "setups": {}}
+    report = {"budget_bytes": budget, "block_size": args.block_size, "conversation_tokens": CONVERSATION_TOKENS,
+              "scale_dtype": "bfloat16", "shapes": {}, "setups": {}}
     for setup, models in SETUPS.items():
+        for name in models:
+            shape, source = model_shape(name)
+            report["shapes"][name] = {"num_layers": shape[0], "num_kv_heads": shape[1], "head_dim": shape[2],
+                                      "source": source}
         rows = capacity(models, budget, args.block_size)
         report["setups"][setup] = {"models": models, "formats": rows}
         print(f"\n{setup}: {args.budget_gib:g} GiB, block {args.block_size}")
-        print(f"  {'format':<6} {'B/token':>8} {'tokens':>10} {'4k convs':>9} {'x bf16':>7} {'x fp32':>7}"
+        print(f"  {'format':<9} {'B/token':>8} {'tokens':>10} {'4k convs':>9} {'x bf16':>7} {'x fp32':>7}"
               f"  goal >= {GOAL_X_BF16}x bf16, >= {GOAL_X_FP32}x fp32")
         for label, row in rows.items():
             goal = {True: "  met", False: "  missed"}.get(row.get("meets_goal"), "")
-            print(f"  {label:<6} {row['bytes_per_token']:>8} {row['tokens']:>10} "
+            print(f"  {label:<9} {row['bytes_per_token']:>8} {row['tokens']:>10} "
                   f"{row['conversations_4k']:>9} {row['x_bf16']:>7.3f} {row['x_fp32']:>7.3f}{goal}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")

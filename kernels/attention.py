@@ -2,7 +2,7 @@
 
 Layout (one layer): k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], in the
 model dtype or quantized (int8 / float8, see quant/kv.py) with k_scale, v_scale:
-[num_blocks, block_size, num_kv_heads] float32. Sequence b owns query rows
+[num_blocks, block_size, num_kv_heads] bfloat16. Sequence b owns query rows
 cu_q_lens[b]:cu_q_lens[b+1]; its context is seq_lens[b] tokens (cached + new), stored in blocks
 block_tables[b, :ceil(seq_lens[b] / block_size)]. The new tokens sit at positions
 [seq_len - q_len, seq_len) and attend causally:
@@ -32,7 +32,7 @@ def paged_attention(
     seq_lens: list[int],  # [batch] context length including the new tokens
     cu_q_lens: list[int],  # [batch + 1] query row offsets
     scale: float,
-    k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] fp32, quantized only
+    k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] bf16, quantized only
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Attention of the new tokens over their paged context; CUDA -> Triton, else torch.

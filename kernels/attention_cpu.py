@@ -62,8 +62,8 @@ def _gather(k_cache, v_cache, k_scale, v_scale, block_table, seq_len):
         return keys, values, None, None
     keys, k_mult = kv_to_float(keys)
     values, v_mult = kv_to_float(values)
-    k_mults = k_scale.index_select(0, blocks).view(-1, num_kv_heads)[:seq_len].t()
-    v_mults = v_scale.index_select(0, blocks).view(-1, num_kv_heads)[:seq_len].t()
+    k_mults = k_scale.index_select(0, blocks).view(-1, num_kv_heads)[:seq_len].t().float()
+    v_mults = v_scale.index_select(0, blocks).view(-1, num_kv_heads)[:seq_len].t().float()
     if k_mult != 1.0:  # e4m3 widening reads value / 2^8
         k_mults, v_mults = k_mults * k_mult, v_mults * v_mult
     return keys, values, k_mults, v_mults

@@ -2,7 +2,7 @@
 
 Layout (one layer): k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim] in the
 model dtype, or int8 / float8 with k_scale, v_scale: [num_blocks, block_size, num_kv_heads]
-float32 (one scale per token per head, see quant/kv.py).
+bfloat16 (quant.kv.SCALE_DTYPE: one scale per token per head, see quant/kv.py).
 slot = block_id * block_size + offset; a slot of -1 is skipped.
 Dispatch: CUDA -> kernels/triton_kv_store.py (imported lazily, see kernels/attention.py);
 otherwise torch `index_copy_`.
@@ -21,7 +21,7 @@ def kv_store(
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [num_tokens] int64
-    k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] fp32, quantized only
+    k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] bf16, quantized only
     v_scale: torch.Tensor | None = None,
 ) -> None:
     """Write key/value (and, for an int8/fp8 cache, their per-token-per-head scales) in place."""

@@ -14,6 +14,7 @@ import triton.language as tl
 
 from kernels.attention import paged_attention_ref  # noqa: F401  (the reference, re-exported)
 from kernels.triton_kv_store import check_fp8_support
+from quant.kv import SCALE_DTYPE
 
 TILE_N = 64  # keys per inner step (>= 16: tl.dot's GPU minimum)
 
@@ -24,8 +25,8 @@ def _paged_attention_kernel(
     query_ptr,  # [num_tokens, num_heads, head_dim]
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    k_scale_ptr,  # [num_blocks, block_size, num_kv_heads] fp32 (unused unless IS_QUANTIZED)
-    v_scale_ptr,  # [num_blocks, block_size, num_kv_heads] fp32
+    k_scale_ptr,  # [num_blocks, block_size, num_kv_heads] bf16 (unused unless IS_QUANTIZED)
+    v_scale_ptr,  # [num_blocks, block_size, num_kv_heads] bf16
     block_tables_ptr,  # [batch, max_blocks] int32
     seq_lens_ptr,  # [batch] int32
     cu_q_lens_ptr,  # [batch + 1] int32
@@ -77,7 +78,7 @@ def _paged_attention_kernel(
         s = tl.dot(q, k.to(DOT_DTYPE))  # [BLOCK_M, TILE_N] fp32
         if IS_QUANTIZED:
             scale_offs = (block_ids * BLOCK_SIZE + offs) * num_kv_heads + kh
-            k_scales = tl.load(k_scale_ptr + scale_offs, mask=pos_ok, other=0.0)
+            k_scales = tl.load(k_scale_ptr + scale_offs, mask=pos_ok, other=0.0).to(tl.float32)
             s = s * k_scales[None, :]
         visible = (pos[None, :] <= q_pos[:, None]) & pos_ok[None, :]
         s = tl.where(visible, s * qk_scale, float("-inf"))
@@ -86,7 +87,7 @@ def _paged_attention_kernel(
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if IS_QUANTIZED:
-            v_scales = tl.load(v_scale_ptr + scale_offs, mask=pos_ok, other=0.0)
+            v_scales = tl.load(v_scale_ptr + scale_offs, mask=pos_ok, other=0.0).to(tl.float32)
             p = p * v_scales[None, :]  # fold v_scale into the weights, after the row sum
         v = tl.load(v_cache_ptr + v_offs[:, None] + dims[None, :], mask=pos_ok[:, None], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE))
@@ -104,7 +105,7 @@ def paged_attention_triton(
     seq_lens,  # [batch] list[int] or int32 tensor on the query's device
     cu_q_lens,  # [batch + 1] list[int] or int32 tensor
     scale: float,
-    k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] fp32
+    k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] SCALE_DTYPE
     v_scale: torch.Tensor | None = None,
     max_q_len: int | None = None,  # required when cu_q_lens is a tensor (no device sync)
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
@@ -123,7 +124,7 @@ def paged_attention_triton(
         assert k_scale is not None and v_scale is not None, "quantized cache needs k_scale, v_scale"
         for s in (k_scale, v_scale):
             assert s.shape == (num_blocks, block_size, num_kv_heads) and s.is_contiguous()
-            assert s.dtype == torch.float32
+            assert s.dtype == SCALE_DTYPE
     check_fp8_support(k_cache)
     if max_q_len is None:
         assert isinstance(cu_q_lens, list), "pass max_q_len with device cu_q_lens"

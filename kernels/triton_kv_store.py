@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from kernels.kv_store import kv_store_ref  # noqa: F401  (the reference, re-exported)
-from quant.kv import MIN_AMAX, QMAX, kv_format_of
+from quant.kv import MIN_AMAX, QMAX, SCALE_DTYPE, kv_format_of
 
 # QUANT codes for the kernel: 0 none, 1 int8, 2 fp8 e4m3, 3 fp8 e5m2.
 _QUANT_CODE = {"auto": 0, "int8": 1, "fp8_e4m3": 2, "fp8_e5m2": 3}
@@ -29,7 +29,7 @@ def _kv_store_kernel(
     value_ptr,  # [num_tokens, num_kv_heads, head_dim]
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim] (slot-major view)
     v_cache_ptr,
-    k_scale_ptr,  # [num_blocks * block_size, num_kv_heads] fp32 (unused unless QUANT)
+    k_scale_ptr,  # [num_blocks * block_size, num_kv_heads] bf16 (unused unless QUANT)
     v_scale_ptr,
     slot_mapping_ptr,  # [num_tokens] int64
     num_kv_heads,
@@ -62,6 +62,11 @@ def _kv_store_kernel(
     else:
         amax = tl.maximum(tl.max(tl.abs(x), axis=1), MIN_AMAX)  # [HEADS]
         scales = tl.div_rn(amax, QMAX)
+        # Round to the nearest-even bf16 in the fp32 bits, as quant.kv.quantize_kv does: the
+        # store below is then exact (the interpreter's fp32 -> bf16 cast truncates).
+        bits = scales.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -0x10000
+        scales = bits.to(tl.float32, bitcast=True)
         y = tl.div_rn(x, scales[:, None])  # |y| <= QMAX up to rounding
         y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
         if QUANT == 1:
@@ -75,7 +80,8 @@ def _kv_store_kernel(
             inv_ulp = ((127 - exp + MANT_BITS) << 23).to(tl.float32, bitcast=True)
             y = ((y * inv_ulp + RINT_MAGIC) - RINT_MAGIC) * ulp
         tl.store(dst_ptr + dst_offs, y.to(dst_ptr.dtype.element_ty), mask=mask)
-        tl.store(scale_ptr + slot * num_kv_heads + heads, scales, mask=heads < num_kv_heads)
+        tl.store(scale_ptr + slot * num_kv_heads + heads, scales.to(scale_ptr.dtype.element_ty),
+                 mask=heads < num_kv_heads)
 
 
 def kv_store_triton(
@@ -84,7 +90,7 @@ def kv_store_triton(
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [num_tokens] int64
-    k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] fp32
+    k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] SCALE_DTYPE
     v_scale: torch.Tensor | None = None,
 ) -> None:
     num_tokens, num_kv_heads, head_dim = key.shape
@@ -100,7 +106,7 @@ def kv_store_triton(
         k_scale, v_scale = k_cache, v_cache  # never read
     else:
         for s in (k_scale, v_scale):
-            assert s is not None and s.dtype == torch.float32 and s.is_contiguous()
+            assert s is not None and s.dtype == SCALE_DTYPE and s.is_contiguous()
             assert s.shape == k_cache.shape[:3], (s.shape, k_cache.shape)
     check_fp8_support(k_cache)
     mant_bits, min_exp = _FP8_GRID.get(fmt, (0, 0))

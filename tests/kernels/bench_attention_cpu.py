@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from kernels.attention import paged_attention
 from kernels.kv_store import kv_store
-from quant.kv import kv_storage_dtype
+from quant.kv import SCALE_DTYPE, kv_storage_dtype
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_LAYERS = 9, 3, 64, 16, 30
 
@@ -65,7 +65,8 @@ def make_case(seq_lens, q_lens, fmt, dtype):
         v_cache = torch.zeros_like(k_cache)
         scales = {}
         if fmt != "auto":
-            scales = {"k_scale": torch.zeros(shape[:3]), "v_scale": torch.zeros(shape[:3])}
+            scales = {"k_scale": torch.zeros(shape[:3], dtype=SCALE_DTYPE),
+                      "v_scale": torch.zeros(shape[:3], dtype=SCALE_DTYPE)}
         kv = torch.randn(2, len(slots), NUM_KV_HEADS, HEAD_DIM, dtype=dtype)
         kv_store(kv[0], kv[1], k_cache, v_cache, slots, **scales)
         layers.append((k_cache, v_cache, scales))

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.kv_store import kv_store_ref
-from quant.kv import kv_storage_dtype
+from quant.kv import SCALE_DTYPE, kv_storage_dtype
 
 
 @dataclass
@@ -23,7 +23,7 @@ class PagedCase:
     seq_lens: list[int]
     cu_q_lens: list[int]
     scale: float
-    k_scale: torch.Tensor | None  # [num_blocks, block_size, num_kv_heads] fp32
+    k_scale: torch.Tensor | None  # [num_blocks, block_size, num_kv_heads] SCALE_DTYPE
     v_scale: torch.Tensor | None
 
     def args(self, device="cpu") -> tuple:
@@ -56,7 +56,7 @@ def make_paged_case(seq_lens, q_lens, num_heads, num_kv_heads, head_dim, block_s
         k_scale = v_scale = None
     else:
         k_cache = torch.randint(-128, 128, shape, dtype=torch.int8).view(cache_dtype)
-        k_scale = torch.full(shape[:3], float("nan"))
+        k_scale = torch.full(shape[:3], float("nan"), dtype=SCALE_DTYPE)
         v_scale = k_scale.clone()
     v_cache = k_cache.clone()
     # Per-token magnitudes vary, so per-token scales matter.

@@ -124,7 +124,7 @@ def test_cpu_dispatch_never_imports_triton():
         "import sys, torch\n"
         "from kernels.attention import paged_attention\n"
         "from kernels.kv_store import kv_store\n"
-        "k = torch.zeros(2, 4, 1, 64, dtype=torch.int8); s = torch.zeros(2, 4, 1)\n"
+        "k = torch.zeros(2, 4, 1, 64, dtype=torch.int8); s = torch.zeros(2, 4, 1, dtype=torch.bfloat16)\n"
         "kv_store(torch.randn(3, 1, 64), torch.randn(3, 1, 64), k, k.clone(), torch.arange(3), s, s.clone())\n"
         "paged_attention(torch.randn(1, 2, 64), k, k, torch.tensor([[0]], dtype=torch.int32), [3],\n"
         "                [0, 1], 0.125, k_scale=s, v_scale=s)\n"

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kernels.kv_store import kv_store, kv_store_ref
-from quant.kv import dequantize_kv, kv_storage_dtype
+from quant.kv import SCALE_DTYPE, dequantize_kv, kv_storage_dtype
 
 NUM_BLOCKS, BLOCK_SIZE = 6, 8
 
@@ -24,8 +24,8 @@ def _empty_cache(num_kv_heads, head_dim, cache_dtype, fmt):
     k_cache = torch.zeros(NUM_BLOCKS, BLOCK_SIZE, num_kv_heads, head_dim, dtype=cache_dtype)
     scales = {}
     if fmt != "auto":
-        scales = {"k_scale": torch.zeros(NUM_BLOCKS, BLOCK_SIZE, num_kv_heads),
-                  "v_scale": torch.zeros(NUM_BLOCKS, BLOCK_SIZE, num_kv_heads)}
+        scales = {"k_scale": torch.zeros(NUM_BLOCKS, BLOCK_SIZE, num_kv_heads, dtype=SCALE_DTYPE),
+                  "v_scale": torch.zeros(NUM_BLOCKS, BLOCK_SIZE, num_kv_heads, dtype=SCALE_DTYPE)}
     return k_cache, k_cache.clone(), scales
 
 
