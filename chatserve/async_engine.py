@@ -146,6 +146,7 @@ class AsyncEngine:
             "spec_num_drafts": st.num_spec_steps if st else 0,
             "spec_num_draft_tokens": st.num_draft_tokens if st else 0,
             "spec_num_accepted_tokens": st.num_accepted_tokens if st else 0,
+            "spec_accepted_by_position": list(st.accepted_by_position) if st else [],
         }
 
 

@@ -24,6 +24,8 @@ def _engine_args(p: argparse.ArgumentParser, default_model: str, default_draft: 
     p.add_argument("--kv-cache-memory", type=_bytes, default=None, help="pool bytes, e.g. 2G or 512M")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512,
+                   help="token budget per engine step (the prefill chunk size)")
     p.add_argument("--threads", type=int, default=None, help="torch threads")
 
 
@@ -53,6 +55,7 @@ def engine_config(args) -> EngineConfig:
         kv_cache_memory=args.kv_cache_memory,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
         num_threads=args.threads,
         spec=spec,
     )
@@ -178,6 +181,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("pull", help="fetch a catalog model into the cache")
     p.add_argument("name")
     p.set_defaults(func=cmd_pull)
+
+    from chatserve.bench.cli import add_arguments as add_bench_arguments, cmd_bench
+
+    b = sub.add_parser("bench", help="latency benchmark against a server (TTFT/TPOT/ITL, sweeps, baseline)")
+    add_bench_arguments(b)
+    b.set_defaults(func=cmd_bench)
     return parser
 
 

@@ -54,6 +54,13 @@ class _EngineCollector:
         for key, (name, doc) in _ENGINE_COUNTERS.items():
             if stats.get(key) is not None:
                 yield CounterMetricFamily(name, doc, value=float(stats[key]))
+        if stats.get("spec_accepted_by_position") is not None:
+            per_position = CounterMetricFamily("chatserve:spec_decode_num_accepted_tokens_per_pos",
+                                               "Accepted draft tokens by their position in the draft.",
+                                               labels=["position"])
+            for position, count in enumerate(stats["spec_accepted_by_position"]):
+                per_position.add_metric([str(position)], float(count))
+            yield per_position
 
 
 class ServerMetrics:

@@ -106,7 +106,8 @@ class FakeEngine:
         used = self.num_blocks - self.num_free_blocks
         return dict(num_running=self.num_running, num_waiting=0, num_blocks=self.num_blocks,
                     num_free_blocks=self.num_free_blocks, block_size=self.block_size,
-                    kv_usage=used / self.num_blocks, **self.counters)
+                    kv_usage=used / self.num_blocks, spec_accepted_by_position=[self.counters["spec_num_drafts"]],
+                    **self.counters)
 
     # ---- helpers
 

@@ -1,14 +1,14 @@
 """The web UI in Debian's chromium (playwright, sync API) against uvicorn + FakeEngine.
 
 Streams a reply, stops one mid-stream, renders a code block, survives a server restart (the page
-re-sends its transcript), starts a new chat, and saves docs/screenshot.png.
+re-sends its transcript), starts a new chat, and takes a screenshot (into tmp_path: docs/screenshot.png
+is a real conversation with SmolLM2, taken by hand).
 """
 
 from __future__ import annotations
 
 import os
 import re
-from pathlib import Path
 
 import pytest
 
@@ -17,7 +17,6 @@ from .fake_engine import FakeEngine
 
 pytestmark = pytest.mark.browser
 CHROMIUM = "/usr/bin/chromium"
-SCREENSHOT = Path(__file__).resolve().parents[2] / "docs" / "screenshot.png"
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 
@@ -54,7 +53,7 @@ def send(page, text: str) -> None:
     page.press("#input", "Enter")
 
 
-def test_chat_ui(browser):
+def test_chat_ui(browser, tmp_path):
     from playwright.sync_api import expect
 
     engine = FakeEngine(reply_fn=reply_for, token_delay=0.004, tokens_per_delta=3)
@@ -100,7 +99,7 @@ def test_chat_ui(browser):
         assert "What is speculative decoding?" in prompt and "Silicon rivers" in prompt  # one conversation
 
         page.locator("#input").click()
-        page.screenshot(path=str(SCREENSHOT))
+        page.screenshot(path=str(tmp_path / "chat.png"))
         port = server.port
 
     # The server goes away and comes back: the page reconnects and re-sends its transcript.

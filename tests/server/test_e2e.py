@@ -145,3 +145,21 @@ def test_run_server_prints_the_url_and_uses_uvloop(monkeypatch, capsys):
     assert "http://127.0.0.1:8123/" in out and "api_key" in out and "k\n" not in out
     config = made[0]
     assert (config.host, config.port, config.loop, config.ws) == ("127.0.0.1", 8123, "uvloop", "websockets-sansio")
+
+
+def test_frame_far_over_the_limit_is_closed_and_the_server_still_serves(live):
+    """Frames over 4x max_message_bytes never reach the app: the websocket layer closes with 1009."""
+    from websockets.exceptions import ConnectionClosed
+
+    url = f"ws://127.0.0.1:{live.port}/ws?api_key=sekret"
+    with connect(url, max_size=None) as ws:
+        assert json.loads(ws.recv())["type"] == "ready"
+        ws.send("x" * (5 << 20))
+        with pytest.raises(ConnectionClosed) as closed:
+            ws.recv(timeout=10)
+        assert closed.value.rcvd.code == 1009
+    with connect(url) as ws:
+        assert json.loads(ws.recv())["type"] == "ready"
+        ws.send(json.dumps({"type": "chat", "content": "hi"}))
+        while json.loads(ws.recv(timeout=10))["type"] != "done":
+            pass

@@ -137,6 +137,7 @@ def test_api_key_for_http(make_client):
 def test_cross_origin_http_post_is_refused(client):
     response = client.post("/v1/chat/completions", json=CHAT, headers={"origin": "http://evil.example"})
     assert response.status_code == 403 and response.json()["error"]["code"] == "forbidden_origin"
+    assert client.post("/v1/chat/completions", json=CHAT, headers={"origin": "http://testserver"}).status_code == 200
 
 
 def test_models(client):
@@ -173,6 +174,7 @@ METRIC_NAMES = [
     "chatserve:spec_decode_num_accepted_tokens_total", "chatserve:prompt_tokens_total",
     "chatserve:generation_tokens_total", "chatserve:num_preemptions_total",
     'chatserve:request_success_total{finished_reason="stop"}',
+    'chatserve:spec_decode_num_accepted_tokens_per_pos_total{position="0"}',
 ]
 
 

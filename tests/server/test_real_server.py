@@ -1,6 +1,10 @@
 """End to end against a real `chatserve serve` subprocess on a tiny model with a draft model:
-websocket streaming and multi-turn reuse, the openai client, cancel, disconnect, and after
-each the pool back to all blocks free (read from /health)."""
+websocket streaming and multi-turn reuse, the openai client, cancel (mid-stream and during the
+prefill), disconnect, /health latency under load, bad input, and after each the pool back to
+all blocks free (read from /health).
+
+The server steps at most 16 tokens at a time (--max-num-batched-tokens 16), so a long prompt's
+prefill takes many engine steps and a cancel can land inside it."""
 
 import contextlib
 import json
@@ -41,7 +45,8 @@ def server(tiny_llama_dir, tiny_draft_dir):
     port = free_port()
     cmd = [sys.executable, "-m", "chatserve.cli", "serve", "--model", str(tiny_llama_dir),
            "--draft-model", str(tiny_draft_dir), "--no-adaptive", "--port", str(port),
-           "--kv-cache-memory", "8M", "--threads", "1", "--served-model-name", "tiny"]
+           "--kv-cache-memory", "8M", "--threads", "1", "--served-model-name", "tiny",
+           "--max-num-batched-tokens", "16"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     base = f"http://127.0.0.1:{port}"
@@ -72,12 +77,19 @@ def wait_pool_free(base: str, timeout: float = 10.0) -> dict:
 
 
 @contextlib.contextmanager
-def ws_connect(base: str):
+def ws_connect(base: str, **kwargs):
     from websockets.sync.client import connect
 
-    with connect(base.replace("http", "ws") + "/ws") as ws:
+    with connect(base.replace("http", "ws") + "/ws", **kwargs) as ws:
         assert json.loads(ws.recv())["type"] == "ready"
         yield ws
+
+
+def cancel_and_wait_done(ws, turn_id: str) -> dict:
+    ws.send(json.dumps({"type": "cancel", "id": turn_id}))
+    while (msg := json.loads(ws.recv(timeout=60)))["type"] == "delta":
+        pass
+    return msg
 
 
 def run_turn(ws, content: str, **params) -> tuple[list[dict], dict]:
@@ -123,9 +135,7 @@ def test_cancel_mid_stream_frees_blocks(server, long_prompt):
                             "params": {"temperature": 0, "max_tokens": 300}}))
         first = json.loads(ws.recv(timeout=60))
         assert first["type"] == "delta"
-        ws.send(json.dumps({"type": "cancel", "id": "c1"}))
-        while (msg := json.loads(ws.recv(timeout=60)))["type"] == "delta":
-            pass
+        msg = cancel_and_wait_done(ws, "c1")
         assert msg["type"] == "done" and msg["finish_reason"] == "abort"
         assert msg["stats"]["generated_tokens"] < 300
         _, again = run_turn(ws, "still there?", max_tokens=4)  # the connection stays usable
@@ -152,5 +162,76 @@ def test_bad_input_then_server_still_answers(server):
         _, done = run_turn(ws, "ok?", max_tokens=4)
         assert done["type"] == "done"
     metrics = httpx.get(server + "/metrics").text
-    assert "chatserve:spec_decode_num_draft_tokens" in metrics
+    for name in ("time_to_first_token_seconds_bucket", "inter_token_latency_seconds_bucket",
+                 "e2e_request_latency_seconds_bucket", "request_queue_time_seconds_bucket",
+                 "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
+                 "prefix_cache_queries_total", "prefix_cache_hits_total", "spec_decode_num_drafts_total",
+                 "spec_decode_num_draft_tokens_total", "spec_decode_num_accepted_tokens_total",
+                 'spec_decode_num_accepted_tokens_per_pos_total{position="0"}'):
+        assert f"chatserve:{name}" in metrics, name  # vLLM's names, with our prefix
+    wait_pool_free(server)
+
+
+def test_cancel_during_prefill(server):
+    prompt = "Summarize this. " + "The quick brown fox jumps over the lazy dog. " * 40  # ~1.8k tokens, ~115 steps
+    with ws_connect(server) as ws, httpx.Client() as http:
+        ws.send(json.dumps({"type": "chat", "id": "p1", "content": prompt, "params": {"max_tokens": 50}}))
+        deadline = time.monotonic() + 30
+        while http.get(server + "/health").json()["num_running"] == 0:  # admitted: its prefill has begun
+            assert time.monotonic() < deadline, "the request was never scheduled"
+        msg = cancel_and_wait_done(ws, "p1")
+        assert msg["type"] == "done" and msg["finish_reason"] == "abort", msg
+        assert msg["stats"]["generated_tokens"] == 0 and msg["stats"]["ttft_ms"] is None  # no token yet
+        wait_pool_free(server)
+        _, again = run_turn(ws, "still there?", max_tokens=4)
+        assert again["type"] == "done"
+    wait_pool_free(server)
+
+
+def test_health_answers_within_100ms_during_a_long_generation(server, long_prompt):
+    latencies = []
+    with ws_connect(server) as ws, httpx.Client() as http:
+        ws.send(json.dumps({"type": "chat", "id": "h1", "content": long_prompt,
+                            "params": {"temperature": 0, "max_tokens": 300}}))
+        assert json.loads(ws.recv(timeout=60))["type"] == "delta"
+        for _ in range(20):
+            start = time.perf_counter()
+            health = http.get(server + "/health").json()
+            latencies.append(time.perf_counter() - start)
+            assert health["num_running"] == 1  # the generation was still running when /health answered
+            time.sleep(0.01)
+        cancel_and_wait_done(ws, "h1")
+    assert max(latencies) < 0.1, [f"{t * 1000:.1f} ms" for t in latencies]
+    wait_pool_free(server)
+
+
+def test_every_bad_input_gets_an_error_and_the_next_turn_works(server):
+    frames = [
+        ("{not json", "bad_json"),
+        (json.dumps({"type": "chat", "content": 42}), "bad_message"),
+        (json.dumps({"type": "shout"}), "unknown_type"),
+        (json.dumps({"type": "chat", "content": ""}), "empty_messages"),
+        (json.dumps({"type": "chat", "messages": []}), "empty_messages"),
+        (json.dumps({"type": "chat", "content": "hi", "params": {"max_tokens": 10 ** 6}}), "invalid_params"),
+        (json.dumps({"type": "chat", "content": "x" * 5000}), "prompt_too_long"),
+        (json.dumps({"type": "chat", "content": "x" * (2 << 20)}), "too_large"),  # > --max-message-bytes (1 MiB)
+        (b"\x00binary", "binary_frame"),
+    ]
+    with ws_connect(server) as ws:
+        for frame, code in frames:
+            ws.send(frame)
+            error = json.loads(ws.recv(timeout=30))
+            assert error["type"] == "error" and error["code"] == code and error["message"], (code, error)
+            _, done = run_turn(ws, "ok?", max_tokens=2)
+            assert done["type"] == "done", (code, done)
+    from websockets.sync.client import connect
+
+    with connect(server.replace("http", "ws") + "/ws", origin="http://evil.example") as ws:
+        assert json.loads(ws.recv(timeout=10))["code"] == "forbidden_origin"
+    response = httpx.post(server + "/v1/chat/completions", content=b"{oops",
+                          headers={"content-type": "application/json"})
+    assert response.status_code == 400 and response.json()["error"]["code"] == "bad_json"
+    port = server.rsplit(":", 1)[1]
+    with ws_connect(server, origin=f"http://127.0.0.1:{port}") as ws:  # the UI's own origin is fine
+        assert run_turn(ws, "fine?", max_tokens=2)[1]["type"] == "done"
     wait_pool_free(server)

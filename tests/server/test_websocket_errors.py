@@ -110,6 +110,8 @@ def test_origin_must_match_host_or_be_allowed(make_client, origin, allowed, ok):
         with pytest.raises(WebSocketDisconnect) as closed:
             ws.receive_json()
         assert closed.value.code == 1008
+    with client.websocket_connect("/ws") as ws:  # the server still serves everyone else
+        assert ws.receive_json()["type"] == "ready" and chat(ws, content="hi")[-1]["type"] == "done"
 
 
 @pytest.mark.parametrize("how", ["header", "query", "message"])
@@ -148,7 +150,7 @@ def test_api_key_refused(make_client, how):
         assert closed.value.code == 1008
     assert engine.prompts == []
     with client.websocket_connect("/ws", headers={"authorization": "Bearer sekret"}) as ws:
-        assert ws.receive_json()["type"] == "ready"
+        assert ws.receive_json()["type"] == "ready" and chat(ws, content="hi")[-1]["type"] == "done"
 
 
 def test_max_connections(make_client):
@@ -164,3 +166,15 @@ def test_max_connections(make_client):
         assert chat(first, content="hi")[-1]["type"] == "done"
     with client.websocket_connect("/ws") as third:
         assert third.receive_json()["type"] == "ready"
+
+
+def test_http_request_over_the_connection_limit(make_client):
+    client = make_client(FakeEngine(), max_connections=1)
+    body = {"messages": [{"role": "user", "content": "hi"}]}
+    with client.websocket_connect("/ws") as ws:
+        ws.receive_json()
+        response = client.post("/v1/chat/completions", json=body)
+        assert response.status_code == 503
+        assert response.json()["error"]["code"] == "too_many_connections"
+        assert chat(ws, content="hi")[-1]["type"] == "done"
+    assert client.post("/v1/chat/completions", json=body).status_code == 200
