@@ -126,7 +126,7 @@ def test_websocket_cross_origin_refused_over_uvicorn(live):
 
 
 def test_run_server_prints_the_url_and_uses_uvloop(monkeypatch, capsys):
-    import chatserve.server as server_module
+    import chatserve.server.app as server_module
     from chatserve.config import ServerConfig
 
     made = []

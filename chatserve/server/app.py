@@ -1,0 +1,92 @@
+"""The app factory: routes (/ws, /v1, /health, /metrics, the static UI) and the uvicorn runner."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Mount, Route, WebSocketRoute
+from starlette.staticfiles import StaticFiles
+from starlette.websockets import WebSocket
+
+from chatserve import protocol as P
+from chatserve.config import ServerConfig
+from chatserve.metrics import CONTENT_TYPE
+from chatserve.server.openai_api import OpenAIRoutes, error_response
+from chatserve.server.state import AppState
+from chatserve.server.websocket import Connection
+
+WEB_DIR = Path(__file__).resolve().parents[2] / "web"
+
+
+def create_app(engine, config: ServerConfig) -> Starlette:
+    """The whole server as one ASGI app; `engine` implements the AsyncEngine interface."""
+    state = AppState(engine, config)
+    openai = OpenAIRoutes(state)
+
+    async def websocket_endpoint(websocket: WebSocket) -> None:
+        await Connection(state, websocket).serve()
+
+    async def health(request: Request) -> Response:
+        try:
+            stats = engine.stats()
+        except Exception as e:
+            return JSONResponse({"status": "error", "message": f"engine.stats() failed: {e!r}"}, status_code=503)
+        keys = ("num_running", "num_waiting", "num_blocks", "num_free_blocks", "kv_usage")
+        return JSONResponse({"status": "ok", "model": state.model_name, "draft": engine.draft_name,
+                             **{k: stats.get(k) for k in keys}, "num_connections": state.access.num_connections})
+
+    async def metrics(request: Request) -> Response:
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+    routes = [
+        WebSocketRoute("/ws", websocket_endpoint),
+        Mount("/v1", routes=[  # a mount of its own, so /v1 404s and 405s never fall through to the UI
+            Route("/chat/completions", openai.chat_completions, methods=["POST"]),
+            Route("/completions", openai.completions, methods=["POST"]),
+            Route("/models", openai.models, methods=["GET"]),
+        ]),
+        Route("/health", health, methods=["GET"]),  # health and metrics stay open (no key) for probes
+        Route("/metrics", metrics, methods=["GET"]),
+        Mount("/", app=StaticFiles(directory=WEB_DIR, html=True, check_dir=False), name="web"),
+    ]
+    app = Starlette(routes=routes, exception_handlers={HTTPException: _http_exception})
+    app.state.server = state
+    return app
+
+
+async def _http_exception(request: Request, exc: HTTPException) -> Response:
+    """404/405 under /v1 in OpenAI's error shape; plain text elsewhere (the static UI)."""
+    if not request.url.path.startswith("/v1/"):
+        return Response(exc.detail, status_code=exc.status_code, headers=exc.headers)
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+    return error_response(P.ProtocolError(code, f"{request.method} {request.url.path}: {exc.detail}",
+                                          exc.status_code))
+
+
+def make_uvicorn_server(engine, config: ServerConfig, log_level: str = "info"):
+    """uvicorn with uvloop and sans-I/O websockets, serving create_app(engine, config)."""
+    import uvicorn
+
+    # Frames up to 4x the limit reach the app and get a clear `too_large` error; bigger ones are
+    # closed by the protocol layer with code 1009.
+    uv_config = uvicorn.Config(create_app(engine, config), host=config.host, port=config.port, loop="uvloop",
+                               ws="websockets-sansio", ws_max_size=4 * config.max_message_bytes,
+                               log_level=log_level)
+    return uvicorn.Server(uv_config)
+
+
+def run_server(engine, config: ServerConfig) -> None:
+    """Serve `engine` until interrupted; prints the URL to open."""
+    server = make_uvicorn_server(engine, config)
+    host = "127.0.0.1" if config.host in ("0.0.0.0", "::", "") else config.host
+    host = f"[{host}]" if ":" in host else host
+    hint = "  (append ?api_key=<key> to the URL)" if config.api_key else ""
+    print(f"chatserve: serving {engine.model_name} - open http://{host}:{config.port}/{hint}", flush=True)
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises Ctrl+C after its graceful shutdown
+        print("chatserve: stopped", flush=True)

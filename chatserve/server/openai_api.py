@@ -1,0 +1,219 @@
+"""OpenAI-compatible routes: /v1/chat/completions and /v1/completions (SSE or whole), /v1/models.
+
+A request is checked (access, body, limits) and waits for its first delta before any header is
+sent, so refusals are proper OpenAI error responses; after that, errors are reported in-band.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from chatserve import protocol as P
+from chatserve.sampling_params import Delta
+from chatserve.server.state import AppState
+
+
+class OpenAIRoutes:
+    def __init__(self, state: AppState):
+        self.state = state
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._complete(request, is_chat=True)
+
+    async def completions(self, request: Request) -> Response:
+        return await self._complete(request, is_chat=False)
+
+    async def models(self, request: Request) -> Response:
+        s = self.state
+        try:
+            s.access.check_http(request.headers)
+        except P.ProtocolError as e:
+            return error_response(e)
+        return JSONResponse(P.models_response(s.model_name, s.engine.max_model_len, s.created))
+
+    async def _read_json(self, request: Request):
+        limit = self.state.config.max_message_bytes
+        too_large = P.ProtocolError(P.TOO_LARGE, f"request body is larger than the {limit}-byte limit", 413)
+        if int(request.headers.get("content-length") or 0) > limit:
+            raise too_large
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise too_large
+        try:
+            return json.loads(body)
+        except (ValueError, RecursionError) as e:
+            raise P.ProtocolError(P.BAD_JSON, f"request body is not valid JSON: {e}") from None
+
+    async def _complete(self, request: Request, is_chat: bool) -> Response:
+        s = self.state
+        timer = s.metrics.start_request()
+        try:
+            s.access.check_http(request.headers)
+            body = await self._read_json(request)
+            parse = P.parse_chat_completion_request if is_chat else P.parse_completion_request
+            req = parse(body, s.config.max_tokens_limit)
+            if req.model is not None and req.model != s.model_name:
+                raise P.ProtocolError(P.MODEL_NOT_FOUND, f"model {req.model!r} does not exist; this server serves "
+                                      f"{s.model_name!r}", 404, "model")
+            if is_chat:
+                prompt_ids = await s.tokenize_chat(req.messages)
+            else:
+                prompt_ids = req.prompt_token_ids or await s.tokenize(req.prompt)
+            s.access.check_prompt(prompt_ids)
+            s.access.acquire_connection()
+        except P.ProtocolError as e:
+            return error_response(e)
+        request_id = ("chatcmpl-" if is_chat else "cmpl-") + uuid.uuid4().hex
+        deltas = s.generate(prompt_ids, req.params, request_id, timer)
+
+        async def close() -> None:
+            await deltas.aclose()
+            s.access.release_connection()
+
+        try:  # wait for the first delta before answering: the engine's ValueError (too long) becomes a 400
+            first = await _until_disconnect(request, anext(deltas))
+        except BaseException as e:
+            await close()
+            if isinstance(e, StopAsyncIteration):
+                e = P.ProtocolError(P.ENGINE_ERROR, "the engine produced no output", 500)
+            if not isinstance(e, P.ProtocolError):
+                raise
+            return error_response(e)
+        if first is None:
+            await close()
+            return Response(status_code=499)  # the client left during the prefill
+        shape = _Shape(is_chat, request_id, s.model_name, int(time.time()), req.include_usage)
+        if req.stream:
+            return _SSEResponse(self._events(shape, first, deltas, len(prompt_ids)), close)
+        try:
+            whole = await _until_disconnect(request, self._whole(shape, first, deltas, len(prompt_ids)))
+            return whole or Response(status_code=499)
+        except P.ProtocolError as e:
+            return error_response(e)
+        finally:
+            await close()
+
+    async def _events(self, shape: "_Shape", first: Delta, deltas, num_prompt_tokens: int) -> AsyncIterator[str]:
+        if shape.is_chat:
+            yield _sse(shape.chunk("", None, role=True))
+        delta, num_tokens = first, 0
+        while True:
+            num_tokens += len(delta.token_ids)
+            if delta.finish_reason == "error":
+                yield _sse(P.openai_error(P.ENGINE_ERROR, f"generation failed: {delta.error}", 500))
+                break
+            if delta.text:
+                yield _sse(shape.chunk(delta.text, None))
+            if delta.finished:
+                yield _sse(shape.chunk("", delta.finish_reason))
+                if shape.include_usage:
+                    yield _sse(shape.usage_chunk(_usage(delta, num_prompt_tokens, num_tokens)))
+                break
+            try:
+                delta = await anext(deltas, None)
+            except P.ProtocolError as e:  # headers are sent: report in-band, as OpenAI does
+                yield _sse(P.openai_error(e.code, e.message, e.status))
+                break
+            if delta is None:
+                break
+        yield "data: [DONE]\n\n"
+
+    async def _whole(self, shape: "_Shape", first: Delta, deltas, num_prompt_tokens: int) -> Response:
+        parts, num_tokens, delta = [], 0, first
+        while True:
+            parts.append(delta.text)
+            num_tokens += len(delta.token_ids)
+            following = None if delta.finished else await anext(deltas, None)
+            if following is None:
+                break
+            delta = following
+        if delta.finish_reason == "error":
+            return error_response(P.ProtocolError(P.ENGINE_ERROR, f"generation failed: {delta.error}", 500))
+        usage = _usage(delta, num_prompt_tokens, num_tokens)
+        return JSONResponse(shape.whole("".join(parts), delta.finish_reason or "abort", usage))
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """Shapes chunks and responses for one OpenAI request (chat or text completion)."""
+
+    is_chat: bool
+    id: str
+    model: str
+    created: int
+    include_usage: bool
+
+    def chunk(self, text: str, finish_reason: str | None, role: bool = False) -> dict:
+        if not self.is_chat:
+            return P.completion_response(self.id, self.model, self.created, text, finish_reason,
+                                         with_usage=self.include_usage)
+        delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+        return P.chat_completion_chunk(self.id, self.model, self.created, delta, finish_reason, self.include_usage)
+
+    def usage_chunk(self, usage: dict) -> dict:
+        kind = "chat.completion.chunk" if self.is_chat else "text_completion"
+        return P.usage_chunk(kind, self.id, self.model, self.created, usage)
+
+    def whole(self, text: str, finish_reason: str, usage: dict) -> dict:
+        if self.is_chat:
+            return P.chat_completion_response(self.id, self.model, self.created, text, finish_reason, usage)
+        return P.completion_response(self.id, self.model, self.created, text, finish_reason, usage)
+
+
+class _SSEResponse(StreamingResponse):
+    """Server-sent events whose generator and engine request are closed however the stream ends."""
+
+    def __init__(self, events: AsyncIterator[str], close):
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.close = close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+            await self.close()
+
+
+async def _until_disconnect(request: Request, work):
+    """Await `work`, or cancel it and return None if the client disconnects first (Starlette only
+    watches for disconnects while a StreamingResponse is being sent)."""
+    async def wait_disconnect() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    work_task, watch_task = asyncio.ensure_future(work), asyncio.ensure_future(wait_disconnect())
+    try:
+        await asyncio.wait({work_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch_task.cancel()
+        if not work_task.done():
+            work_task.cancel()
+    await asyncio.gather(watch_task, work_task, return_exceptions=True)
+    return None if work_task.cancelled() else work_task.result()
+
+
+def _usage(last: Delta, num_prompt_tokens: int, num_tokens: int) -> dict:
+    stats = last.stats
+    if stats is None:
+        return P.usage_dict(num_prompt_tokens, num_tokens, None)
+    return P.usage_dict(stats.prompt_tokens or num_prompt_tokens, stats.num_generated, stats.cached_tokens)
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {P.dumps(obj)}\n\n"
+
+
+def error_response(error: P.ProtocolError) -> JSONResponse:
+    return JSONResponse(P.openai_error(error.code, error.message, error.status, error.param), status_code=error.status)

@@ -1,0 +1,71 @@
+"""AppState: what all routes of one app share (engine, config, limits, metrics), and the engine calls.
+
+The event loop only awaits here: tokenization runs in a worker thread and generation on the
+engine's own thread. Closing a generation early (aclose, task cancel) aborts its request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import AsyncIterator
+
+from chatserve import protocol as P
+from chatserve.config import ServerConfig
+from chatserve.metrics import RequestTimer, ServerMetrics
+from chatserve.sampling_params import Delta, SamplingParams
+from chatserve.server.access import AccessControl
+
+
+class AppState:
+    def __init__(self, engine, config: ServerConfig):
+        self.engine, self.config = engine, config
+        self.metrics = ServerMetrics(engine)
+        self.access = AccessControl(config, config.max_prompt_tokens or engine.max_model_len)
+        self.model_name = config.served_model_name or engine.model_name
+        self.created = int(time.time())
+
+    async def tokenize_chat(self, messages: list[dict]) -> list[int]:
+        """The chat template runs in a worker thread. Any failure is the messages' fault (a template
+        may refuse, e.g. roles that do not alternate), so it is a client error."""
+        try:
+            return await asyncio.to_thread(self.engine.tokenize_chat, messages)
+        except Exception as e:
+            raise P.ProtocolError(P.BAD_MESSAGE, f"cannot apply the chat template: {e}", param="messages") from None
+
+    async def tokenize(self, text: str) -> list[int]:
+        try:
+            return await asyncio.to_thread(self.engine.tokenize, text)
+        except Exception as e:
+            raise P.ProtocolError(P.BAD_MESSAGE, f"cannot tokenize the prompt: {e}", param="prompt") from None
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
+                       timer: RequestTimer) -> AsyncIterator[Delta]:
+        """engine.generate plus metrics; closing this early (aclose, cancel) aborts the request.
+
+        The engine's ValueError before the first delta becomes ProtocolError(invalid_prompt); an
+        exception after that becomes ProtocolError(engine_error). An "error" delta is passed on.
+        """
+        deltas = self.engine.generate(prompt_ids, params, request_id)
+        is_finished, num_deltas = False, 0
+        try:
+            async for delta in deltas:
+                num_deltas += 1
+                timer.on_delta(len(delta.token_ids))
+                if delta.finished:
+                    is_finished = True
+                    timer.finish(delta.finish_reason, len(prompt_ids), delta.stats)
+                yield delta
+                if is_finished:
+                    return
+        except Exception as e:
+            if isinstance(e, ValueError) and not num_deltas:
+                is_finished = True  # never admitted: nothing to abort or count
+                raise P.ProtocolError(P.INVALID_PROMPT, str(e)) from None
+            timer.finish("error", len(prompt_ids), None)
+            raise P.ProtocolError(P.ENGINE_ERROR, f"generation failed: {e}", 500) from None
+        finally:
+            if not is_finished:
+                await deltas.aclose()
+                self.engine.abort(request_id)  # idempotent; the engine's own finally may have done it
+                timer.finish("abort", len(prompt_ids), None)
