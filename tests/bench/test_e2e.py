@@ -69,3 +69,14 @@ def test_bench_open_loop_poisson_and_failures_reported(server, tmp_path):
     summary = result["points"][0]["report"]["summary"]
     assert result["points"][0]["concurrency"] is None
     assert summary["num_failed"] == 3 and summary["failure_reasons"] == {"invalid_params": 3}
+
+
+def test_bench_with_baseline_against_real_server(server, tmp_path, tiny_llama_dir):
+    out = tmp_path / "b.json"
+    assert main(["bench", "--url", server, "--model", str(tiny_llama_dir), "--num-requests", "2", "--max-tokens", "8",
+                 "--baseline", "transformers", "--baseline-requests", "2", "--no-progress", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert set(result["baseline"]["methods"]) == {"plain", "assisted"}  # the server drafts with a model
+    assert all(m["summary"]["num_completed"] == 2 for m in result["baseline"]["methods"].values())
+    assert {r["vs"] for r in result["ratios"]} == {"transformers plain", "transformers assisted"}
+    assert all(r["tpot_ratio"] > 0 and r["ttft_ratio"] > 0 for r in result["ratios"])
