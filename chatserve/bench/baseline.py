@@ -34,14 +34,17 @@ class _TimingStreamer:
 
 def run_transformers(model: str, prompts: list[str], max_tokens: int, temperature: float, dtype: str,
                      method: str = "plain", draft_model: str | None = None, num_draft_tokens: int = 4,
-                     progress: bool = True) -> list[RequestRecord]:
-    """One greedy (temperature 0) or sampled `generate` per prompt, as a chat turn; batch 1."""
+                     progress: bool = True, num_threads: int | None = None) -> list[RequestRecord]:
+    """One greedy (temperature 0) or sampled `generate` per prompt, as a chat turn; batch 1. An
+    unrecorded 4-token warm-up generate runs first, as the server benchmark warms up too."""
     import torch
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from chatserve.loading import resolve
 
+    if num_threads:
+        torch.set_num_threads(num_threads)
     torch_dtype = getattr(torch, dtype)
     path = resolve(model)
     tok = AutoTokenizer.from_pretrained(path)
@@ -52,17 +55,22 @@ def run_transformers(model: str, prompts: list[str], max_tokens: int, temperatur
     elif method == "prompt_lookup":
         extra["prompt_lookup_num_tokens"] = num_draft_tokens
     sampling = {"do_sample": False} if temperature == 0 else {"do_sample": True, "temperature": temperature}
-    records = []
-    for i, prompt in enumerate(tqdm(prompts, desc=f"transformers {method}", disable=not progress, leave=False)):
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+
+    def generate(prompt: str, record: RequestRecord, num_tokens: int) -> None:
         ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                       return_tensors="pt", return_dict=True)["input_ids"]
-        record = RequestRecord(i, 0, start=time.perf_counter())
+        record.start = time.perf_counter()
         with torch.inference_mode():
-            out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
-                                  streamer=_TimingStreamer(record), pad_token_id=tok.pad_token_id or tok.eos_token_id,
-                                  **sampling, **extra)
+            out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=num_tokens,
+                                  streamer=_TimingStreamer(record), pad_token_id=pad_id, **sampling, **extra)
         record.num_generated, record.prompt_tokens = out.shape[1] - ids.shape[1], ids.shape[1]
-        records.append(record)
+
+    generate("Warm-up request: say hello.", RequestRecord(-1, 0, start=0.0), 4)
+    records = []
+    for i, prompt in enumerate(tqdm(prompts, desc=f"transformers {method}", disable=not progress, leave=False)):
+        records.append(RequestRecord(i, 0, start=0.0))
+        generate(prompt, records[-1], max_tokens)
     return records
 
 
@@ -89,11 +97,12 @@ def add_baseline(result: dict, plan, args) -> None:
         methods.discard("assisted")
     num = args.baseline_requests or 4
     prompts = [c.user_turns[0] for c in plan.conversations][:num]
-    baseline = {"model": model, "draft_model": draft, "dtype": args.dtype, "num_prompts": len(prompts),
+    baseline = {"model": model, "draft_model": draft, "dtype": args.dtype, "threads": args.threads,
+                "num_prompts": len(prompts),
                 "loadavg_before": list(os.getloadavg()), "methods": {}}
     for method in [m for m in METHODS if m in methods]:
         records = run_transformers(model, prompts, plan.settings["max_tokens"], plan.settings.get("temperature", 0.0),
-                                   args.dtype, method, draft, progress=plan.progress)
+                                   args.dtype, method, draft, progress=plan.progress, num_threads=args.threads)
         duration = sum(r.end - r.start for r in records)
         baseline["methods"][method] = {"summary": aggregate(records, duration),
                                        "requests": [r.to_dict() for r in records]}

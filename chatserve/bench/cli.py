@@ -49,6 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "default: off, ngram, and draft when --draft-model is given")
     s.add_argument("--server-args", default="", help="arguments added to every `chatserve serve`")
     s.add_argument("--dtype", default="float32", help="model dtype for sweep servers and the baseline")
+    s.add_argument("--threads", type=int, default=None, help="torch threads for sweep servers and the baseline")
     b = p.add_argument_group("baseline")
     b.add_argument("--baseline", choices=BASELINES, default=None,
                    help="also run the prompts through transformers generate in-process (batch 1)")
@@ -108,7 +109,8 @@ def cmd_bench(args) -> int:
     if args.sweep:
         if not args.model:
             raise ValueError("--sweep needs --model")
-        serve_args = ["--dtype", args.dtype, *shlex.split(args.server_args)]
+        threads = ["--threads", str(args.threads)] if args.threads else []
+        serve_args = ["--dtype", args.dtype, *threads, *shlex.split(args.server_args)]
         points = run_points(plan, args.model, configs_from_args(args), serve_args)
     else:
         points = run_points(plan)

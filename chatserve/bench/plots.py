@@ -19,6 +19,18 @@ def _pyplot():
     return plt
 
 
+def _colors(plt) -> list[str]:
+    return plt.rcParams["axes.prop_cycle"].by_key()["color"] * 4
+
+
+def _concurrency_axis(ax, points: list[dict]) -> None:
+    xs = sorted({p["concurrency"] for p in points if p["concurrency"]})
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(xs, [str(x) for x in xs])
+    ax.minorticks_off()
+    ax.set_xlabel("concurrency")
+
+
 def _by_config(points: list[dict]) -> dict[str, list[dict]]:
     out: dict[str, list[dict]] = {}
     for p in points:
@@ -35,7 +47,7 @@ def plot_latency(points: list[dict], path: Path) -> None:
     """TTFT and TPOT p50/p90/p99 against concurrency, one colour per configuration."""
     plt = _pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    for (config, pts), color in zip(_by_config(points).items(), plt.rcParams["axes.prop_cycle"].by_key()["color"] * 4):
+    for (config, pts), color in zip(_by_config(points).items(), _colors(plt)):
         pts = sorted(pts, key=lambda p: p["concurrency"] or 0)
         xs = [p["concurrency"] or 0 for p in pts]
         for ax, key in zip(axes, ("ttft_ms", "tpot_ms")):
@@ -44,8 +56,7 @@ def plot_latency(points: list[dict], path: Path) -> None:
                 ax.plot(xs, ys, style, color=color, marker="o", markersize=3, label=f"{config} {q}")
     for ax, title in zip(axes, ("TTFT (ms)", "TPOT (ms)")):
         ax.set_title(title)
-        ax.set_xlabel("concurrency")
-        ax.set_xscale("log", base=2)
+        _concurrency_axis(ax, points)
         ax.grid(alpha=0.3)
     axes[1].legend(fontsize=7, ncol=2)
     fig.tight_layout()
@@ -63,8 +74,7 @@ def plot_speedup(points: list[dict], path: Path) -> None:
             ax.plot([p["concurrency"] for p in pts], [p["speedup_vs_off"] for p in pts], marker="o", label=config)
     ax.axhline(1.0, color="gray", lw=0.8)
     ax.axhline(0.95, color="red", lw=0.8, ls=":", label="0.95x")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("concurrency")
+    _concurrency_axis(ax, points)
     ax.set_ylabel("speedup over speculation off (mean TPOT)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
@@ -77,13 +87,13 @@ def plot_itl_cdf(points: list[dict], path: Path) -> None:
     """Empirical CDF of per-token ITL per configuration, at the lowest and highest concurrency."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 4))
-    for config, pts in _by_config(points).items():
+    for (config, pts), color in zip(_by_config(points).items(), _colors(plt)):
         pts = sorted(pts, key=lambda p: p["concurrency"] or 0)
         for p, style in zip((pts[0], pts[-1]) if len(pts) > 1 else pts[:1], ("-", "--")):
             itls = sorted(x for r in _records(p) if r.is_ok for x in itl_ms(r.chunk_times, tokens_per_chunk(r)))
             if itls:
                 ys = [(i + 1) / len(itls) for i in range(len(itls))]
-                ax.step(itls, ys, style, where="post", label=f"{config} c={p['concurrency']}")
+                ax.step(itls, ys, style, color=color, where="post", label=f"{config} c={p['concurrency']}")
     ax.set_xscale("log")
     ax.set_xlabel("inter-token latency (ms, per token)")
     ax.set_ylabel("fraction of tokens")
