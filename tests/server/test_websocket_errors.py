@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
@@ -114,17 +115,20 @@ def test_origin_must_match_host_or_be_allowed(make_client, origin, allowed, ok):
         assert ws.receive_json()["type"] == "ready" and chat(ws, content="hi")[-1]["type"] == "done"
 
 
-@pytest.mark.parametrize("how", ["header", "query", "message"])
-def test_api_key_accepted_three_ways(make_client, how):
-    client = make_client(FakeEngine(), api_key="sekret")
-    url, headers = "/ws", {}
-    if how == "header":
-        headers = {"authorization": "Bearer sekret"}
-    elif how == "query":
-        url = "/ws?api_key=sekret"
+@contextlib.contextmanager
+def connect_with_key(client, how: str, key: str):
+    """Open /ws presenting `key` by header, query string or a first `auth` message ("none": not at all)."""
+    url = f"/ws?api_key={key}" if how == "query" else "/ws"
+    headers = {"authorization": f"Bearer {key}"} if how == "header" else {}
     with client.websocket_connect(url, headers=headers) as ws:
         if how == "message":
-            ws.send_json({"type": "auth", "api_key": "sekret"})
+            ws.send_json({"type": "auth", "api_key": key})
+        yield ws
+
+
+@pytest.mark.parametrize("how", ["header", "query", "message"])
+def test_api_key_accepted_three_ways(make_client, how):
+    with connect_with_key(make_client(FakeEngine(), api_key="sekret"), how, "sekret") as ws:
         assert ws.receive_json()["type"] == "ready"
         assert chat(ws, content="hi")[-1]["type"] == "done"
 
@@ -133,15 +137,8 @@ def test_api_key_accepted_three_ways(make_client, how):
 def test_api_key_refused(make_client, how):
     engine = FakeEngine()
     client = make_client(engine, api_key="sekret")
-    url, headers = "/ws", {}
-    if how == "header":
-        headers = {"authorization": "Bearer wrong"}
-    elif how == "query":
-        url = "/ws?api_key=wrong"
-    with client.websocket_connect(url, headers=headers) as ws:
-        if how == "message":
-            ws.send_json({"type": "auth", "api_key": "wrong"})
-        elif how == "none":
+    with connect_with_key(client, how, "wrong") as ws:
+        if how == "none":
             ws.send_json({"type": "chat", "content": "let me in"})
         error = ws.receive_json()
         assert error["type"] == "error" and error["code"] == "unauthorized"
