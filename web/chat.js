@@ -238,13 +238,51 @@
     return parts.join("");
   }
 
+  // Paragraphs at blank lines, "- " / "1. " lists, "#" headings; anything else stays as typed.
   function renderProse(text) {
     const trimmed = text.replace(/^\n+/, "").replace(/\n+$/, "");
     if (!trimmed) return "";
-    const html = escapeHtml(trimmed)
+    const blocks = [];
+    let lines = [], list = null;
+    const endParagraph = () => { if (lines.length) blocks.push(`<p>${lines.join("\n")}</p>`); lines = []; };
+    const endList = () => {
+      if (list) blocks.push(`<${list.tag}${list.start}>${list.items.map((i) => `<li>${i}</li>`).join("")}</${list.tag}>`);
+      list = null;
+    };
+    for (const line of trimmed.split("\n")) {
+      const item = line.match(/^\s*(?:([-*•])|(\d+)[.)])\s+(.*)$/);
+      const heading = line.match(/^#{1,6}\s+(.*)$/);
+      if (item) {
+        endParagraph();
+        const tag = item[1] ? "ul" : "ol";
+        if (!list || list.tag !== tag) {
+          endList();
+          list = { tag, start: item[2] && item[2] !== "1" ? ` start="${item[2]}"` : "", items: [] };
+        }
+        list.items.push(renderInline(item[3]));
+      } else if (heading) {
+        endParagraph();
+        endList();
+        blocks.push(`<p class="heading">${renderInline(heading[1])}</p>`);
+      } else if (!line.trim()) {
+        endParagraph();
+        endList();
+      } else if (list && /^\s/.test(line)) {  // an indented line continues the last item
+        list.items[list.items.length - 1] += ` ${renderInline(line.trim())}`;
+      } else {
+        endList();
+        lines.push(renderInline(line));
+      }
+    }
+    endParagraph();
+    endList();
+    return `<div class="prose">${blocks.join("")}</div>`;
+  }
+
+  function renderInline(text) {
+    return escapeHtml(text)
       .replace(/`([^`\n]+)`/g, '<code class="inline">$1</code>')
       .replace(/\*\*([^*\n]+)\*\*/g, "<strong>$1</strong>");
-    return `<div class="prose">${html}</div>`;
   }
 
   const nearBottom = () => el.messages.scrollHeight - el.messages.scrollTop - el.messages.clientHeight < 80;

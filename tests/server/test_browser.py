@@ -27,7 +27,8 @@ REPLIES = {
     "poem": "Silicon rivers hum beneath the floor,\nwhere tensors dream of tokens yet to come;\n" * 12,
     "python": "Sure, here is a tiny example:\n\n```python\ndef greet(name: str) -> str:\n"
               "    return f\"Hello, {name}!\"\n\nprint(greet(\"<world>\"))\n```\n\n"
-              "`greet` returns a string; the `<world>` tag is shown as text, not HTML.",
+              "`greet` returns a string; the `<world>` tag is shown as text, not HTML.\n\n"
+              "1. define it\n2. call it",
 }
 
 
@@ -94,6 +95,7 @@ def test_chat_ui(browser, tmp_path):
         expect(code_turn.locator(".stats")).to_contain_text("tok/s")
         expect(code_turn.locator("pre code")).to_contain_text('print(greet("<world>"))')
         expect(code_turn.locator(".code-head")).to_contain_text("python")
+        expect(code_turn.locator(".content ol li")).to_have_text(["define it", "call it"])
         prompt = engine.detokenize(engine.prompts[2])
         assert "<user>Show me some python\nplease</user>" in prompt
         assert "What is speculative decoding?" in prompt and "Silicon rivers" in prompt  # one conversation
