@@ -1,0 +1,47 @@
+"""Helpers shared by the KV-cache benchmarks (kv_speed.py, kv_quality.py): engines that share
+one copy of the loaded weights but each own a fresh KV pool in a given format, and the eval text."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from chatserve.block_manager import BlockManager  # noqa: E402
+from chatserve.config import EngineConfig, SpecConfig  # noqa: E402
+from chatserve.engine import Engine  # noqa: E402
+from chatserve.kv_cache import KVCache, plan_num_blocks  # noqa: E402
+from chatserve.loading import DTYPES, LoadedModels, cache_shape  # noqa: E402
+from chatserve.model_runner import ModelRunner  # noqa: E402
+
+EVAL_TEXT = Path(__file__).resolve().parents[1] / "chatserve" / "data" / "eval_text.txt"
+
+
+def engine_with_kv(models: LoadedModels, config: EngineConfig, kv_format: str, budget_bytes: int,
+                   spec: SpecConfig | None = None, draft_kv_format: str | None = None) -> Engine:
+    """An Engine over `models`' weights (not copied) with new pools: the target's in `kv_format`,
+    the draft's (if spec uses the draft model) in `draft_kv_format` (default: the target's)."""
+    dtype = DTYPES[config.dtype]
+    use_draft = spec is not None and spec.method == "draft"
+    shapes = [cache_shape(models.target, dtype, kv_format)]
+    if use_draft:
+        shapes.append(cache_shape(models.draft, dtype, draft_kv_format or kv_format))
+    num_blocks = plan_num_blocks(budget_bytes, shapes, config.block_size)
+    runners = [ModelRunner(m, KVCache(s, num_blocks, config.block_size))
+               for m, s in zip((models.target, models.draft), shapes)]
+    fresh = dataclasses.replace(
+        models,
+        target_runner=runners[0],
+        draft_runner=runners[1] if use_draft else None,
+        block_manager=BlockManager(num_blocks, config.block_size, config.enable_prefix_caching),
+    )
+    if spec is not None and draft_kv_format is not None:
+        spec = dataclasses.replace(spec, draft_kv_cache_dtype=draft_kv_format)
+    return Engine(dataclasses.replace(config, kv_cache_dtype=kv_format, spec=spec), fresh)
+
+
+def load_avg() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
