@@ -1,10 +1,13 @@
 """Our engine against transformers `generate`, same model, same prompts, one process, one run.
 
-Prints TTFT, TPOT (medians) and tokens/s at batch 1 and with N concurrent streams, the
-memory-bandwidth floor for a decode step, and the second-turn TTFT over a ~1,000-token
-history. Writes everything to JSON.
+Several configurations of ours (weight dtype / weight quantization) and of transformers (fp32,
+bf16) run the same prompts in interleaved rounds. Prints TTFT, TPOT (medians) and tokens/s at
+batch 1 and with N concurrent streams, each configuration's memory-bandwidth floor (weight
+bytes read per decode step / measured read bandwidth), the ratios against transformers, and the
+second-turn TTFT over a ~1,000-token history. Writes everything to JSON.
 
-    python benchmarks/bench_engine.py --model smollm2-135m-instruct --out benchmarks/results/engine.json
+    python benchmarks/bench_engine.py --model smollm2-135m-instruct --ours fp32,bf16,int8 \
+        --hf fp32,bf16 --out benchmarks/results/engine_smollm2.json
 """
 
 from __future__ import annotations
@@ -112,69 +115,149 @@ def median(xs):
     return statistics.median(xs) if xs else float("nan")
 
 
+OURS = {"fp32": ("float32", None), "bf16": ("bfloat16", None), "int8": ("bfloat16", "int8")}
+HF_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def decode_bytes(model: torch.nn.Module) -> int:
+    """Bytes a decode step reads: every weight except the embedding table (one row of it)."""
+    total = 0
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if not name.startswith("embed_tokens") and "rotary" not in name:
+            total += t.numel() * t.element_size()
+    if getattr(model, "tie_word_embeddings", False) and isinstance(model.lm_head, torch.nn.Linear):
+        total += model.lm_head.weight.numel() * model.lm_head.weight.element_size()  # tied: not listed twice
+    return total
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--ours", default="fp32,bf16,int8", help=f"comma list of {sorted(OURS)}")
+    ap.add_argument("--hf", default="fp32,bf16", help="transformers dtypes, comma list (empty: skip)")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--streams", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--out", default="benchmarks/results/engine.json")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    ours_names = [c for c in args.ours.split(",") if c]
+    hf_names = [c for c in args.hf.split(",") if c]
 
-    engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, kv_cache_memory=1 << 30, max_num_seqs=args.streams))
-    tok = engine.tokenizer
+    engines = {}
+    for name in ours_names:
+        dtype, quant = OURS[name]
+        engines[name] = Engine(EngineConfig(model=args.model, dtype=dtype, quantization=quant,
+                                            kv_cache_memory=1 << 30, max_num_seqs=args.streams))
+    tok = next(iter(engines.values())).tokenizer
     prompts = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in (PROMPTS["chat"] + PROMPTS["code"])]
-    weight_bytes = sum(p.numel() * p.element_size() for p in engine.models.target.parameters())
     bandwidth = read_bandwidth_gbs()
-    floor_ms = weight_bytes / (bandwidth * 1e9) * 1e3
-    print(f"model {args.model} {args.dtype}: {weight_bytes / 1e6:.0f} MB of weights; read bandwidth "
-          f"{bandwidth:.1f} GB/s -> decode floor {floor_ms:.1f} ms/token; load {os.getloadavg()[0]:.2f}", flush=True)
+    print(f"model {args.model}; read bandwidth {bandwidth:.1f} GB/s; threads {torch.get_num_threads()}; "
+          f"load {os.getloadavg()[0]:.2f}", flush=True)
+    floors = {}
+    for name, engine in engines.items():
+        nbytes = decode_bytes(engine.models.target)
+        floors[name] = {"decode_mb": nbytes / 1e6, "floor_tpot_ms": nbytes / (bandwidth * 1e9) * 1e3}
+        print(f"  ours {name}: {nbytes / 1e6:.0f} MB read per decode step -> floor "
+              f"{floors[name]['floor_tpot_ms']:.1f} ms/token", flush=True)
 
-    hf = None
-    if not args.skip_hf:
+    hf_models = {}
+    if hf_names:
         from transformers import AutoModelForCausalLM
 
         from chatserve.loading import resolve
 
-        hf = AutoModelForCausalLM.from_pretrained(str(resolve(args.model)), dtype=getattr(torch, args.dtype)).eval()
+        for name in hf_names:
+            hf_models[name] = AutoModelForCausalLM.from_pretrained(
+                str(resolve(args.model)), dtype=HF_DTYPES[name]).eval()
 
-    run_ours(engine, prompts[:1], 8)  # warm up
-    ours1, hf1, ours_n = [], [], []
+    for engine in engines.values():
+        run_ours(engine, prompts[:1], 8)  # warm up
+    for model in hf_models.values():
+        run_hf(model, prompts[0], 8)
+    b1 = {f"ours_{n}": [] for n in engines} | {f"hf_{n}": [] for n in hf_models}
+    streams = {n: [] for n in engines}
     for r in range(args.rounds):  # interleaved rounds on this noisy machine
         for p in prompts[r * 2 : r * 2 + 2]:
-            ours1.append(run_ours(engine, [p], args.max_tokens))
-            if hf is not None:
-                hf1.append(run_hf(hf, p, args.max_tokens))
-            print(f"  round {r}: ours TPOT {ours1[-1]['tpot_ms'][0]:.1f} ms"
-                  + (f", transformers TPOT {hf1[-1]['tpot_ms']:.1f} ms" if hf1 else ""), flush=True)
-        ours_n.append(run_ours(engine, prompts[: args.streams], args.max_tokens))
-        print(f"  round {r}: ours {args.streams} streams {ours_n[-1]['tokens_per_s']:.1f} tok/s", flush=True)
+            for name, engine in engines.items():
+                b1[f"ours_{name}"].append(run_ours(engine, [p], args.max_tokens))
+            for name, model in hf_models.items():
+                b1[f"hf_{name}"].append(run_hf(model, p, args.max_tokens))
+            print(f"  round {r}: TPOT " + ", ".join(
+                f"{k} {_tpot(v[-1]):.1f}" for k, v in b1.items()) + " ms", flush=True)
+        for name, engine in engines.items():
+            streams[name].append(run_ours(engine, prompts[: args.streams], args.max_tokens))
+        print(f"  round {r}: {args.streams} streams " + ", ".join(
+            f"ours_{n} {v[-1]['tokens_per_s']:.1f}" for n, v in streams.items()) + " tok/s", flush=True)
 
-    agree = [o["token_ids"][0] == h["token_ids"] for o, h in zip(ours1, hf1)]
-    result = {
-        "model": args.model, "dtype": args.dtype, "max_tokens": args.max_tokens, "threads": torch.get_num_threads(),
-        "loadavg": os.getloadavg(), "weight_mb": weight_bytes / 1e6, "read_gbs": bandwidth, "floor_tpot_ms": floor_ms,
-        "ours_b1": {"ttft_ms": median([r["ttft_ms"][0] for r in ours1]), "tpot_ms": median([r["tpot_ms"][0] for r in ours1]),
-                    "tokens_per_s": median([r["tokens"] / r["wall_s"] for r in ours1])},
-        f"ours_{args.streams}streams": {"tokens_per_s": median([r["tokens_per_s"] for r in ours_n]),
-                                        "tpot_ms": median([median(r["tpot_ms"]) for r in ours_n]),
-                                        "ttft_ms": median([median(r["ttft_ms"]) for r in ours_n])},
-    }
-    if hf1:
-        result["hf_b1"] = {"ttft_ms": median([r["ttft_ms"] for r in hf1]), "tpot_ms": median([r["tpot_ms"] for r in hf1]),
-                           "tokens_per_s": median([r["tokens"] / r["wall_s"] for r in hf1])}
-        result["greedy_agreement"] = f"{sum(agree)}/{len(agree)}"
-        result["tpot_ratio_ours_over_hf"] = result["ours_b1"]["tpot_ms"] / result["hf_b1"]["tpot_ms"]
-        result["throughput_ratio_streams_over_hf_b1"] = result[f"ours_{args.streams}streams"]["tokens_per_s"] / result["hf_b1"]["tokens_per_s"]
-    result["second_turn"] = second_turn(engine, tok, 32)
-    print(json.dumps({k: v for k, v in result.items()}, indent=1))
+    result = {"model": args.model, "max_tokens": args.max_tokens, "threads": torch.get_num_threads(),
+              "loadavg": os.getloadavg(), "read_gbs": bandwidth, "floors": floors, "batch1": {}, "streams": {}}
+    for key, runs in b1.items():
+        result["batch1"][key] = {"ttft_ms": median([_ttft(r) for r in runs]), "tpot_ms": median([_tpot(r) for r in runs]),
+                                 "tokens_per_s": median([_tokens(r) / r["wall_s"] for r in runs])}
+    for name, runs in streams.items():
+        result["streams"][f"ours_{name}"] = {"streams": args.streams,
+                                             "tokens_per_s": median([r["tokens_per_s"] for r in runs]),
+                                             "tpot_ms": median([median(r["tpot_ms"]) for r in runs]),
+                                             "ttft_ms": median([median(r["ttft_ms"]) for r in runs])}
+    result["ratios"] = ratios(result, engines, hf_models)
+    result["greedy_agreement"] = agreement(b1, engines, hf_models)
+    last = ours_names[-1]  # the fastest configuration comes last by convention
+    result["second_turn"] = second_turn(engines[last], tok, 32) | {"config": last}
+    print_table(result)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
+    print(f"wrote {args.out}")
+
+
+def _tpot(r):
+    return r["tpot_ms"][0] if isinstance(r["tpot_ms"], list) else r["tpot_ms"]
+
+
+def _ttft(r):
+    return r["ttft_ms"][0] if isinstance(r["ttft_ms"], list) else r["ttft_ms"]
+
+
+def _tokens(r):
+    return r["tokens"]
+
+
+def ratios(result, engines, hf_models) -> dict:
+    """TPOT ours / transformers at batch 1 (lower is better), and our N-stream aggregate
+    tokens/s over transformers' batch-1 tokens/s (higher is better), for every pair."""
+    out = {}
+    for o in engines:
+        for h in hf_models:
+            ours, hf = result["batch1"][f"ours_{o}"], result["batch1"][f"hf_{h}"]
+            out[f"tpot_ours_{o}_over_hf_{h}"] = ours["tpot_ms"] / hf["tpot_ms"]
+            out[f"streams_ours_{o}_over_hf_{h}_b1"] = result["streams"][f"ours_{o}"]["tokens_per_s"] / hf["tokens_per_s"]
+    return out
+
+
+def agreement(b1, engines, hf_models) -> dict:
+    """Greedy token agreement of each of ours with transformers at the same dtype."""
+    out = {}
+    for o in engines:
+        h = "fp32" if o == "fp32" else "bf16"
+        if f"hf_{h}" not in b1:
+            continue
+        pairs = list(zip(b1[f"ours_{o}"], b1[f"hf_{h}"]))
+        same = sum(a["token_ids"][0] == b["token_ids"] for a, b in pairs)
+        out[f"ours_{o}_vs_hf_{h}"] = f"{same}/{len(pairs)} identical"
+    return out
+
+
+def print_table(result) -> None:
+    print(f"\n{'config':12} {'TTFT ms':>9} {'TPOT ms':>9} {'tok/s':>7}")
+    for key, row in result["batch1"].items():
+        print(f"{key:12} {row['ttft_ms']:9.1f} {row['tpot_ms']:9.1f} {row['tokens_per_s']:7.1f}")
+    for key, row in result["streams"].items():
+        print(f"{key + ' x' + str(row['streams']):12} {row['ttft_ms']:9.1f} {row['tpot_ms']:9.1f} {row['tokens_per_s']:7.1f}")
+    for key, value in result["ratios"].items():
+        print(f"{key}: {value:.2f}")
+    print(json.dumps({"greedy_agreement": result["greedy_agreement"], "second_turn": result["second_turn"]}, indent=1))
 
 
 if __name__ == "__main__":

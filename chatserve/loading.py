@@ -52,13 +52,13 @@ def load_models(config: EngineConfig) -> LoadedModels:
     target_cfg = read_config(target_dir)
     max_model_len = min(config.max_model_len or 10**9, target_cfg.max_position_embeddings)
     tokenizer = Tokenizer(target_dir)
-    target = load_model(target_dir, target_cfg, dtype, max_model_len).eval()
+    target = _quantized(load_model(target_dir, target_cfg, dtype, max_model_len).eval(), config)
     draft = None
     if config.spec and config.spec.method == "draft":
         draft_dir = resolve(config.spec.draft_model)
         draft_cfg = read_config(draft_dir)
         check_same_vocab(tokenizer, Tokenizer(draft_dir), target_cfg, draft_cfg)
-        draft = load_model(draft_dir, draft_cfg, dtype, max_model_len).eval()
+        draft = _quantized(load_model(draft_dir, draft_cfg, dtype, max_model_len).eval(), config)
     shapes = [cache_shape(target, dtype, config.kv_cache_dtype)]
     if draft:
         shapes.append(cache_shape(draft, dtype, config.spec.draft_kv_cache_dtype or config.kv_cache_dtype))
@@ -70,6 +70,14 @@ def load_models(config: EngineConfig) -> LoadedModels:
     draft_runner = ModelRunner(draft, KVCache(shapes[1], num_blocks, config.block_size)) if draft else None
     vocab = target_cfg.vocab_size
     return LoadedModels(tokenizer, target, target_runner, draft, draft_runner, bm, max_model_len, vocab)
+
+
+def _quantized(model: DecoderLM, config: EngineConfig) -> DecoderLM:
+    if config.quantization is None:
+        return model
+    from quant.apply import quantize_weights
+
+    return quantize_weights(model, config.quantization)
 
 
 def cache_shape(model: DecoderLM, dtype: torch.dtype, kv_format: str) -> CacheShape:

@@ -21,31 +21,42 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        # In fp32 whatever the model dtype, as HF does; one op instead of six.
+        return F.rms_norm(x.float(), self.weight.shape, self.weight.float(), self.eps).to(x.dtype)
 
 
 class Rotary(nn.Module):
-    """Non-interleaved (rotate-half) RoPE, as in HF checkpoints. cos/sin are tabulated once."""
+    """Non-interleaved (rotate-half) RoPE, as in HF checkpoints. cos/sin are tabulated once.
+
+    With x = [x1 | x2] (halves of the head dim), HF computes [x1 cos - x2 sin | x2 cos + x1 sin].
+    Tabulating cos2 = [cos | cos] and sin2 = [-sin | sin] makes that x * cos2 + swap(x) * sin2,
+    where swap exchanges the halves: four ops for q and k of all heads at once.
+    """
 
     def __init__(self, inv_freq: torch.Tensor, attention_scaling: float, max_positions: int):
         super().__init__()
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq.float())
-        self.register_buffer("cos", freqs.cos() * attention_scaling, persistent=False)  # [P, D/2]
-        self.register_buffer("sin", freqs.sin() * attention_scaling, persistent=False)
+        cos, sin = freqs.cos() * attention_scaling, freqs.sin() * attention_scaling  # [P, D/2]
+        self.register_buffer("cos2", torch.stack((cos, cos), dim=1), persistent=False)  # [P, 2, D/2]
+        self.register_buffer("sin2", torch.stack((-sin, sin), dim=1), persistent=False)
+        self._positions: torch.Tensor | None = None
+        self._cos_sin: tuple[torch.Tensor, torch.Tensor] = ()
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        # q: (T, H, D), k: (T, Hkv, D)
-        cos = self.cos[positions].unsqueeze(1)  # (T, 1, D/2)
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """x: (T, N, D) query and key heads together -> rotated, same shape and dtype."""
+        t, n, d = x.shape
+        halves = x.float().view(t, n, 2, d // 2)
+        cos, sin = self._lookup(positions)
+        return (halves * cos + halves.flip(2) * sin).view(t, n, d).to(x.dtype)
 
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+    def _lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (T, 1, 2, D/2) fp32 for a step's positions, gathered once for all layers:
+        every layer of a forward gets the same positions tensor. Holding a reference to it
+        keeps its id from being reused by the next step's tensor."""
+        if positions is not self._positions:
+            self._positions = positions
+            self._cos_sin = (self.cos2[positions].float().unsqueeze(1), self.sin2[positions].float().unsqueeze(1))
+        return self._cos_sin
 
 
 class Attention(nn.Module):
@@ -59,12 +70,10 @@ class Attention(nn.Module):
         self.scale = head_dim**-0.5
 
     def forward(self, positions, x, attn: AttnMetadata, kv_cache) -> torch.Tensor:
-        qkv = self.qkv_proj(x)  # [T, q_size + 2 kv_size]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)  # (T, H, D)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
+        num_qk_heads = self.num_heads + self.num_kv_heads
+        qkv = self.qkv_proj(x).view(-1, num_qk_heads + self.num_kv_heads, self.head_dim)  # (T, H + 2 Hkv, D)
+        q, k = self.rotary(positions, qkv[:, :num_qk_heads]).split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, num_qk_heads:]  # (T, Hkv, D)
         k_cache, v_cache, k_scale, v_scale = kv_cache  # a chatserve.kv_cache.LayerCache
         kv_store(k, v, k_cache, v_cache, attn.slot_mapping, k_scale=k_scale, v_scale=v_scale)
         o = paged_attention(q, k_cache, v_cache, attn.block_tables, attn.seq_lens, attn.cu_q_lens, self.scale,

@@ -1,0 +1,61 @@
+"""Weight-only int8 for fast CPU decode: per-output-channel symmetric int8 weights, bf16 maths.
+
+Decode is a GEMV bound by the bytes of weights read per token. torch's own
+`_weight_int8pack_mm` (AVX-512 on this CPU) streams 1 byte per weight instead of 2 (bf16) or
+4 (fp32): for a SmolLM2-shaped step, fp32 F.linear ~34 ms, bf16 ~13 ms, int8 ~5 ms
+(2 threads, benchmarks in docs/benchmarks.md). Past SMALL_M rows (prefill chunks) the matmul is
+compute-bound and the packed kernel loses to dequantize-then-bf16-GEMM, so forward switches.
+
+    w ~= w_int8 * scale[:, None],  scale = max|w[row]| / 127   (one scale per output row)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+COMPUTE_DTYPE = torch.bfloat16  # the packed kernel's fp32 path is ~100x slower here
+SMALL_M = 32  # rows up to which the packed GEMV kernel wins (measured: 1..32 rows)
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [out, in] float -> (int8 [out, in], scales [out] float32), symmetric per row."""
+    w = weight.float()
+    scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)  # [out]
+    q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scales
+
+
+def dequantize_int8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The float32 weight [out, in] an int8 layer stands for."""
+    return q.float() * scales.float()[:, None]
+
+
+class Int8Linear(nn.Module):
+    """Drop-in for nn.Linear (no training): y = x @ (w_int8 * scale).T + bias, in bf16."""
+
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.out_features, self.in_features = qweight.shape
+        self.register_buffer("qweight", qweight.contiguous())  # [out, in] int8
+        self.register_buffer("scales", scales.to(COMPUTE_DTYPE))  # [out]
+        self.register_buffer("bias", None if bias is None else bias.detach().to(COMPUTE_DTYPE))
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> "Int8Linear":
+        q, scales = quantize_int8(linear.weight.data)
+        return cls(q, scales, linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).to(COMPUTE_DTYPE)  # [M, in]
+        if rows.shape[0] <= SMALL_M:
+            y = torch.ops.aten._weight_int8pack_mm(rows, self.qweight, self.scales)  # [M, out]
+        else:
+            y = F.linear(rows, self.qweight.to(COMPUTE_DTYPE) * self.scales[:, None])
+        if self.bias is not None:
+            y = y + self.bias
+        return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-channel"

@@ -1,0 +1,72 @@
+"""Weight-only int8 (quant/int8.py): the packed kernel computes x @ dequantize(w).T in bf16,
+on both its paths (packed GEMV for few rows, dequantize + GEMM for prefill chunks), and the
+engine runs end to end on an int8 model."""
+
+import pytest
+import torch
+from torch import nn
+
+from chatserve.batch import BatchItem
+from chatserve.config import EngineConfig
+from chatserve.engine import Engine
+from chatserve.sampling_params import SamplingParams
+from quant.apply import quantize_weights
+from quant.int8 import SMALL_M, Int8Linear, dequantize_int8, quantize_int8
+
+
+def test_quantize_round_trip_within_half_a_step(generator):
+    w = torch.randn(96, 200, generator=generator)
+    q, scales = quantize_int8(w)
+    assert q.dtype == torch.int8 and scales.shape == (96,)
+    err = (dequantize_int8(q, scales) - w).abs()
+    assert (err <= scales[:, None] / 2 + 1e-7).all()
+    assert (q.abs().amax(dim=1) == 127).all()  # each row's largest weight uses the full range
+
+
+@pytest.mark.parametrize("rows", [1, 5, SMALL_M, SMALL_M + 7])
+@pytest.mark.parametrize("bias", [False, True])
+def test_int8_linear_is_the_dequantized_matmul(rows, bias, generator):
+    linear = nn.Linear(256, 96, bias=bias)
+    layer = Int8Linear.from_linear(linear)
+    x = torch.randn(rows, 256, generator=generator)
+    ref = x.bfloat16().float() @ dequantize_int8(layer.qweight, layer.scales).t()
+    if bias:
+        ref = ref + linear.bias.detach().bfloat16().float()
+    out = layer(x)
+    assert out.dtype == x.dtype and out.shape == (rows, 96)
+    torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
+
+
+def test_int8_linear_keeps_leading_dims(generator):
+    layer = Int8Linear.from_linear(nn.Linear(64, 32))
+    x = torch.randn(2, 3, 64, generator=generator, dtype=torch.bfloat16)
+    assert layer(x).shape == (2, 3, 32) and layer(x).dtype == torch.bfloat16
+
+
+def test_quantize_weights_swaps_every_linear_including_a_tied_head():
+    model = nn.Sequential(nn.Embedding(64, 32), nn.Linear(32, 32), nn.Linear(32, 64, bias=False))
+    model[2].weight = model[0].weight  # tied, as in SmolLM2: the head gets its own int8 copy
+    quantize_weights(model, "int8")
+    assert not any(isinstance(m, nn.Linear) for m in model.modules())
+    assert isinstance(model[0], nn.Embedding)
+    with pytest.raises(ValueError, match="quantization"):
+        quantize_weights(model, "int3")
+
+
+def test_engine_with_int8_weights_matches_bf16_logits(tiny_llama_dir):
+    """The int8 model's next-token logits stay close to the unquantized bf16 model's, and a
+    generation runs end to end with the pool back to free."""
+    ref = Engine(EngineConfig(model=str(tiny_llama_dir), dtype="bfloat16", kv_cache_memory=8 << 20))
+    q8 = Engine(EngineConfig(model=str(tiny_llama_dir), dtype="bfloat16", kv_cache_memory=8 << 20,
+                             quantization="int8"))
+    assert any(isinstance(m, Int8Linear) for m in q8.models.target.modules())
+    ids = ref.tokenizer.encode("The quick brown fox jumps over the lazy dog")
+    def logits(engine):
+        item = BatchItem(ids, 0, list(range(4)), 1)
+        return engine.models.target_runner.run([item])[0][0]
+
+    a, b = logits(ref), logits(q8)
+    assert torch.nn.functional.cosine_similarity(a, b, dim=0) > 0.99
+    out = q8.generate([ids], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))[0]
+    assert len(out["token_ids"]) == 16
+    assert q8.block_manager.num_free_blocks == q8.block_manager.num_blocks
