@@ -151,3 +151,45 @@ def test_cli_generate_int8(tiny_llama_dir, capsys):
     assert code == 0
     out = json.loads(capsys.readouterr().out)
     assert len(out["token_ids"]) == 8 and out["finish_reason"] == "length"
+
+
+def test_serve_with_quantized_target_and_draft_caches(tiny_llama_dir, tiny_draft_dir):
+    """`chatserve serve --kv-cache-dtype int8 --draft-kv-cache-dtype fp8_e4m3` as a subprocess:
+    a completion through the OpenAI route, then the pool is back to all blocks free."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "chatserve.cli", "serve", "--model", str(tiny_llama_dir),
+           "--draft-model", str(tiny_draft_dir), "--kv-cache-dtype", "int8", "--draft-kv-cache-dtype", "fp8_e4m3",
+           "--port", str(port), "--kv-cache-memory", "4M", "--threads", "1", "--served-model-name", "tiny"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    base = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(300):
+            assert proc.poll() is None, "server exited:\n" + proc.stdout.read()
+            try:
+                if httpx.get(base + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        body = {"model": "tiny", "prompt": "Hello there", "max_tokens": 12, "temperature": 0}
+        reply = httpx.post(base + "/v1/completions", json=body, timeout=60).json()
+        assert reply["usage"]["completion_tokens"] >= 1, reply
+        for _ in range(100):
+            health = httpx.get(base + "/health").json()
+            if health["num_free_blocks"] == health["num_blocks"]:
+                break
+            time.sleep(0.05)
+        assert health["num_free_blocks"] == health["num_blocks"], health
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
