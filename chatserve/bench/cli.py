@@ -39,6 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--slo-tpot-ms", type=float, default=None)
     o.add_argument("--out", default=None, help="write the results as JSON here")
     o.add_argument("--plots", default=None, help="directory for PNG plots (default: next to --out)")
+    o.add_argument("--markdown", default=None, help="write the tables as Markdown here (for docs)")
     o.add_argument("--no-progress", action="store_true")
     s = p.add_argument_group("sweep: start a server per configuration")
     s.add_argument("--sweep", action="store_true", help="start/stop `chatserve serve` per --config")
@@ -94,7 +95,7 @@ def configs_from_args(args) -> list[tuple[str, list[str]]]:
 
 
 def cmd_bench(args) -> int:
-    from chatserve.bench.report import format_summary, format_sweep_table, machine, write_json
+    from chatserve.bench.report import format_markdown, format_summary, format_sweep_table, machine, write_json
     from chatserve.bench.plots import plot_outputs
     from chatserve.bench.sweep import SweepPlan, run_points
 
@@ -132,5 +133,7 @@ def cmd_bench(args) -> int:
         if args.out:
             write_json(result, args.out)
         print(f"plots: {', '.join(result['plots'])}", file=sys.stderr)
+    if args.markdown:
+        Path(args.markdown).write_text(format_markdown(result) + "\n")
     failed = sum(p["report"]["summary"]["num_failed"] for p in points)
     return 1 if failed and failed == sum(p["report"]["summary"]["num_requests"] for p in points) else 0

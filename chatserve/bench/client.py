@@ -62,9 +62,7 @@ async def run_ws_session(url: str, session: Session, settings: dict, think_s: fl
                     await _receive_ws_turn(ws, record)
                 on_record(record)
         return
-    except (OSError, asyncio.TimeoutError, ConnectionError) as e:
-        error = f"{type(e).__name__}: {e}"
-    except Exception as e:  # websockets.ConnectionClosed and friends
+    except Exception as e:  # OSError, TimeoutError, websockets.ConnectionClosed, a refused handshake
         error = f"{type(e).__name__}: {e}"
     _fail_rest(session, turn, error, on_record)
 

@@ -103,3 +103,26 @@ def format_sweep_table(points: list[dict]) -> str:
                      f"{s['output_throughput']:>7.1f} {_f(rate, '{:.0%}'):>7} {_f(p.get('speedup_vs_off'), '{:.2f}x'):>7} "
                      f"{s['num_failed']:>4}")
     return "\n".join(lines)
+
+
+def format_markdown(result: dict) -> str:
+    """The sweep table (and the transformers ratios, if any) as Markdown, for docs/benchmarks.md."""
+    lines = ["| config | concurrency | TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) | ITL p50 (ms) | tok/s "
+             "| acceptance | tokens/chunk | vs off (mean TPOT) | failed | load avg |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for p in result["points"]:
+        s, m = p["report"]["summary"], p["report"]["meta"]
+        lines.append(f"| {p['config']} | {p['concurrency'] or m['request_rate']} "
+                     f"| {_f(s['ttft_ms']['p50'], '{:.0f}')} / {_f(s['ttft_ms']['p99'], '{:.0f}')} "
+                     f"| {_f(s['tpot_ms']['p50'])} / {_f(s['tpot_ms']['p99'])} | {_f(s['itl_ms']['p50'])} "
+                     f"| {s['output_throughput']:.1f} | {_f(s['speculation']['acceptance_rate'], '{:.0%}')} "
+                     f"| {_f(s['tokens_per_chunk'], '{:.2f}')} | {_f(p.get('speedup_vs_off'), '{:.2f}x')} "
+                     f"| {s['num_failed']} | {m['loadavg_before'][0]:.1f} |")
+    if result.get("ratios"):
+        lines += ["", "| config (concurrency 1) | vs | TTFT p50 ours / theirs (ms) | TPOT p50 ours / theirs (ms) "
+                  "| TPOT ratio | speedup |", "|---|---|---|---|---|---|"]
+        for r in result["ratios"]:
+            lines.append(f"| {r['config']} | {r['vs']} | {_f(r['ours_ttft_ms'], '{:.0f}')} / "
+                         f"{_f(r['baseline_ttft_ms'], '{:.0f}')} | {_f(r['ours_tpot_ms'])} / {_f(r['baseline_tpot_ms'])} "
+                         f"| {_f(r['tpot_ratio'], '{:.2f}')} | {_f(1 / r['tpot_ratio'] if r['tpot_ratio'] else None, '{:.2f}x')} |")
+    return "\n".join(lines)

@@ -12,7 +12,8 @@ def test_sweep_two_configs_two_concurrencies_writes_json_and_plots(tmp_path, tin
     argv = ["bench", "--sweep", "--model", str(tiny_llama_dir), "--no-progress",
             "--config", "off=--no-spec", "--config", f"draft=--draft-model {tiny_draft_dir} --no-adaptive",
             "--server-args", "--kv-cache-memory 8M --threads 1", "--concurrency", "1,2",
-            "--num-requests", "3", "--max-tokens", "8", "--out", str(out), "--plots", str(plots)]
+            "--num-requests", "3", "--max-tokens", "8", "--out", str(out), "--plots", str(plots),
+            "--markdown", str(tmp_path / "t.md")]
     assert main(argv) == 0
     result = json.loads(out.read_text())
     points = result["points"]
@@ -26,6 +27,8 @@ def test_sweep_two_configs_two_concurrencies_writes_json_and_plots(tmp_path, tin
         assert "--no-spec" in p["serve_args"] or "--draft-model" in p["serve_args"]
     assert all(p["speedup_vs_off"] == 1.0 for p in points if p["config"] == "off")
     assert all(p["speedup_vs_off"] > 0 for p in points)
+    table = (tmp_path / "t.md").read_text().splitlines()
+    assert len(table) == 2 + 4 and table[2].startswith("| off | 1 |") and table[-1].startswith("| draft | 2 |")
     names = sorted(path.name for path in plots.iterdir())
     assert names == ["acceptance_hist.png", "itl_cdf.png", "latency_vs_concurrency.png", "speedup_vs_off.png"]
     assert sorted(result["plots"]) == sorted(str(plots / n) for n in names)
