@@ -116,8 +116,9 @@ def cmd_serve(args) -> int:
 
     config = engine_config(args)
     start = time.perf_counter()
-    engine = Engine(config)
     draft = None if not config.spec else (config.spec.draft_model or config.spec.method)
+    print(f"loading {config.model} (draft: {draft})...", file=sys.stderr, flush=True)
+    engine = Engine(config)
     print(f"loaded {config.model} (draft: {draft}) in {time.perf_counter() - start:.1f} s", file=sys.stderr)
     server_config = ServerConfig(
         host=args.host,
