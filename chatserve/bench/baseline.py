@@ -9,6 +9,7 @@ import sys
 import time
 
 from chatserve.bench.metrics import RequestRecord, aggregate
+from chatserve.bench.workloads import plan_sessions
 
 METHODS = ("plain", "assisted", "prompt_lookup")
 
@@ -96,7 +97,8 @@ def add_baseline(result: dict, plan, args) -> None:
     if draft is None:
         methods.discard("assisted")
     num = args.baseline_requests or 4
-    prompts = [c.user_turns[0] for c in plan.conversations][:num]
+    # the first turns of the first sessions the benchmark sent, in its order
+    prompts = [s.conversation.user_turns[0] for s in plan_sessions(plan.conversations, num, 1, plan.seed)]
     baseline = {"model": model, "draft_model": draft, "dtype": args.dtype, "threads": args.threads,
                 "num_prompts": len(prompts),
                 "loadavg_before": list(os.getloadavg()), "methods": {}}

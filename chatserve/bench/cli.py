@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import signal
 import sys
 from pathlib import Path
 
@@ -110,6 +111,8 @@ def cmd_bench(args) -> int:
     if args.sweep:
         if not args.model:
             raise ValueError("--sweep needs --model")
+        # a `kill` of the benchmark unwinds the `with ServerProcess` blocks, stopping the server
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
         threads = ["--threads", str(args.threads)] if args.threads else []
         serve_args = ["--dtype", args.dtype, *threads, *shlex.split(args.server_args)]
         points = run_points(plan, args.model, configs_from_args(args), serve_args)
