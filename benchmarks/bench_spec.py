@@ -5,7 +5,8 @@ draft model (when given), then transformers `generate` plain, with `assistant_mo
 with `prompt_lookup_num_tokens`. Prints tokens/s, TPOT, acceptance rate and mean accepted
 length; writes JSON and a PNG of tokens/s per configuration.
 
-    python benchmarks/bench_spec.py --target smollm2-135m-instruct --workload edit
+    python benchmarks/bench_spec.py --target smollm2-135m-instruct --workload edit   # int8 weights, bf16
+    (transformers runs the same bf16 weights unquantized: it has no int8 CPU path of its own)
     python benchmarks/bench_spec.py --target qwen2.5-coder-1.5b-instruct \
         --draft qwen2.5-coder-0.5b-instruct --workload code --max-tokens 128
 """
@@ -96,7 +97,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7])
     ap.add_argument("--num-draft-tokens", type=int, default=4)
-    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--dtype", default="bfloat16", help="ours and transformers' dtype")
+    ap.add_argument("--quantization", default="int8", help="ours: int8 weight-only, or none")
+    ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--out", default="benchmarks/results/spec.json")
     args = ap.parse_args()
@@ -105,7 +108,11 @@ def main() -> None:
     configs = {"spec off": None, "ngram": SpecConfig(method="ngram", num_draft_tokens=args.num_draft_tokens)}
     if draft_spec:
         configs["draft model"] = draft_spec
-    engine = Engine(EngineConfig(model=args.target, dtype=args.dtype, kv_cache_memory=1 << 30, spec=draft_spec))
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    quant = None if args.quantization == "none" else args.quantization
+    engine = Engine(EngineConfig(model=args.target, dtype=args.dtype, quantization=quant, kv_cache_memory=1 << 30,
+                                 spec=draft_spec))
     tok = engine.tokenizer
     prompts = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS[args.workload][: args.num_prompts]]
     hf = hf_draft = None

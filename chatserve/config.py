@@ -19,6 +19,7 @@ class SpecConfig:
     ngram_max: int = 4
     adaptive: bool = True
     draft_kv_cache_dtype: str | None = None  # None = the target's kv_cache_dtype
+    draft_vocab_size: int = 65536  # draft over the most frequent ids only (spec/draft_vocab.py); 0 = all
 
     def __post_init__(self) -> None:
         if self.method not in ("draft", "ngram"):

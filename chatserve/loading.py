@@ -15,6 +15,7 @@ from chatserve.model_runner import ModelRunner
 from chatserve.models.llama import DecoderLM
 from chatserve.models.loader import load_model
 from chatserve.tokenizer import Tokenizer
+from spec.draft_vocab import restrict_head
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -58,7 +59,9 @@ def load_models(config: EngineConfig) -> LoadedModels:
         draft_dir = resolve(config.spec.draft_model)
         draft_cfg = read_config(draft_dir)
         check_same_vocab(tokenizer, Tokenizer(draft_dir), target_cfg, draft_cfg)
-        draft = _quantized(load_model(draft_dir, draft_cfg, dtype, max_model_len).eval(), config)
+        draft = load_model(draft_dir, draft_cfg, dtype, max_model_len).eval()
+        restrict_head(draft, config.spec.draft_vocab_size, tokenizer.special_token_ids)
+        draft = _quantized(draft, config)
     shapes = [cache_shape(target, dtype, config.kv_cache_dtype)]
     if draft:
         shapes.append(cache_shape(draft, dtype, config.spec.draft_kv_cache_dtype or config.kv_cache_dtype))

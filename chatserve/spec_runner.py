@@ -15,6 +15,7 @@ from chatserve.batch import BatchItem
 from chatserve.config import SpecConfig
 from chatserve.request import Request
 from chatserve.sampler import Sampler
+from chatserve.spec_costs import NGRAM_STEP_COST, measure_spec_costs
 from chatserve.scheduler import ScheduledSeq
 from spec.adaptive import AdaptiveDraftLength
 from spec.ngram import NgramProposer
@@ -32,14 +33,23 @@ class SpecRunner:
         self.stats = SpecStats()
         self._draft_probs: dict[str, torch.Tensor] = {}
         self.draft_seconds = 0.0
+        self.costs = None
+        if config.adaptive:
+            self.costs = measure_spec_costs(models, config.num_draft_tokens, self.has_draft_model)
 
     @classmethod
     def create(cls, config: SpecConfig, models) -> "SpecRunner":
         return cls(config, models, Sampler(models.tokenizer.eos_token_ids))
 
     def init_request(self, req: Request) -> None:
-        if self.config.adaptive:
-            draft_cost = 0.35 if self.has_draft_model else 0.02
+        if not self.config.adaptive:
+            return
+        if self.costs is not None:
+            req.spec_controller = AdaptiveDraftLength(self.config.num_draft_tokens,
+                                                      draft_step_cost=self.costs.draft_step_cost,
+                                                      verify_costs=self.costs.verify_costs)
+        else:
+            draft_cost = 0.35 if self.has_draft_model else NGRAM_STEP_COST
             req.spec_controller = AdaptiveDraftLength(self.config.num_draft_tokens, draft_step_cost=draft_cost)
 
     def plan(self, running: list[Request]) -> None:

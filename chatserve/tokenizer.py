@@ -16,6 +16,9 @@ class Tokenizer:
         self.hf = AutoTokenizer.from_pretrained(str(model_dir))
         self.eos_token_ids = _eos_ids(Path(model_dir), self.hf)
         self.vocab_size = len(self.hf)
+        # Added / special tokens (end of turn, tool tags...): ids a draft head must keep.
+        self.special_token_ids = sorted(set(self.hf.all_special_ids) | set(self.hf.added_tokens_decoder)
+                                        | set(self.eos_token_ids))
 
     def encode(self, text: str) -> list[int]:
         return self.hf.encode(text, add_special_tokens=True)

@@ -17,6 +17,9 @@ class AdaptiveDraftLength:
         cost(k) = k * draft_step_cost + verify_base_cost + verify_per_token_cost * k * batch_size
     The base term is the weight reads of one target forward; the per-token term is the
     compute for the k extra positions of every sequence, which is what grows with batch.
+    A measured table `verify_costs[k]` (a forward over k + 1 rows, in plain decode steps)
+    replaces the first two terms when given: real kernels are not linear in rows (torch's
+    packed int8 GEMV on this CPU handles rows in fours, so 5 rows cost ~2x as much as 4).
     next_k returns 0 when no k beats plain decoding, or when alpha < min_accept_rate. While
     at 0, every probe_every-th call drafts again (with the k a fresh request would get) so
     that the estimate can recover.
@@ -32,6 +35,7 @@ class AdaptiveDraftLength:
         draft_step_cost: float = 0.5,
         verify_base_cost: float = 1.0,
         verify_per_token_cost: float = 0.05,
+        verify_costs: list[float] | None = None,
     ):
         if max_k < 0 or not 0.0 < ema <= 1.0 or probe_every < 1 or not 0.0 <= initial_accept_rate <= 1.0:
             raise ValueError("need max_k >= 0, 0 < ema <= 1, probe_every >= 1, 0 <= initial_accept_rate <= 1")
@@ -40,21 +44,26 @@ class AdaptiveDraftLength:
         self.min_accept_rate = min_accept_rate
         self.probe_every = probe_every
         self.initial_accept_rate = initial_accept_rate
-        self.set_costs(draft_step_cost, verify_base_cost, verify_per_token_cost)
+        self.set_costs(draft_step_cost, verify_base_cost, verify_per_token_cost, verify_costs)
         # alpha = accepted / attempted draft positions, both as EMAs; the prior weighs one position.
         self._accepted_ema = initial_accept_rate
         self._attempted_ema = 1.0
         self._num_steps_at_zero = 0
 
     def set_costs(
-        self, draft_step_cost: float, verify_base_cost: float, verify_per_token_cost: float
+        self,
+        draft_step_cost: float,
+        verify_base_cost: float,
+        verify_per_token_cost: float,
+        verify_costs: list[float] | None = None,
     ) -> None:
-        """Relative costs, in units of one target decode step (the engine may update them online)."""
-        if min(draft_step_cost, verify_base_cost, verify_per_token_cost) < 0:
+        """Relative costs, in units of one target decode step (the engine measures them)."""
+        if min(draft_step_cost, verify_base_cost, verify_per_token_cost, *(verify_costs or [0.0])) < 0:
             raise ValueError("costs must be >= 0")
         self.draft_step_cost = draft_step_cost
         self.verify_base_cost = verify_base_cost
         self.verify_per_token_cost = verify_per_token_cost
+        self.verify_costs = list(verify_costs) if verify_costs else None
 
     @property
     def accept_rate(self) -> float:
@@ -96,7 +105,10 @@ class AdaptiveDraftLength:
         """Cost of a step with k drafts, in target decode steps at this batch size."""
         if k == 0:
             return 1.0
-        verify_cost = self.verify_base_cost + self.verify_per_token_cost * k * batch_size
+        if self.verify_costs is not None and k < len(self.verify_costs):
+            verify_cost = self.verify_costs[k] + self.verify_per_token_cost * k * (batch_size - 1)
+        else:
+            verify_cost = self.verify_base_cost + self.verify_per_token_cost * k * batch_size
         return k * self.draft_step_cost + verify_cost
 
     def _best_k(self, accept_rate: float, batch_size: int) -> int:

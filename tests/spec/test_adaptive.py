@@ -83,3 +83,17 @@ def test_min_accept_rate_forces_zero():
 def test_invalid_update():
     with pytest.raises(ValueError):
         AdaptiveDraftLength(max_k=4).update(2, 3)
+
+
+def test_measured_verify_costs_avoid_an_expensive_row_count():
+    """With 5 rows costing twice 4 (int8 GEMV in blocks of 4 rows), k = 3 beats k = 4 even at
+    high acceptance; with a flat table k = 4 wins."""
+    stepped = AdaptiveDraftLength(max_k=4, ema=1.0, initial_accept_rate=0.88, draft_step_cost=0.3,
+                                  verify_costs=[1.0, 1.0, 1.0, 1.05, 2.0])
+    flat = AdaptiveDraftLength(max_k=4, ema=1.0, initial_accept_rate=0.88, draft_step_cost=0.3,
+                               verify_costs=[1.0, 1.0, 1.0, 1.05, 1.1])
+    assert stepped.next_k() == 3
+    assert flat.next_k() == 4
+    assert stepped.cost(4) == pytest.approx(4 * 0.3 + 2.0)
+    with pytest.raises(ValueError):
+        stepped.set_costs(0.3, 1.0, 0.01, [1.0, -1.0])
