@@ -49,6 +49,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--config", action="append", default=[], metavar="NAME=SERVE_ARGS",
                    help="e.g. 'off=--no-spec' 'ngram=--draft ngram' 'int8kv=--no-spec --kv-cache-dtype int8'; "
                         "default: off, ngram, and draft when --draft-model is given")
+    s.add_argument("--rounds", type=int, default=1,
+                   help="repeat the whole sweep, configurations interleaved; points pool their rounds")
     s.add_argument("--server-args", default="", help="arguments added to every `chatserve serve`")
     s.add_argument("--dtype", default="float32", help="model dtype for sweep servers and the baseline")
     s.add_argument("--threads", type=int, default=None, help="torch threads for sweep servers and the baseline")
@@ -115,9 +117,9 @@ def cmd_bench(args) -> int:
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
         threads = ["--threads", str(args.threads)] if args.threads else []
         serve_args = ["--dtype", args.dtype, *threads, *shlex.split(args.server_args)]
-        points = run_points(plan, args.model, configs_from_args(args), serve_args)
+        points = run_points(plan, args.model, configs_from_args(args), serve_args, args.rounds)
     else:
-        points = run_points(plan)
+        points = run_points(plan, rounds=args.rounds)
     result = {"kind": "chatserve-bench", "argv": sys.argv[1:], "machine": machine(), "points": points,
               "baseline": None, "ratios": None, "plots": []}
     for p in points if len(points) == 1 else []:

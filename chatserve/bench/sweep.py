@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 import httpx
 
 from chatserve.bench.report import format_summary, run_report
-from chatserve.bench.runner import LoadSpec, run_load
+from chatserve.bench.runner import LoadResult, LoadSpec, run_load
 from chatserve.bench.workloads import Conversation, plan_sessions
 
 
@@ -113,33 +113,54 @@ def wait_idle(url: str, timeout_s: float = 60.0) -> None:
         time.sleep(0.1)
 
 
-def _points_on(plan: SweepPlan, url: str, config: str, serve_args: list[str] | None) -> list[dict]:
-    points = []
+def _run_on(plan: SweepPlan, url: str, config: str, results: dict) -> None:
+    """Every concurrency against one server; appends (spec, LoadResult) to results[(config, c)]."""
     for concurrency in plan.concurrencies:
         wait_idle(url)
         spec = plan.load_spec(url, concurrency)
         desc = f"{config} c={concurrency}" if concurrency else f"{config} rate={plan.request_rate}"
         result = run_load(spec, plan.progress, desc)
-        report = run_report(result, spec, plan.slo_ttft_ms, plan.slo_tpot_ms)
-        points.append({"config": config, "serve_args": serve_args, "concurrency": concurrency, "report": report})
+        results.setdefault((config, concurrency), []).append((spec, result))
         if plan.progress:
-            print(format_summary(report), file=sys.stderr)
-    return points
+            print(format_summary(run_report(result, spec, plan.slo_ttft_ms, plan.slo_tpot_ms)), file=sys.stderr)
+
+
+def merge_results(results: list[LoadResult]) -> LoadResult:
+    """Rounds of one point as one run: records pooled, durations and counters added."""
+    first, last = results[0], results[-1]
+    counters: dict[str, float] = {}
+    for r in results:
+        for k, v in r.server_counters.items():
+            counters[k] = counters.get(k, 0.0) + v
+    return LoadResult([rec for r in results for rec in r.records], sum(r.duration_s for r in results),
+                      first.started_at, first.loadavg_before, last.loadavg_after, first.server, counters)
 
 
 def run_points(plan: SweepPlan, model: str | None = None, configs: list[tuple[str, list[str]]] | None = None,
-               common_args: list[str] = ()) -> list[dict]:
+               common_args: list[str] = (), rounds: int = 1) -> list[dict]:
     """Without `model`: every concurrency against `plan.url`. With `model` and `configs`: for each
-    configuration start a server, run every concurrency, stop it. Each point is
-    {"config", "serve_args", "concurrency", "report", "speedup_vs_off"}."""
-    if model is None:
-        points = _points_on(plan, plan.url, "server", None)
-    else:
-        points = []
+    configuration start a server, run every concurrency, stop it. With rounds > 1 all of that is
+    repeated (configurations interleaved in time, so a burst of load from elsewhere hits all of
+    them; round i uses seed + i) and each point pools its rounds' requests. Each point is
+    {"config", "serve_args", "concurrency", "rounds", "report", "speedup_vs_off"}."""
+    results: dict[tuple[str, int | None], list] = {}
+    serve_args = {"server": None}
+    for i in range(rounds):
+        round_plan = replace(plan, seed=plan.seed + i)
+        if model is None:
+            _run_on(round_plan, plan.url, "server", results)
+            continue
         for name, args in configs:
-            serve_args = [*common_args, *args]
-            with ServerProcess(model, serve_args) as server:
-                points += _points_on(replace(plan, url=server.url), server.url, name, serve_args)
+            serve_args[name] = [*common_args, *args]
+            with ServerProcess(model, serve_args[name]) as server:
+                _run_on(replace(round_plan, url=server.url), server.url, name, results)
+    points = []
+    for (config, concurrency), runs in results.items():
+        spec = runs[-1][0]
+        report = run_report(merge_results([r for _, r in runs]), spec, plan.slo_ttft_ms, plan.slo_tpot_ms)
+        report["meta"]["num_requests"] = sum(s.num_requests for s, _ in runs)
+        points.append({"config": config, "serve_args": serve_args[config], "concurrency": concurrency,
+                       "rounds": len(runs), "report": report})
     add_speedups(points)
     return points
 

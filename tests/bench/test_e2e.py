@@ -20,15 +20,15 @@ def run_bench(tmp_path, url: str, *args: str, exit_code: int = 0) -> dict:
 
 @pytest.mark.parametrize("endpoint", ["ws", "openai"])
 def test_bench_single_runs_counts_and_fields(server, tmp_path, endpoint):
-    result = run_bench(tmp_path, server, "--endpoint", endpoint, "--num-requests", "4", "--concurrency", "2",
-                       "--slo-ttft-ms", "60000", "--slo-tpot-ms", "60000")
-    (point,) = result["points"]
+    result = run_bench(tmp_path, server, "--endpoint", endpoint, "--num-requests", "3", "--concurrency", "2",
+                       "--rounds", "2", "--slo-ttft-ms", "60000", "--slo-tpot-ms", "60000")
+    (point,) = result["points"]  # 2 rounds of 3 requests pooled into one point
     report = point["report"]
     summary, requests = report["summary"], report["requests"]
-    assert point["concurrency"] == 2 and report["meta"]["endpoint"] == endpoint
+    assert point["concurrency"] == 2 and point["rounds"] == 2 and report["meta"]["endpoint"] == endpoint
     assert report["meta"]["server"]["model"] == "tiny" and len(report["meta"]["loadavg_before"]) == 3
-    assert (summary["num_requests"], summary["num_completed"], summary["num_failed"]) == (4, 4, 0)
-    assert len(requests) == 4 and all(REQUEST_FIELDS <= set(r) for r in requests)
+    assert (summary["num_requests"], summary["num_completed"], summary["num_failed"]) == (6, 6, 0)
+    assert len(requests) == 6 and all(REQUEST_FIELDS <= set(r) for r in requests)
     for r in requests:
         assert r["error"] is None and 1 <= r["num_generated"] <= 12 and r["ttft_ms"] > 0
         assert r["e2e_ms"] >= r["ttft_ms"]
@@ -38,7 +38,7 @@ def test_bench_single_runs_counts_and_fields(server, tmp_path, endpoint):
             assert r["chunk_tokens"] is None and len(r["chunk_times"]) >= 1
     assert summary["generated_tokens"] == sum(r["num_generated"] for r in requests)
     assert summary["goodput"] == pytest.approx(summary["request_throughput"])  # generous SLOs
-    assert summary["ttft_ms"]["count"] == 4 and summary["ttft_ms"]["p50"] > 0
+    assert summary["ttft_ms"]["count"] == 6 and summary["ttft_ms"]["p50"] > 0
     counters = report["server_counters"]
     assert counters["spec_decode_num_draft_tokens"] > 0  # the server drafts with its draft model
     if endpoint == "ws":
