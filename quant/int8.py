@@ -4,7 +4,10 @@ Decode is a GEMV bound by the bytes of weights read per token. torch's own
 `_weight_int8pack_mm` (AVX-512 on this CPU) streams 1 byte per weight instead of 2 (bf16) or
 4 (fp32): for a SmolLM2-shaped step, fp32 F.linear ~34 ms, bf16 ~13 ms, int8 ~5 ms
 (2 threads, benchmarks in docs/benchmarks.md). Past SMALL_M rows (prefill chunks) the matmul is
-compute-bound and the packed kernel loses to dequantize-then-bf16-GEMM, so forward switches.
+compute-bound and the packed kernel loses to a bf16 GEMM. Dequantizing on the fly is no way out:
+int8 -> bf16 conversion runs at ~0.3 G elements/s here, ~5 s per forward of a 1.5B model. So the
+layer keeps the bf16 weight too (sharing the loaded tensor, no copy) for prefill: 3 bytes per
+weight in memory, 1 byte read per weight per decode step.
 
     w ~= w_int8 * scale[:, None],  scale = max|w[row]| / 127   (one scale per output row)
 """
@@ -35,24 +38,26 @@ def dequantize_int8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 class Int8Linear(nn.Module):
     """Drop-in for nn.Linear (no training): y = x @ (w_int8 * scale).T + bias, in bf16."""
 
-    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
+                 dense_weight: torch.Tensor):
         super().__init__()
         self.out_features, self.in_features = qweight.shape
         self.register_buffer("qweight", qweight.contiguous())  # [out, in] int8
         self.register_buffer("scales", scales.to(COMPUTE_DTYPE))  # [out]
         self.register_buffer("bias", None if bias is None else bias.detach().to(COMPUTE_DTYPE))
+        self.register_buffer("dense_weight", dense_weight.detach().to(COMPUTE_DTYPE))  # [out, in], prefill
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> "Int8Linear":
         q, scales = quantize_int8(linear.weight.data)
-        return cls(q, scales, linear.bias)
+        return cls(q, scales, linear.bias, linear.weight.data)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).to(COMPUTE_DTYPE)  # [M, in]
         if rows.shape[0] <= SMALL_M:
             y = torch.ops.aten._weight_int8pack_mm(rows, self.qweight, self.scales)  # [M, out]
         else:
-            y = F.linear(rows, self.qweight.to(COMPUTE_DTYPE) * self.scales[:, None])
+            y = F.linear(rows, self.dense_weight)
         if self.bias is not None:
             y = y + self.bias
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
