@@ -98,8 +98,7 @@ def configs_from_args(args) -> list[tuple[str, list[str]]]:
 
 
 def cmd_bench(args) -> int:
-    from chatserve.bench.report import format_markdown, format_summary, format_sweep_table, machine, write_json
-    from chatserve.bench.plots import plot_outputs
+    from chatserve.bench.report import format_summary, format_sweep_table, machine
     from chatserve.bench.sweep import SweepPlan, run_points
 
     concurrencies = [int(c) for c in str(args.concurrency).split(",") if c.strip()]
@@ -120,8 +119,8 @@ def cmd_bench(args) -> int:
         points = run_points(plan, args.model, configs_from_args(args), serve_args, args.rounds)
     else:
         points = run_points(plan, rounds=args.rounds)
-    result = {"kind": "chatserve-bench", "argv": sys.argv[1:], "machine": machine(), "points": points,
-              "baseline": None, "ratios": None, "plots": []}
+    result = {"kind": "chatserve-bench", "argv": sys.argv[1:], "args": _jsonable(args), "machine": machine(),
+              "points": points, "baseline": None, "ratios": None, "plots": []}
     for p in points if len(points) == 1 else []:
         print(format_summary(p["report"]), file=sys.stderr)
     if len(points) > 1:
@@ -130,15 +129,26 @@ def cmd_bench(args) -> int:
         from chatserve.bench.baseline import add_baseline
 
         add_baseline(result, plan, args)
-    if args.out:
-        write_json(result, args.out)
+    _write_outputs(result, args)
+    failed = sum(p["report"]["summary"]["num_failed"] for p in points)
+    return 1 if failed and failed == sum(p["report"]["summary"]["num_requests"] for p in points) else 0
+
+
+def _jsonable(args) -> dict:
+    return {k: v for k, v in vars(args).items() if k != "func"}
+
+
+def _write_outputs(result: dict, args) -> None:
+    """JSON (--out), plots (--plots, or next to --out for a sweep), Markdown tables (--markdown)."""
+    from chatserve.bench.plots import plot_outputs
+    from chatserve.bench.report import format_markdown, write_json
+
+    points = result["points"]
     plots_dir = args.plots or (str(Path(args.out).with_suffix("")) + "_plots" if args.out and len(points) > 1 else None)
     if plots_dir:
         result["plots"] = plot_outputs(points, plots_dir)
-        if args.out:
-            write_json(result, args.out)
         print(f"plots: {', '.join(result['plots'])}", file=sys.stderr)
+    if args.out:
+        write_json(result, args.out)
     if args.markdown:
         Path(args.markdown).write_text(format_markdown(result) + "\n")
-    failed = sum(p["report"]["summary"]["num_failed"] for p in points)
-    return 1 if failed and failed == sum(p["report"]["summary"]["num_requests"] for p in points) else 0
