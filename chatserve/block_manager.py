@@ -8,6 +8,16 @@ Block states:
     in use        ref_count > 0 (maybe hashed, maybe shared by several sequences)
     cached free   ref_count == 0, hashed: reusable by hash, evicted LRU when the pool runs dry
     free          ref_count == 0, not hashed
+
+Draft KV coverage. With a draft model loaded, requests choose their speculation method, and
+only those that use the draft model write draft KV. A hashed block is therefore marked
+`has_draft_kv` when the request that committed it had draft KV for all of its tokens. The
+rule that keeps sharing correct: a request that will run the draft model attaches only
+marked blocks (`match_prefix(..., need_draft_kv=True)` stops at the first unmarked one); a
+request that never runs it may attach any hashed block, since every hashed block holds valid
+target KV. When a draft request commits a block whose hash already names an unmarked block,
+its own (marked) block takes over the hash, so the prefix becomes shareable by draft requests
+too; the old block keeps its contents for whoever holds it and is freed, not cached, later.
 """
 
 from __future__ import annotations
@@ -43,6 +53,7 @@ class BlockManager:
         self.cached_free: OrderedDict[int, None] = OrderedDict()  # LRU: oldest first
         self.hash_to_block: dict[bytes, int] = {}
         self.block_to_hash: dict[int, bytes] = {}
+        self.draft_kv_blocks: set[int] = set()  # hashed blocks whose draft-model KV is valid too
         self.num_prefix_queries = 0  # tokens looked up
         self.num_prefix_hits = 0  # tokens found
 
@@ -56,12 +67,13 @@ class BlockManager:
         return max(0, -(-num_tokens // self.block_size) - len(table.block_ids))
 
     # -- prefix cache ---------------------------------------------------------------------
-    def match_prefix(self, table: BlockTable, token_ids: Sequence[int]) -> int:
+    def match_prefix(self, table: BlockTable, token_ids: Sequence[int], need_draft_kv: bool = False) -> int:
         """Attach the longest cached run of full blocks of `token_ids` to an empty table.
 
-        Returns the number of tokens whose KV is already in the pool. At least one token is
-        always left to compute (the model must produce logits for the last one), so a
-        prompt that is all full cached blocks gives back its last block for recompute.
+        Returns the number of tokens whose KV is already in the pool (for the draft model as
+        well when `need_draft_kv`: then the run ends at the first block without draft KV).
+        At least one token is always left to compute (the model must produce logits for the
+        last one), so a prompt that is all full cached blocks gives back its last block.
         """
         assert not table.block_ids
         if not self.enable_prefix_caching:
@@ -72,7 +84,7 @@ class BlockManager:
         for i in range(max_blocks):
             h = hash_block(parent, token_ids[i * bs : (i + 1) * bs])
             block_id = self.hash_to_block.get(h)
-            if block_id is None:
+            if block_id is None or (need_draft_kv and block_id not in self.draft_kv_blocks):
                 break
             self._ref(block_id)
             table.block_ids.append(block_id)
@@ -83,9 +95,10 @@ class BlockManager:
         self.num_prefix_hits += num_cached
         return num_cached
 
-    def commit(self, table: BlockTable, token_ids: Sequence[int], num_committed: int) -> None:
+    def commit(self, table: BlockTable, token_ids: Sequence[int], num_committed: int, has_draft_kv: bool = False) -> None:
         """Hash the full blocks among the first `num_committed` tokens (verified, KV computed
-        by every model) so later requests can share them. Never call it with draft tokens."""
+        by every model the request runs) so later requests can share them. `has_draft_kv`:
+        the draft model's KV is valid for those tokens too. Never call it with draft tokens."""
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
@@ -94,9 +107,17 @@ class BlockManager:
             h = hash_block(parent, token_ids[i * bs : (i + 1) * bs])
             table.block_hashes.append(h)
             block_id = table.block_ids[i]
-            if h not in self.hash_to_block and block_id not in self.block_to_hash:
-                self.hash_to_block[h] = block_id
-                self.block_to_hash[block_id] = h
+            if block_id in self.block_to_hash:
+                continue
+            old_id = self.hash_to_block.get(h)
+            if old_id is not None and (not has_draft_kv or old_id in self.draft_kv_blocks):
+                continue  # the registered block is as good as ours
+            if old_id is not None:
+                self._unhash(old_id)  # ours also has draft KV: take over the hash
+            self.hash_to_block[h] = block_id
+            self.block_to_hash[block_id] = h
+            if has_draft_kv:
+                self.draft_kv_blocks.add(block_id)
 
     # -- allocate / truncate / free -------------------------------------------------------
     def allocate(self, table: BlockTable, num_tokens: int) -> bool:
@@ -127,13 +148,19 @@ class BlockManager:
 
     # -- internals ------------------------------------------------------------------------
     def _take_free_block(self) -> int:
-        if self.free_ids:
-            block_id = self.free_ids.pop()
-        else:  # evict the least recently used cached block
-            block_id, _ = self.cached_free.popitem(last=False)
-            del self.hash_to_block[self.block_to_hash.pop(block_id)]
+        if not self.free_ids:  # evict the least recently used cached block
+            self._unhash(next(iter(self.cached_free)))
+        block_id = self.free_ids.pop()
         self.ref_counts[block_id] = 1
         return block_id
+
+    def _unhash(self, block_id: int) -> None:
+        """Forget block_id's hash; if it was cached free it becomes plain free."""
+        del self.hash_to_block[self.block_to_hash.pop(block_id)]
+        self.draft_kv_blocks.discard(block_id)
+        if block_id in self.cached_free:
+            del self.cached_free[block_id]
+            self.free_ids.append(block_id)
 
     def _ref(self, block_id: int) -> None:
         if self.ref_counts[block_id] == 0:
@@ -152,9 +179,7 @@ class BlockManager:
     def reset_prefix_cache(self) -> None:
         """Forget every cached-free block (e.g. after the pool's contents became invalid)."""
         for block_id in list(self.cached_free):
-            del self.hash_to_block[self.block_to_hash.pop(block_id)]
-            self.free_ids.append(block_id)
-        self.cached_free.clear()
+            self._unhash(block_id)
 
     def check_invariants(self, tables: Sequence[BlockTable] = ()) -> None:
         """Free, cached-free and in-use blocks partition the pool; ref counts match `tables`
@@ -169,6 +194,7 @@ class BlockManager:
         assert all(self.block_to_hash.get(b) is None for b in free)
         assert all(b in self.block_to_hash for b in cached)
         assert {v: k for k, v in self.hash_to_block.items()} == self.block_to_hash
+        assert self.draft_kv_blocks <= self.block_to_hash.keys(), "draft-KV mark on an unhashed block"
         if tables:
             counts = [0] * self.num_blocks
             for t in tables:

@@ -48,6 +48,7 @@ class Engine:
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already running")
         self.check_prompt(prompt_token_ids)
+        self.check_params(params)
         req = Request(request_id, list(prompt_token_ids), params)
         req.detok = IncrementalDetokenizer(self.tokenizer.decode, params.stop)
         if self.spec:
@@ -76,6 +77,22 @@ class Engine:
                 f"prompt: {n} tokens need {blocks_needed} KV blocks but the pool holds only "
                 f"{self.block_manager.num_blocks}; raise --kv-cache-memory"
             )
+
+    @property
+    def spec_methods(self) -> tuple[str, ...]:
+        """The SamplingParams.spec_method values this engine runs; the first is its default."""
+        return self.spec.methods if self.spec else ()
+
+    def check_params(self, params: SamplingParams) -> None:
+        """Raise ValueError for a spec_method this engine cannot run (no draft model, or no
+        speculation at all). Any thread may call it between set_speculation calls."""
+        method = params.spec_method
+        if method is None or method in self.spec_methods:
+            return
+        if not self.spec_methods:
+            raise ValueError(f"spec_method: this engine runs without speculation, so {method!r} is not available")
+        raise ValueError(f"spec_method: {method!r} needs a draft model and this engine has none "
+                         f"(available: {', '.join(self.spec_methods)})")
 
     def abort(self, request_id: str) -> Delta | None:
         req = self.requests.pop(request_id, None)
@@ -168,7 +185,7 @@ class Engine:
         req.num_computed_tokens = min(req.num_computed_tokens, len(req.token_ids) - 1)
         req.num_draft_computed_tokens = min(req.num_draft_computed_tokens, req.num_computed_tokens)
         self.block_manager.truncate(req.table, len(req.token_ids))
-        self.block_manager.commit(req.table, req.token_ids, self._num_committed(req))
+        self.block_manager.commit(req.table, req.token_ids, self._num_committed(req), has_draft_kv=req.use_draft_model)
         req.stats.num_generated = req.num_output_tokens
         if reason:
             text_parts.append(req.detok.flush())
@@ -187,7 +204,11 @@ class Engine:
         return None
 
     def _num_committed(self, req: Request) -> int:
-        if self.spec and self.spec.has_draft_model:
+        """Tokens whose KV is valid in every cache the request writes: the draft lags the
+        target for draft-model requests; other requests (n-gram, speculation off) never run
+        the draft model, so the target's count stands and their blocks are committed
+        without the draft-KV mark (see block_manager's module docstring)."""
+        if req.use_draft_model:
             return min(req.num_computed_tokens, req.num_draft_computed_tokens)
         return req.num_computed_tokens
 

@@ -4,7 +4,8 @@ Regions of `token_ids` (prompt + generated, all committed, never drafts):
 
     [0, num_computed_tokens)              KV in the target cache
     [num_computed_tokens, len(token_ids)) still to feed to the target (prefill or last token)
-    [0, num_draft_computed_tokens)        KV in the draft cache (lags by the tokens it has not seen)
+    [0, num_draft_computed_tokens)        KV in the draft cache (lags by the tokens it has not seen);
+                                          meaningful only when use_draft_model
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ class Request:
     num_draft_tokens: int = 0  # k chosen for this step by the scheduler
     draft_token_ids: list[int] = field(default_factory=list)  # proposals under verification
     spec_controller: object | None = None  # spec.adaptive.AdaptiveDraftLength, set by the engine
+    use_draft_model: bool = False  # set by the engine: drafts come from the draft model, which keeps KV
     detok: object | None = None  # chatserve.tokenizer.IncrementalDetokenizer
 
     def __post_init__(self) -> None:

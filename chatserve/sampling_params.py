@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+SPEC_METHODS = ("draft", "ngram")
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -26,6 +28,9 @@ class SamplingParams:
     ignore_eos: bool = False
     # Speculation per request: None = engine default; 0 disables drafting for this request.
     num_draft_tokens: int | None = None
+    # Who drafts: "draft" (the draft model, if the engine loaded one) or "ngram" (prompt
+    # lookup); None = the engine's own method.
+    spec_method: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -51,6 +56,8 @@ class SamplingParams:
             raise ValueError(f"ignore_eos: must be a boolean, got {self.ignore_eos!r}")
         if self.num_draft_tokens is not None:
             _check_int("num_draft_tokens", self.num_draft_tokens, low=0, high=16)
+        if self.spec_method not in (None, *SPEC_METHODS):
+            raise ValueError(f"spec_method: must be 'draft' or 'ngram' (or null for the engine's default), got {self.spec_method!r}")
 
     @property
     def is_greedy(self) -> bool:
@@ -84,6 +91,7 @@ class RequestStats:
     num_drafted: int = 0
     num_accepted: int = 0
     num_spec_steps: int = 0  # verification steps that had at least one draft token
+    spec_method: str | None = None  # "draft" / "ngram" as resolved by the engine; None = no speculation
     accepted_by_position: list[int] = field(default_factory=list)  # [k]: accepted at draft position i
     arrival_time: float = 0.0
     first_scheduled_time: float | None = None
@@ -130,6 +138,7 @@ class RequestStats:
             "acceptance_rate": self.acceptance_rate,
             "mean_accepted_length": self.mean_accepted_length,
             "accepted_by_position": list(self.accepted_by_position),
+            "spec_method": self.spec_method,
             "ttft_ms": self.ttft_ms,
             "tpot_ms": self.tpot_ms,
             "queue_ms": self.queue_ms,

@@ -60,7 +60,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             if not req.table.block_ids:
-                cached = self.bm.match_prefix(req.table, req.token_ids)
+                cached = self.bm.match_prefix(req.table, req.token_ids, need_draft_kv=req.use_draft_model)
                 req.num_computed_tokens = req.num_draft_computed_tokens = cached
                 if req.stats.first_scheduled_time is None:
                     req.stats.cached_tokens = cached

@@ -1,8 +1,13 @@
-"""SpecRunner: the engine's side of speculation. Picks k per request, runs the proposer
-(n-gram, or the draft model on the shared pool), and keeps the statistics.
+"""SpecRunner: the engine's side of speculation. Picks k per request, runs the proposers
+(n-gram, and the draft model on the shared pool when one is loaded), and keeps the statistics.
 
 The draft model writes its KV into the same block ids as the target (its own tensors), in
 slots the scheduler reserved as lookahead, so drafting never allocates.
+
+The method is per request (SamplingParams.spec_method, default: the engine's): with a draft
+model loaded, a request may still ask for n-gram drafts, and then the draft model never sees
+its tokens. Such a request has no draft KV, so it commits blocks without the draft-KV mark
+and draft requests never attach them (BlockManager's module docstring has the rule).
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ class SpecRunner:
         self.models = models
         self.sampler = sampler
         self.has_draft_model = config.method == "draft"
-        self.ngram = None if self.has_draft_model else NgramProposer(config.ngram_min, config.ngram_max, 16)
+        self.ngram = NgramProposer(config.ngram_min, config.ngram_max, 16)  # any request may ask for it
         self.stats = SpecStats()
         self._draft_probs: dict[str, torch.Tensor] = {}
         self.draft_seconds = 0.0
@@ -41,16 +46,27 @@ class SpecRunner:
     def create(cls, config: SpecConfig, models) -> "SpecRunner":
         return cls(config, models, Sampler(models.tokenizer.eos_token_ids))
 
+    @property
+    def methods(self) -> tuple[str, ...]:
+        """The spec_method values requests may ask for; the first is the default."""
+        return ("draft", "ngram") if self.has_draft_model else ("ngram",)
+
     def init_request(self, req: Request) -> None:
+        """Resolve req's method (Engine.check_params has checked it) and its controller. A
+        request with num_draft_tokens=0 never drafts, so it never runs the draft model."""
+        method = req.params.spec_method or self.config.method
+        assert method in self.methods, method
+        req.stats.spec_method = method if req.params.num_draft_tokens != 0 else None
+        req.use_draft_model = method == "draft" and req.params.num_draft_tokens != 0
         if not self.config.adaptive:
             return
-        if self.costs is not None:
-            req.spec_controller = AdaptiveDraftLength(self.config.num_draft_tokens,
-                                                      draft_step_cost=self.costs.draft_step_cost,
-                                                      verify_costs=self.costs.verify_costs)
+        if req.use_draft_model:
+            draft_cost = self.costs.draft_step_cost if self.costs else 0.35
         else:
-            draft_cost = 0.35 if self.has_draft_model else NGRAM_STEP_COST
-            req.spec_controller = AdaptiveDraftLength(self.config.num_draft_tokens, draft_step_cost=draft_cost)
+            draft_cost = NGRAM_STEP_COST
+        verify_costs = self.costs.verify_costs if self.costs else None
+        req.spec_controller = AdaptiveDraftLength(self.config.num_draft_tokens, draft_step_cost=draft_cost,
+                                                  verify_costs=verify_costs)
 
     def plan(self, running: list[Request]) -> None:
         """Set req.num_draft_tokens (k) for every running request that will decode next step."""
@@ -73,16 +89,16 @@ class SpecRunner:
 
     def propose(self, seqs: list[ScheduledSeq]) -> None:
         """Fill req.draft_token_ids (<= num_draft_tokens each) for the scheduled decodes."""
-        if not seqs:
-            return
-        if self.ngram is not None:
-            draft = self.ngram.propose([s.req.token_ids for s in seqs], [s.num_draft_tokens for s in seqs])
-            for s, tokens in zip(seqs, draft.token_ids):
+        by_ngram = [s for s in seqs if not s.req.use_draft_model]
+        by_draft = [s for s in seqs if s.req.use_draft_model]
+        if by_ngram:
+            draft = self.ngram.propose([s.req.token_ids for s in by_ngram], [s.num_draft_tokens for s in by_ngram])
+            for s, tokens in zip(by_ngram, draft.token_ids):
                 s.req.draft_token_ids = list(tokens)
-            return
-        start = time.perf_counter()
-        self._propose_with_draft_model([s.req for s in seqs], [s.num_draft_tokens for s in seqs])
-        self.draft_seconds += time.perf_counter() - start
+        if by_draft:
+            start = time.perf_counter()
+            self._propose_with_draft_model([s.req for s in by_draft], [s.num_draft_tokens for s in by_draft])
+            self.draft_seconds += time.perf_counter() - start
 
     def _propose_with_draft_model(self, reqs: list[Request], ks: list[int]) -> None:
         """Catch the draft up on the tokens it has not seen, then draft k tokens one by one."""

@@ -54,20 +54,63 @@ def test_lru_eviction_only_when_free_list_is_empty():
     bm.check_invariants([t])
 
 
+def test_draft_requests_attach_only_blocks_with_draft_kv():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    tokens = list(range(9))
+    ngram = BlockTable()  # a request that never runs the draft model
+    bm.allocate(ngram, 9)
+    bm.commit(ngram, tokens, 8, has_draft_kv=False)
+    probe = BlockTable()
+    assert bm.match_prefix(probe, tokens, need_draft_kv=True) == 0  # no draft KV there
+    shared = BlockTable()
+    assert bm.match_prefix(shared, tokens) == 8  # requests without a draft model may share
+    bm.free(shared)
+    bm.free(probe)
+    draft = BlockTable()
+    bm.allocate(draft, 9)
+    bm.commit(draft, tokens, 8, has_draft_kv=True)  # same hashes: the marked blocks take over
+    assert bm.draft_kv_blocks == set(draft.block_ids[:2])
+    assert {bm.hash_to_block[h] for h in draft.block_hashes} == set(draft.block_ids[:2])
+    bm.check_invariants([ngram, draft])
+    bm.free(ngram)  # its old blocks are no longer hashed: plain free, not cached
+    assert len(bm.cached_free) == 0
+    bm.free(draft)
+    assert len(bm.cached_free) == 2
+    for need in (True, False):  # marked blocks serve both kinds
+        t = BlockTable()
+        assert bm.match_prefix(t, tokens, need_draft_kv=need) == 8
+        bm.free(t)
+    bm.check_invariants()
+    assert bm.num_free_blocks == 8
+
+
 class PoolMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
         self.bm = BlockManager(num_blocks=12, block_size=4)
-        self.seqs: list[tuple[BlockTable, list[int], int]] = []  # (table, tokens, committed)
+        self.seqs: list[tuple[BlockTable, list[int], bool]] = []  # (table, tokens, has_draft_kv)
+        self.draft_written: set[int] = set()  # ghost: blocks whose draft KV a draft request wrote
 
-    @rule(prompt=st.lists(st.integers(0, 3), min_size=1, max_size=20))
-    def add(self, prompt):
+    def _allocate(self, table: BlockTable, num_tokens: int, has_draft_kv: bool) -> bool:
+        """Allocate, and track which blocks hold draft KV: a draft request writes it into its
+        new blocks; any other request's new block holds stale draft KV."""
+        before = len(table.block_ids)
+        if not self.bm.allocate(table, num_tokens):
+            return False
+        new = set(table.block_ids[before:])
+        self.draft_written = self.draft_written | new if has_draft_kv else self.draft_written - new
+        return True
+
+    @rule(prompt=st.lists(st.integers(0, 1), min_size=1, max_size=20), has_draft_kv=st.booleans())  # 2 ids: many shared prefixes
+    def add(self, prompt, has_draft_kv):
         table = BlockTable()
-        cached = self.bm.match_prefix(table, prompt)
+        cached = self.bm.match_prefix(table, prompt, need_draft_kv=has_draft_kv)
         assert cached % 4 == 0 and cached < len(prompt)
-        if self.bm.allocate(table, len(prompt)):
-            self.bm.commit(table, prompt, len(prompt))
-            self.seqs.append((table, list(prompt), len(prompt)))
+        if has_draft_kv:
+            assert set(table.block_ids) <= self.draft_written, "a draft request attached a block without draft KV"
+        if self._allocate(table, len(prompt), has_draft_kv):
+            self.bm.commit(table, prompt, len(prompt), has_draft_kv)
+            self.seqs.append((table, list(prompt), has_draft_kv))
         else:
             self.bm.free(table)
 
@@ -75,14 +118,13 @@ class PoolMachine(RuleBasedStateMachine):
     @rule(i=st.integers(0, 100), new=st.lists(st.integers(0, 3), min_size=1, max_size=6), accept=st.integers(0, 6))
     def speculate(self, i, new, accept):
         """Reserve lookahead for drafts, then keep `accept` of them and roll back the rest."""
-        table, tokens, committed = self.seqs[i % len(self.seqs)]
-        if not self.bm.allocate(table, len(tokens) + len(new)):
+        table, tokens, has_draft_kv = self.seqs[i % len(self.seqs)]
+        if not self._allocate(table, len(tokens) + len(new), has_draft_kv):
             return
         kept = new[: min(accept, len(new))]
         tokens.extend(kept)
         self.bm.truncate(table, len(tokens))
-        self.bm.commit(table, tokens, len(tokens))
-        self.seqs[i % len(self.seqs)] = (table, tokens, len(tokens))
+        self.bm.commit(table, tokens, len(tokens), has_draft_kv)
 
     @precondition(lambda self: self.seqs)
     @rule(i=st.integers(0, 100))
@@ -93,6 +135,7 @@ class PoolMachine(RuleBasedStateMachine):
     @invariant()
     def consistent(self):
         self.bm.check_invariants([t for t, _, _ in self.seqs])
+        assert self.bm.draft_kv_blocks <= self.draft_written
         for table, tokens, _ in self.seqs:
             assert len(table.block_ids) == -(-len(tokens) // 4)
 
