@@ -32,6 +32,11 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="chatserve-engine", daemon=True)
         self._thread.start()
 
+    @property
+    def spec_methods(self) -> tuple[str, ...]:
+        """SamplingParams.spec_method values the engine runs, its default first."""
+        return self.engine.spec_methods
+
     # -- called from the event loop ---------------------------------------------------------
     def tokenize_chat(self, messages: list[dict]) -> list[int]:
         return self.engine.tokenizer.apply_chat_template(messages)
@@ -46,6 +51,7 @@ class AsyncEngine:
         for a prompt that can never run. Stopping the iteration (aclose, task cancelled)
         aborts the request and frees its blocks."""
         self.engine.check_prompt(prompt_token_ids)
+        self.engine.check_params(params)
         request_id = request_id or uuid.uuid4().hex
         outbox: asyncio.Queue = asyncio.Queue()
         self._outboxes[request_id] = (asyncio.get_running_loop(), outbox)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from chatserve.sampling_params import RequestStats, SamplingParams
+from chatserve.sampling_params import SPEC_METHODS, RequestStats, SamplingParams
 
 # Error codes sent in websocket `error` messages and as OpenAI `error.code`.
 BAD_JSON = "bad_json"
@@ -31,7 +31,7 @@ ENGINE_ERROR = "engine_error"
 
 ROLES = ("system", "user", "assistant")
 SETTINGS_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens",
-                 "stop", "seed", "speculation", "num_draft_tokens")
+                 "stop", "seed", "speculation", "spec_method", "num_draft_tokens")
 MAX_ID_CHARS = 128
 
 
@@ -179,7 +179,20 @@ def parse_settings(params) -> dict:
         raise ProtocolError(INVALID_PARAMS, f"unknown setting(s) {unknown}; known: {list(SETTINGS_KEYS)}")
     if "speculation" in params and not isinstance(params["speculation"], bool):
         raise ProtocolError(INVALID_PARAMS, "speculation: must be true or false", param="speculation")
+    if params.get("spec_method") not in (None, *SPEC_METHODS):
+        raise ProtocolError(INVALID_PARAMS, f"spec_method: must be \"draft\", \"ngram\" or null (the server's "
+                            f"default), got {params['spec_method']!r}", param="spec_method")
     return dict(params)
+
+
+def check_spec_method(params: SamplingParams, available: tuple[str, ...]) -> None:
+    """The engine must run the asked-for method: "draft" needs a draft model, and a server
+    started without speculation runs neither. `available` is the engine's spec_methods."""
+    method = params.spec_method
+    if method is None or method in available:
+        return
+    have = f"this server offers only {', '.join(available)}" if available else "this server runs without speculation"
+    raise ProtocolError(INVALID_PARAMS, f"spec_method: {method!r} is not available; {have}", param="spec_method")
 
 
 def build_sampling_params(settings: dict, max_tokens_limit: int) -> SamplingParams:
@@ -216,6 +229,7 @@ class DoneStats:
     accepted: int | None = None
     acceptance_rate: float | None = None
     mean_accepted_length: float | None = None
+    spec_method: str | None = None  # who drafted: "draft" or "ngram"; None = no speculation
 
     @classmethod
     def from_request_stats(cls, stats: RequestStats) -> "DoneStats":
@@ -223,15 +237,17 @@ class DoneStats:
                    prompt_tokens=stats.prompt_tokens, cached_tokens=stats.cached_tokens,
                    generated_tokens=stats.num_generated, drafted=stats.num_drafted,
                    accepted=stats.num_accepted, acceptance_rate=stats.acceptance_rate,
-                   mean_accepted_length=stats.mean_accepted_length)
+                   mean_accepted_length=stats.mean_accepted_length, spec_method=stats.spec_method)
 
     def to_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
 
 
-def ready_message(model: str, draft: str | None, max_model_len: int, max_tokens_limit: int, settings: dict) -> dict:
-    return {"type": "ready", "model": model, "draft": draft, "max_model_len": max_model_len,
-            "max_tokens_limit": max_tokens_limit, "settings": settings}
+def ready_message(model: str, draft: str | None, max_model_len: int, max_tokens_limit: int, settings: dict,
+                  spec_methods: tuple[str, ...] = ()) -> dict:
+    """`spec_methods`: the spec_method values this server runs, its default first ([] = no speculation)."""
+    return {"type": "ready", "model": model, "draft": draft, "spec_methods": list(spec_methods),
+            "max_model_len": max_model_len, "max_tokens_limit": max_tokens_limit, "settings": settings}
 
 
 def delta_message(id: str | int, text: str, num_tokens: int) -> dict:
@@ -267,7 +283,7 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
                404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
                503: "service_unavailable_error"}
 _SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "stop",
-                  "speculation", "num_draft_tokens")  # top_k onwards are extensions (vLLM's and ours)
+                  "speculation", "spec_method", "num_draft_tokens")  # top_k onwards: extensions (vLLM's, ours)
 
 
 @dataclass(frozen=True)

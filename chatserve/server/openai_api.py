@@ -62,6 +62,7 @@ class OpenAIRoutes:
             body = await self._read_json(request)
             parse = P.parse_chat_completion_request if is_chat else P.parse_completion_request
             req = parse(body, s.config.max_tokens_limit)
+            P.check_spec_method(req.params, s.engine.spec_methods)
             if req.model is not None and req.model != s.model_name:
                 raise P.ProtocolError(P.MODEL_NOT_FOUND, f"model {req.model!r} does not exist; this server serves "
                                       f"{s.model_name!r}", 404, "model")

@@ -115,7 +115,8 @@ class Connection:
             self._start_turn(message)
         elif isinstance(message, P.Settings):
             merged = {**self.settings, **message.params}
-            P.build_sampling_params(merged, self.state.config.max_tokens_limit)  # validate before storing
+            params = P.build_sampling_params(merged, self.state.config.max_tokens_limit)  # validate before storing
+            P.check_spec_method(params, self.state.engine.spec_methods)
             self.settings = merged
             await self.send(P.settings_message(self.settings))
         elif isinstance(message, P.Cancel):
@@ -132,7 +133,7 @@ class Connection:
     def _ready(self) -> dict:
         s = self.state
         return P.ready_message(s.model_name, s.engine.draft_name, s.engine.max_model_len,
-                               s.config.max_tokens_limit, self.settings)
+                               s.config.max_tokens_limit, self.settings, s.engine.spec_methods)
 
     def _start_turn(self, message: P.ChatTurn) -> None:
         if self.turn is not None:
@@ -140,6 +141,7 @@ class Connection:
                                   "`done`", id=message.id)
         try:
             params = P.build_sampling_params({**self.settings, **message.params}, self.state.config.max_tokens_limit)
+            P.check_spec_method(params, self.state.engine.spec_methods)
         except P.ProtocolError as e:
             e.id = message.id
             raise

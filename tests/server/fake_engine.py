@@ -20,8 +20,12 @@ class FakeEngine:
     def __init__(self, reply: str = "Hello! How can I help?", *, token_delay: float = 0.0,
                  tokens_per_delta: int = 1, max_model_len: int = 2048, num_blocks: int = 256,
                  block_size: int = 16, model_name: str = "fake-model", draft_name: str | None = "ngram",
-                 reply_fn: Callable[[str, SamplingParams], str] | None = None):
+                 reply_fn: Callable[[str, SamplingParams], str] | None = None,
+                 spec_methods: tuple[str, ...] | None = None):
         self.model_name, self.draft_name, self.max_model_len = model_name, draft_name, max_model_len
+        if spec_methods is None:  # like the real engine: a named draft model also offers n-gram
+            spec_methods = () if not draft_name else ("ngram",) if draft_name == "ngram" else ("draft", "ngram")
+        self.spec_methods = spec_methods
         self.reply, self.reply_fn = reply, reply_fn
         self.token_delay, self.tokens_per_delta = token_delay, tokens_per_delta
         self.num_blocks, self.block_size, self.num_free_blocks = num_blocks, block_size, num_blocks
@@ -142,7 +146,8 @@ class FakeEngine:
     def _count_step(self, stats: RequestStats, chunk: list[int], params: SamplingParams) -> None:
         if stats.first_token_time is None:
             stats.first_token_time = time.perf_counter()
-        elif self.draft_name and params.num_draft_tokens != 0:
+        elif self.spec_methods and params.num_draft_tokens != 0:
+            stats.spec_method = params.spec_method or self.spec_methods[0]
             # pretend each step drafted 4 tokens and accepted all but the last emitted one
             stats.num_spec_steps += 1
             stats.num_drafted += 4

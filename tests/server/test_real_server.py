@@ -235,3 +235,35 @@ def test_every_bad_input_gets_an_error_and_the_next_turn_works(server):
     with ws_connect(server, origin=f"http://127.0.0.1:{port}") as ws:  # the UI's own origin is fine
         assert run_turn(ws, "fine?", max_tokens=2)[1]["type"] == "done"
     wait_pool_free(server)
+
+
+def run_messages(ws, messages: list[dict], **params) -> tuple[str, dict]:
+    ws.send(json.dumps({"type": "chat", "messages": messages, "params": {"temperature": 0, **params}}))
+    text = ""
+    while (msg := json.loads(ws.recv(timeout=60)))["type"] == "delta":
+        text += msg["text"]
+    return text, msg
+
+
+def test_spec_method_per_turn_draft_and_ngram(server):
+    """One server with a draft model runs n-gram turns too; greedy text does not depend on the
+    method, each done reports who drafted, and a draft turn never reuses an n-gram turn's
+    blocks (they hold no draft KV) while the others reuse the draft turn's."""
+    from websockets.sync.client import connect
+
+    messages = [{"role": "user", "content": "1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3"}]
+    with connect(server.replace("http", "ws") + "/ws") as ws:
+        assert json.loads(ws.recv())["spec_methods"] == ["draft", "ngram"]
+        ngram_text, ngram = run_messages(ws, messages, max_tokens=32, spec_method="ngram")
+        draft_text, draft = run_messages(ws, messages, max_tokens=32, spec_method="draft")
+        again_text, again = run_messages(ws, messages, max_tokens=32, spec_method="ngram")
+    for done in (ngram, draft, again):
+        assert done["type"] == "done", done
+        assert done["stats"]["generated_tokens"] == 32
+    assert ngram_text == draft_text == again_text
+    assert ngram["stats"]["spec_method"] == again["stats"]["spec_method"] == "ngram"
+    assert draft["stats"]["spec_method"] == "draft" and draft["stats"]["drafted"] > 0
+    assert ngram["stats"]["drafted"] > 0 and ngram["stats"]["acceptance_rate"] is not None
+    assert draft["stats"]["cached_tokens"] == 0
+    assert again["stats"]["cached_tokens"] > 0
+    wait_pool_free(server)

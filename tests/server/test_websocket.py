@@ -10,14 +10,14 @@ from .conftest import chat, receive_until, wait_for
 from .fake_engine import FakeEngine
 
 DONE_STATS = {"ttft_ms", "tpot_ms", "queue_ms", "prompt_tokens", "cached_tokens", "generated_tokens", "drafted",
-              "accepted", "acceptance_rate", "mean_accepted_length"}
+              "accepted", "acceptance_rate", "mean_accepted_length", "spec_method"}
 
 
 def test_ready_then_deltas_then_done(client, engine):
     with client.websocket_connect("/ws") as ws:
         ready = ws.receive_json()
-        assert ready == {"type": "ready", "model": "fake-model", "draft": "ngram", "max_model_len": 2048,
-                         "max_tokens_limit": 4096, "settings": {}}
+        assert ready == {"type": "ready", "model": "fake-model", "draft": "ngram", "spec_methods": ["ngram"],
+                         "max_model_len": 2048, "max_tokens_limit": 4096, "settings": {}}
         messages = chat(ws, content="hi", id="m1")
     *deltas, done = messages
     assert deltas and all(m["type"] == "delta" and m["id"] == "m1" and m["num_tokens"] >= 1 for m in deltas)
