@@ -53,8 +53,8 @@ def kv_bytes_per_token(fmt: str, num_kv_heads: int, head_dim: int, model_dtype: 
 
 
 def quantize_kv(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """x: [num_tokens, num_kv_heads, head_dim] -> (q like x in the storage dtype,
-    scales: [num_tokens, num_kv_heads] SCALE_DTYPE). Rounds to nearest even; saturates.
+    """x: [..., num_tokens, num_kv_heads, head_dim] -> (q like x in the storage dtype,
+    scales: x.shape[:-1] SCALE_DTYPE). Rounds to nearest even; saturates.
 
     The Triton store kernel (kernels/triton_kv_store.py) reproduces these exact fp32 operations.
     """
@@ -62,14 +62,14 @@ def quantize_kv(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
         raise ValueError(f"quantize_kv: format must be one of {tuple(_STORAGE)}, got {fmt!r}")
     x = x.float()
     qmax = QMAX[fmt]
-    scales = x.abs().amax(dim=-1).clamp_min(MIN_AMAX) / qmax  # [num_tokens, num_kv_heads]
-    scales = scales.to(SCALE_DTYPE).float()  # round to nearest even first, then divide by it
-    y = x / scales[..., None]
+    amax = torch.linalg.vector_norm(x, float("inf"), dim=-1)  # == abs().amax(-1), one op
+    stored_scales = amax.clamp_min_(MIN_AMAX).div_(qmax).to(SCALE_DTYPE)  # [num_tokens, num_kv_heads]
+    y = x / stored_scales.float()[..., None]  # divide by the rounded scale
     if fmt == "int8":
-        q = y.round().clamp_(-qmax, qmax).to(torch.int8)
+        q = y.round_().clamp_(-qmax, qmax).to(torch.int8)
     else:
         q = y.clamp_(-qmax, qmax).to(_STORAGE[fmt])
-    return q, scales.to(SCALE_DTYPE)  # exact: scales are on the bf16 grid
+    return q, stored_scales
 
 
 def dequantize_kv(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
