@@ -7,8 +7,10 @@
     newChat: $("new-chat"), status: $("status"), model: $("model"), error: $("error"),
     settingsToggle: $("settings-toggle"), settingsPanel: $("settings-panel"), temperature: $("temperature"),
     topP: $("top-p"), maxTokens: $("max-tokens"), speculation: $("speculation"), draftName: $("draft-name"),
+    specMethod: $("spec-method"),
   };
-  const DEFAULTS = { temperature: 0.7, top_p: 0.95, max_tokens: 512, speculation: true };
+  // spec_method null: the server's default (the first of its `spec_methods`)
+  const DEFAULTS = { temperature: 0.7, top_p: 0.95, max_tokens: 512, speculation: true, spec_method: null };
   const state = {
     ws: null, ready: false, retries: 0, retryTimer: null,
     transcript: [],        // what this page has shown: [{role, content}], re-sent after a reconnect
@@ -16,6 +18,7 @@
     running: null,         // {id, user, node, text, tokens, startedAt, renderQueued}
     numTurns: 0,
     maxTokensLimit: 4096,
+    specMethods: [],       // what the server runs (ready.spec_methods), its default first
     settings: loadSettings(),
   };
 
@@ -79,6 +82,8 @@
         el.model.textContent = m.draft ? `${m.model} + ${m.draft}` : m.model;
         el.draftName.textContent = m.draft ? `(${m.draft})` : "(no draft model)";
         el.speculation.disabled = !m.draft;
+        state.specMethods = m.spec_methods || [];
+        showMethods();
         el.maxTokens.max = state.maxTokensLimit;
         setStatus("online", "Connected");
         hideError();
@@ -115,6 +120,7 @@
     const message = state.needsHistory
       ? { type: "chat", id, messages: [...state.transcript, user] }
       : { type: "chat", id, content: text };
+    message.params = speculationParams();
     if (!send(message)) return;
     state.needsHistory = false;
     hideError();
@@ -167,6 +173,7 @@
     if (stats && stats.ttft_ms != null) add(`TTFT ${Math.round(stats.ttft_ms)} ms`);
     const generated = stats ? stats.generated_tokens : turn.tokens;
     if (stats && stats.tpot_ms) add(`${(1000 / stats.tpot_ms).toFixed(1)} tok/s`);
+    if (stats && stats.spec_method) add(stats.spec_method === "ngram" ? "n-gram" : "draft model");
     if (stats && stats.acceptance_rate != null) add(`${Math.round(100 * stats.acceptance_rate)}% accepted`);
     if (stats && stats.mean_accepted_length) add(`${stats.mean_accepted_length.toFixed(2)} tok/step`);
     add(`${generated} tokens`);
@@ -323,6 +330,7 @@
     el.topP.value = s.top_p;
     el.maxTokens.value = s.max_tokens;
     el.speculation.checked = s.speculation;
+    showMethods();
     $("temperature-value").textContent = Number(s.temperature).toFixed(2);
     $("top-p-value").textContent = Number(s.top_p).toFixed(2);
   }
@@ -332,6 +340,7 @@
     state.settings = {
       temperature: Number(el.temperature.value), top_p: Number(el.topP.value),
       max_tokens: maxTokens, speculation: el.speculation.checked,
+      spec_method: el.specMethod.value || state.settings.spec_method,
     };
     localStorage.setItem("chatserve.settings", JSON.stringify(state.settings));
     showSettings();
@@ -340,8 +349,31 @@
 
   function sendSettings() {
     const params = { ...state.settings, max_tokens: Math.min(state.settings.max_tokens, state.maxTokensLimit) };
-    if (el.speculation.disabled) delete params.speculation;
-    send({ type: "settings", params });
+    delete params.speculation;
+    delete params.spec_method;
+    send({ type: "settings", params: { ...params, ...speculationParams() } });
+  }
+
+  // The saved method if this server runs it, else the server's default (null: no speculation).
+  function chosenMethod() {
+    const saved = state.settings.spec_method;
+    return state.specMethods.includes(saved) ? saved : state.specMethods[0] || null;
+  }
+
+  function showMethods() {
+    for (const option of el.specMethod.options) {
+      option.hidden = option.disabled = !state.specMethods.includes(option.value);
+    }
+    el.specMethod.value = chosenMethod() || "";
+    el.specMethod.disabled = state.specMethods.length < 2 || !el.speculation.checked;
+  }
+
+  // Speculation on/off and method, as this server can run them: sent with the settings and each turn.
+  function speculationParams() {
+    if (el.speculation.disabled) return {};
+    const params = { speculation: state.settings.speculation };
+    if (chosenMethod()) params.spec_method = chosenMethod();
+    return params;
   }
 
   function autosize() {
@@ -385,7 +417,7 @@
     }
   });
   for (const input of [el.temperature, el.topP]) input.addEventListener("input", readSettings);
-  for (const input of [el.maxTokens, el.speculation]) input.addEventListener("change", readSettings);
+  for (const input of [el.maxTokens, el.speculation, el.specMethod]) input.addEventListener("change", readSettings);
   el.messages.addEventListener("click", (e) => {
     const button = e.target.closest("button.copy");
     if (button) copyCode(button);

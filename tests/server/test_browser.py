@@ -145,3 +145,57 @@ def test_narrow_screen_layout(browser):
         assert engine.params[-1].num_draft_tokens == 0
         expect(page.locator(".msg.assistant").nth(1).locator(".stats")).not_to_contain_text("accepted")
     page.close()
+
+
+def test_spec_method_select(browser):
+    from playwright.sync_api import expect
+
+    import json
+
+    page = browser.new_page(viewport={"width": 1000, "height": 800})
+    sent = []  # every JSON frame the page sends
+    page.on("websocket", lambda ws: ws.on("framesent", lambda payload: sent.append(json.loads(payload))))
+    engine = FakeEngine("A reply in a few words.", draft_name="tiny-draft", tokens_per_delta=3)
+    with LiveServer(engine) as server:
+        page.goto(server.url)
+        expect(page.locator("#status")).to_have_attribute("data-state", "online")
+        page.click("#settings-toggle")
+        select = page.locator("#spec-method")
+        expect(select).to_be_enabled()
+        expect(select).to_have_value("draft")  # the server's default comes first in spec_methods
+        page.locator("#input").click()
+        send(page, "first")
+        expect(page.locator(".msg.assistant").nth(0).locator(".stats")).to_contain_text("draft model")
+        assert engine.params[-1].spec_method == "draft"
+
+        page.click("#settings-toggle")
+        select.select_option("ngram")
+        page.locator("#input").click()
+        send(page, "second")
+        expect(page.locator(".msg.assistant").nth(1).locator(".stats")).to_contain_text("n-gram")
+        assert engine.params[-1].spec_method == "ngram"
+
+        page.click("#settings-toggle")
+        page.uncheck("#speculation")
+        expect(select).to_be_disabled()  # no method to choose while speculation is off
+        page.locator("#input").click()
+        send(page, "third")
+        expect(page.locator(".msg.assistant").nth(2).locator(".stats")).to_be_visible()
+        assert engine.params[-1].num_draft_tokens == 0
+    turns = [m["params"] for m in sent if m["type"] == "chat"]  # each turn carries the choice itself
+    assert turns == [{"speculation": True, "spec_method": "draft"}, {"speculation": True, "spec_method": "ngram"},
+                     {"speculation": False, "spec_method": "ngram"}]
+
+    # A server without a draft model offers n-gram only: the page never asks it for "draft".
+    ngram_only = FakeEngine("ok", draft_name="ngram")
+    with LiveServer(ngram_only) as server:
+        page.goto(server.url)
+        page.evaluate("localStorage.setItem('chatserve.settings', JSON.stringify({spec_method: 'draft'}))")
+        page.reload()
+        expect(page.locator("#status")).to_have_attribute("data-state", "online")
+        expect(page.locator("#spec-method")).to_have_value("ngram")
+        expect(page.locator("#spec-method")).to_be_disabled()
+        send(page, "hi")
+        expect(page.locator(".msg.assistant .stats")).to_be_visible()
+        assert ngram_only.params[-1].spec_method == "ngram"
+    page.close()
