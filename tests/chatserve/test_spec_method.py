@@ -24,7 +24,8 @@ def make_engine(model_dir, draft_dir=None, method="draft", **kw):
     if method:
         spec = SpecConfig(method=method, draft_model=str(draft_dir) if draft_dir else None,
                           num_draft_tokens=4, adaptive=False)
-    return Engine(EngineConfig(model=str(model_dir), kv_cache_memory=8 << 20, spec=spec, **kw))
+    kw.setdefault("kv_cache_memory", 8 << 20)
+    return Engine(EngineConfig(model=str(model_dir), spec=spec, **kw))
 
 
 def assert_pool_empty(engine):
@@ -65,6 +66,22 @@ def test_mixed_methods_in_one_batch_match_spec_off(tiny_llama_dir, tiny_draft_di
             assert st.num_drafted == 0
     assert all(o["stats"].num_drafted > 0 for o, p in zip(outs, params) if p is DRAFT)
     assert engine.spec.stats.num_draft_tokens == sum(o["stats"].num_drafted for o in outs)
+    assert_pool_empty(engine)
+
+
+def test_preemption_with_mixed_methods_keeps_outputs(tiny_llama_dir, tiny_draft_dir, plain):
+    """A small pool forces preemption; preempted requests re-match the prefix cache with their
+    own draft-KV need (shared prompts make the cache matter)."""
+    prompts, expected = plain
+    models = make_engine(tiny_llama_dir, tiny_draft_dir).models
+    per_block = sum(r.kv_cache.num_bytes // models.block_manager.num_blocks
+                    for r in (models.target_runner, models.draft_runner))
+    engine = make_engine(tiny_llama_dir, tiny_draft_dir, kv_cache_memory=10 * per_block)
+    assert engine.block_manager.num_blocks == 10
+    prompts, expected, params = prompts * 2, expected * 2, [DRAFT, NGRAM, OFF, NGRAM, DRAFT, OFF] * 2
+    outs = engine.generate(prompts, params)
+    assert engine.scheduler.num_preemptions > 0
+    assert [o["token_ids"] for o in outs] == expected
     assert_pool_empty(engine)
 
 
