@@ -161,14 +161,13 @@ def main() -> None:
               "loadavg_before": load_before, "loadavg_after": load_avg(),
               "engine_decode": decode, "attention_only": attention}
     print(f"\n{args.model} {args.dtype}, {args.threads} thread(s), load {load_before} -> {report['loadavg_after']}")
-    print(f"  {'context':>7} {'format':<9} {'TPOT ms':>8} {'x auto':>7} {'fastest':>8} {'x auto':>7}"
-          f" | {'attn ms':>8} {'x auto':>7} {'attn min':>8} {'x auto':>7}")
+    print(f"  {'context':>7} {'format':<9} {'TPOT ms':>8} {'x auto':>7} | {'attn ms':>8} {'x auto':>7}"
+          f" {'attn min':>8} {'x auto':>7}")
     for n in args.contexts:
         for fmt in args.formats:
             d, a = decode[str(n)][fmt], attention[str(n)][fmt]
-            print(f"  {n:>7} {fmt:<9} {d['tpot_ms_median']:>8.1f} {d['x_auto_median']:>7.3f} "
-                  f"{d['fastest_step_ms']:>8.1f} {d['x_auto_fastest']:>7.3f} | {a['ms_median']:>8.2f} "
-                  f"{a['x_auto_median']:>7.3f} {a['ms_min']:>8.2f} {a['x_auto_min']:>7.3f}")
+            print(f"  {n:>7} {fmt:<9} {d['tpot_ms_median']:>8.1f} {d['x_auto_median']:>7.3f} | "
+                  f"{a['ms_median']:>8.2f} {a['x_auto_median']:>7.3f} {a['ms_min']:>8.2f} {a['x_auto_min']:>7.3f}")
     out = args.out or Path(__file__).parent / "results" / f"kv_speed_{args.model}_{args.dtype}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
