@@ -95,7 +95,8 @@ class BlockManager:
         self.num_prefix_hits += num_cached
         return num_cached
 
-    def commit(self, table: BlockTable, token_ids: Sequence[int], num_committed: int, has_draft_kv: bool = False) -> None:
+    def commit(self, table: BlockTable, token_ids: Sequence[int], num_committed: int,
+               has_draft_kv: bool = False) -> None:
         """Hash the full blocks among the first `num_committed` tokens (verified, KV computed
         by every model the request runs) so later requests can share them. `has_draft_kv`:
         the draft model's KV is valid for those tokens too. Never call it with draft tokens."""

@@ -57,7 +57,8 @@ class SamplingParams:
         if self.num_draft_tokens is not None:
             _check_int("num_draft_tokens", self.num_draft_tokens, low=0, high=16)
         if self.spec_method not in (None, *SPEC_METHODS):
-            raise ValueError(f"spec_method: must be 'draft' or 'ngram' (or null for the engine's default), got {self.spec_method!r}")
+            raise ValueError(f"spec_method: must be 'draft' or 'ngram' (or null for the engine's default), "
+                             f"got {self.spec_method!r}")
 
     @property
     def is_greedy(self) -> bool:
