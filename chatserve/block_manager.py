@@ -15,7 +15,9 @@ only those that use the draft model write draft KV. A hashed block is therefore 
 rule that keeps sharing correct: a request that will run the draft model attaches only
 marked blocks (`match_prefix(..., need_draft_kv=True)` stops at the first unmarked one); a
 request that never runs it may attach any hashed block, since every hashed block holds valid
-target KV. When a draft request commits a block whose hash already names an unmarked block,
+target KV. A mark stays true while the hash lives: every holder of a full hashed block writes
+KV only past it, and the mark goes with the hash (eviction, takeover), before the block can be
+handed out fresh. When a draft request commits a block whose hash already names an unmarked block,
 its own (marked) block takes over the hash, so the prefix becomes shareable by draft requests
 too; the old block keeps its contents for whoever holds it and is freed, not cached, later.
 """
