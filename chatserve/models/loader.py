@@ -22,9 +22,11 @@ FUSED = {
 def load_model(model_dir: str | Path, cfg, dtype: torch.dtype, max_positions: int) -> DecoderLM:
     with torch.device("meta"):
         model = DecoderLM(cfg, max_positions)
-    model = model.to_empty(device="cpu")
+    # Allocate in the target dtype at once (copy_ converts each tensor as it is read), so a
+    # 1.5B model in bf16 never holds a 6 GB fp32 copy on the way.
+    model = model.to_empty(device="cpu").to(dtype)
     # to_empty leaves buffers uninitialised and may untie shared weights: redo both.
-    _init_rotary(model, cfg, max_positions)
+    _init_rotary(model, cfg, max_positions, dtype)
     if model.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     params = dict(model.named_parameters())
@@ -41,7 +43,7 @@ def load_model(model_dir: str | Path, cfg, dtype: torch.dtype, max_positions: in
                 _copy_into(params[target], f.get_tensor(name), shard, model, target)
                 loaded.add(target if shard is None else f"{target}#{shard}")
     _check_complete(model, params, loaded)
-    return model.to(dtype)
+    return model
 
 
 def _map_name(name: str) -> tuple[str | None, int | None]:
@@ -91,10 +93,11 @@ def _check_complete(model: DecoderLM, params: dict, loaded: set[str]) -> None:
         raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:4]}")
 
 
-def _init_rotary(model: DecoderLM, cfg, max_positions: int) -> None:
+def _init_rotary(model: DecoderLM, cfg, max_positions: int, dtype: torch.dtype) -> None:
+    """Tables computed in fp32, stored in the model dtype (as HF's rotary hands them over)."""
     from chatserve.models.layers import Rotary
     from chatserve.models.llama import rope_inv_freq
 
-    rotary = Rotary(*rope_inv_freq(cfg, model.head_dim), max_positions)
+    rotary = Rotary(*rope_inv_freq(cfg, model.head_dim), max_positions).to(dtype)
     for layer in model.layers:
         layer.self_attn.rotary = rotary
