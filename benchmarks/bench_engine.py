@@ -6,6 +6,10 @@ batch 1 and with N concurrent streams, each configuration's memory-bandwidth flo
 bytes read per decode step / measured read bandwidth), the ratios against transformers, and the
 second-turn TTFT over a ~1,000-token history. Writes everything to JSON.
 
+Besides wall time, each batch-1 run records the thread's CPU time (`time.thread_time`). With
+`--threads 1` that is the work per token, which other load on a shared machine barely moves:
+compare those columns when the load average is high.
+
     python benchmarks/bench_engine.py --model smollm2-135m-instruct --ours fp32,bf16,int8 \
         --hf fp32,bf16 --out benchmarks/results/engine_smollm2.json
 """
@@ -44,22 +48,29 @@ def read_bandwidth_gbs(num_bytes: int = 1 << 30) -> float:
 def run_ours(engine: Engine, prompts: list[list[int]], max_tokens: int) -> dict:
     """All prompts at once; per-request TTFT/TPOT from step timestamps; aggregate tokens/s."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.thread_time()
     ids = [engine.add_request(p, params) for p in prompts]
     first, last, count, tokens = {}, {}, {i: 0 for i in ids}, {i: [] for i in ids}
+    cpu_first = None
     while engine.has_unfinished():
         deltas = engine.step()
         now = time.perf_counter()
         for d in deltas:
             if d.token_ids:
+                if cpu_first is None:
+                    cpu_first = time.thread_time()
                 first.setdefault(d.request_id, now)
                 last[d.request_id] = now
                 count[d.request_id] += len(d.token_ids)
                 tokens[d.request_id] += d.token_ids
     wall = time.perf_counter() - start
+    cpu = time.thread_time() - cpu_start
     ttft = [(first[i] - start) * 1e3 for i in ids]
     tpot = [(last[i] - first[i]) * 1e3 / (count[i] - 1) for i in ids if count[i] > 1]
-    return {"ttft_ms": ttft, "tpot_ms": tpot, "tokens": sum(count.values()), "wall_s": wall,
+    n = sum(count.values())
+    return {"ttft_ms": ttft, "tpot_ms": tpot, "tokens": n, "wall_s": wall,
+            "cpu_ttft_ms": (cpu_first - cpu_start) * 1e3,
+            "cpu_tpot_ms": (cpu - (cpu_first - cpu_start)) * 1e3 / max(n - len(prompts), 1),
             "tokens_per_s": sum(count.values()) / wall, "token_ids": [tokens[i] for i in ids]}
 
 
@@ -68,16 +79,17 @@ def run_hf(model, prompt: list[int], max_tokens: int) -> dict:
 
     class Clock(BaseStreamer):
         def __init__(self):
-            self.times = []
+            self.times, self.cpu = [], []
 
         def put(self, value):
             self.times.append(time.perf_counter())
+            self.cpu.append(time.thread_time())
 
         def end(self):
             pass
 
     clock = Clock()
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.thread_time()
     with torch.inference_mode():
         x = torch.tensor([prompt])  # explicit mask: the pad id may also be the chat end-of-turn token
         out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_tokens, do_sample=False,
@@ -85,7 +97,9 @@ def run_hf(model, prompt: list[int], max_tokens: int) -> dict:
     wall = time.perf_counter() - start
     times = clock.times[1:]  # the first put is the prompt
     n = len(times)
+    cpu = clock.cpu[1:]
     return {"ttft_ms": (times[0] - start) * 1e3, "tpot_ms": (times[-1] - times[0]) * 1e3 / (n - 1),
+            "cpu_ttft_ms": (cpu[0] - cpu_start) * 1e3, "cpu_tpot_ms": (cpu[-1] - cpu[0]) * 1e3 / (n - 1),
             "tokens": n, "wall_s": wall, "token_ids": out[0, len(prompt):].tolist()}
 
 
@@ -123,7 +137,7 @@ def decode_bytes(model: torch.nn.Module) -> int:
     """Bytes a decode step reads: every weight except the embedding table (one row of it)."""
     total = 0
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        if not name.startswith("embed_tokens") and "rotary" not in name:
+        if not name.startswith("embed_tokens") and "rotary" not in name and "dense_weight" not in name:
             total += t.numel() * t.element_size()
     if getattr(model, "tie_word_embeddings", False) and isinstance(model.lm_head, torch.nn.Linear):
         total += model.lm_head.weight.numel() * model.lm_head.weight.element_size()  # tied: not listed twice
@@ -186,7 +200,7 @@ def main() -> None:
             for name, model in hf_models.items():
                 b1[f"hf_{name}"].append(run_hf(model, p, args.max_tokens))
             print(f"  round {r}: TPOT " + ", ".join(
-                f"{k} {_tpot(v[-1]):.1f}" for k, v in b1.items()) + " ms", flush=True)
+                f"{k} {_tpot(v[-1]):.1f} (cpu {v[-1]['cpu_tpot_ms']:.1f})" for k, v in b1.items()) + " ms", flush=True)
         for name, engine in engines.items():
             streams[name].append(run_ours(engine, prompts[: args.streams], args.max_tokens))
         print(f"  round {r}: {args.streams} streams " + ", ".join(
@@ -196,7 +210,9 @@ def main() -> None:
               "loadavg": os.getloadavg(), "read_gbs": bandwidth, "floors": floors, "batch1": {}, "streams": {}}
     for key, runs in b1.items():
         result["batch1"][key] = {"ttft_ms": median([_ttft(r) for r in runs]), "tpot_ms": median([_tpot(r) for r in runs]),
-                                 "tokens_per_s": median([_tokens(r) / r["wall_s"] for r in runs])}
+                                 "tokens_per_s": median([_tokens(r) / r["wall_s"] for r in runs]),
+                                 "cpu_ttft_ms": median([r["cpu_ttft_ms"] for r in runs]),
+                                 "cpu_tpot_ms": median([r["cpu_tpot_ms"] for r in runs])}
     for name, runs in streams.items():
         result["streams"][f"ours_{name}"] = {"streams": args.streams,
                                              "tokens_per_s": median([r["tokens_per_s"] for r in runs]),
@@ -232,6 +248,7 @@ def ratios(result, engines, hf_models) -> dict:
         for h in hf_models:
             ours, hf = result["batch1"][f"ours_{o}"], result["batch1"][f"hf_{h}"]
             out[f"tpot_ours_{o}_over_hf_{h}"] = ours["tpot_ms"] / hf["tpot_ms"]
+            out[f"cpu_tpot_ours_{o}_over_hf_{h}"] = ours["cpu_tpot_ms"] / hf["cpu_tpot_ms"]
             out[f"streams_ours_{o}_over_hf_{h}_b1"] = result["streams"][f"ours_{o}"]["tokens_per_s"] / hf["tokens_per_s"]
     return out
 
@@ -250,9 +267,10 @@ def agreement(b1, engines, hf_models) -> dict:
 
 
 def print_table(result) -> None:
-    print(f"\n{'config':12} {'TTFT ms':>9} {'TPOT ms':>9} {'tok/s':>7}")
+    print(f"\n{'config':12} {'TTFT ms':>9} {'TPOT ms':>9} {'tok/s':>7} {'CPU TTFT':>9} {'CPU TPOT':>9}")
     for key, row in result["batch1"].items():
-        print(f"{key:12} {row['ttft_ms']:9.1f} {row['tpot_ms']:9.1f} {row['tokens_per_s']:7.1f}")
+        print(f"{key:12} {row['ttft_ms']:9.1f} {row['tpot_ms']:9.1f} {row['tokens_per_s']:7.1f} "
+              f"{row['cpu_ttft_ms']:9.1f} {row['cpu_tpot_ms']:9.1f}")
     for key, row in result["streams"].items():
         print(f"{key + ' x' + str(row['streams']):12} {row['ttft_ms']:9.1f} {row['tpot_ms']:9.1f} {row['tokens_per_s']:7.1f}")
     for key, value in result["ratios"].items():

@@ -3,7 +3,9 @@
 For each temperature: our engine without speculation, with the n-gram proposer and with the
 draft model (when given), then transformers `generate` plain, with `assistant_model` and
 with `prompt_lookup_num_tokens`. Prints tokens/s, TPOT, acceptance rate and mean accepted
-length; writes JSON and a PNG of tokens/s per configuration.
+length; writes JSON and a PNG of tokens/s per configuration. Each run also records the thread's
+CPU time: with `--threads 1` the CPU ms per token barely move with other load on a shared
+machine, so the speedups are given both ways.
 
     python benchmarks/bench_spec.py --target smollm2-135m-instruct --workload edit   # int8 weights, bf16
     (transformers runs the same bf16 weights unquantized: it has no int8 CPU path of its own)
@@ -35,12 +37,13 @@ PROMPTS = json.loads((Path(__file__).resolve().parent.parent / "chatserve/data/p
 def run_ours(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> dict:
     """One request at a time (batch 1); totals over all prompts."""
     tokens = drafted = accepted = steps = 0
-    tpots, seconds, outputs = [], 0.0, []
+    tpots, seconds, cpu, outputs = [], 0.0, 0.0, []
     for i, p in enumerate(prompts):
         sp = SamplingParams(**{**params.__dict__, "seed": None if params.seed is None else params.seed + i})
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.thread_time()
         out = engine.generate([p], sp)[0]
         seconds += time.perf_counter() - start
+        cpu += time.thread_time() - cpu_start
         st = out["stats"]
         tokens += st.num_generated
         drafted += st.num_drafted
@@ -49,23 +52,24 @@ def run_ours(engine: Engine, prompts: list[list[int]], params: SamplingParams) -
         tpots.append(st.tpot_ms)
         outputs.append(out["token_ids"])
     return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
-            "tpot_ms": statistics.median(tpots), "num_drafted": drafted, "num_accepted": accepted,
+            "cpu_ms_per_token": cpu * 1e3 / tokens, "tpot_ms": statistics.median(tpots), "num_drafted": drafted, "num_accepted": accepted,
             "acceptance_rate": accepted / drafted if drafted else None,
             "mean_accepted_length": (accepted + steps) / steps if steps else None, "outputs": outputs}
 
 
 def run_hf(model, prompts: list[list[int]], max_tokens: int, temperature: float, **gen_kwargs) -> dict:
-    tokens, seconds = 0, 0.0
+    tokens, seconds, cpu = 0, 0.0, 0.0
     sample = {"do_sample": True, "temperature": temperature, "top_k": 0} if temperature > 0 else {"do_sample": False}
     for p in prompts:
         x = torch.tensor([p])
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.thread_time()
         with torch.inference_mode():
             out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_tokens,
                                  pad_token_id=0, **sample, **gen_kwargs)
         seconds += time.perf_counter() - start
+        cpu += time.thread_time() - cpu_start
         tokens += out.shape[1] - len(p)
-    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
+    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "cpu_ms_per_token": cpu * 1e3 / tokens}
 
 
 def plot(results: dict, path: Path) -> None:
@@ -135,7 +139,8 @@ def main() -> None:
             engine.set_speculation(spec)
             row[f"ours {name}"] = r = run_ours(engine, prompts, params)
             acc = f", acceptance {r['acceptance_rate']:.0%}, mean accepted length {r['mean_accepted_length']:.2f}" if r["acceptance_rate"] is not None else ""
-            print(f"  T={temp} ours {name:12s} {r['tokens_per_s']:6.1f} tok/s  TPOT {r['tpot_ms']:6.1f} ms{acc}", flush=True)
+            print(f"  T={temp} ours {name:12s} {r['tokens_per_s']:6.1f} tok/s  TPOT {r['tpot_ms']:6.1f} ms  "
+                  f"CPU {r['cpu_ms_per_token']:6.1f} ms/token{acc}", flush=True)
         if temp == 0:
             base = row["ours spec off"]["outputs"]
             for name in configs:
@@ -147,10 +152,12 @@ def main() -> None:
                 row["hf assisted"] = run_hf(hf, prompts, args.max_tokens, temp, assistant_model=hf_draft)
             for name in ("hf plain", "hf prompt lookup", "hf assisted"):
                 if name in row:
-                    print(f"  T={temp} {name:17s} {row[name]['tokens_per_s']:6.1f} tok/s", flush=True)
+                    print(f"  T={temp} {name:17s} {row[name]['tokens_per_s']:6.1f} tok/s  "
+                          f"CPU {row[name]['cpu_ms_per_token']:6.1f} ms/token", flush=True)
         off = row["ours spec off"]["tokens_per_s"]
         for name in list(row):
             row[name]["speedup_vs_ours_spec_off"] = row[name]["tokens_per_s"] / off
+            row[name]["cpu_speedup_vs_ours_spec_off"] = row["ours spec off"]["cpu_ms_per_token"] / row[name]["cpu_ms_per_token"]
             row[name].pop("outputs", None)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
