@@ -35,13 +35,15 @@ SETUPS = {
     "Qwen2.5-Coder-1.5B": ["qwen2.5-coder-1.5b-instruct"],
     "Qwen2.5-Coder-1.5B + 0.5B draft": ["qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"],
 }
-# label -> (KV format, model dtype): "auto" stores the model dtype
+# label -> (KV format, model dtype, the target's unquantized first layers): "auto" stores the
+# model dtype; "+L0" is --kv-cache-unquantized-layers 1 (what Qwen2.5 needs, docs/benchmarks.md)
 FORMATS = {
-    "fp32": ("auto", torch.float32),
-    "bf16": ("auto", torch.bfloat16),
-    "int8": ("int8", torch.bfloat16),
-    "fp8_e4m3": ("fp8_e4m3", torch.bfloat16),
-    "fp8_e5m2": ("fp8_e5m2", torch.bfloat16),
+    "fp32": ("auto", torch.float32, 0),
+    "bf16": ("auto", torch.bfloat16, 0),
+    "int8": ("int8", torch.bfloat16, 0),
+    "fp8_e4m3": ("fp8_e4m3", torch.bfloat16, 0),
+    "fp8_e5m2": ("fp8_e5m2", torch.bfloat16, 0),
+    "int8+L0": ("int8", torch.bfloat16, 1),
 }
 CONVERSATION_TOKENS = 4096
 GOAL_X_BF16, GOAL_X_FP32 = 1.9, 3.8  # what int8 / fp8 should reach, scales included
@@ -59,8 +61,9 @@ def model_shape(name: str) -> tuple[tuple[int, int, int], str]:
 
 def capacity(models: list[str], budget_bytes: int, block_size: int) -> dict:
     rows = {}
-    for label, (fmt, dtype) in FORMATS.items():
-        shapes = [CacheShape(*model_shape(name)[0], dtype, fmt) for name in models]
+    for label, (fmt, dtype, num_unquantized) in FORMATS.items():
+        shapes = [CacheShape(*model_shape(name)[0], dtype, fmt, num_unquantized if i == 0 else 0)
+                  for i, name in enumerate(models)]
         num_blocks = plan_num_blocks(budget_bytes, shapes, block_size)
         allocated = sum(KVCache(s, num_blocks, block_size).num_bytes for s in shapes)
         assert allocated <= budget_bytes, (label, allocated, budget_bytes)

@@ -25,6 +25,9 @@ def _engine_args(p: argparse.ArgumentParser, default_model: str, default_draft: 
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     p.add_argument("--draft-kv-cache-dtype", default=None, choices=KV_CACHE_DTYPES,
                    help="the draft model's KV format (default: same as --kv-cache-dtype)")
+    p.add_argument("--kv-cache-unquantized-layers", type=int, default=0, metavar="N",
+                   help="with a quantized KV cache, keep the target's first N layers in the model dtype "
+                        "(1 fixes Qwen2.5's layer-0 K outliers)")
     p.add_argument("--kv-cache-memory", type=_bytes, default=None, help="pool bytes, e.g. 2G or 512M")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=16)
@@ -56,6 +59,7 @@ def engine_config(args) -> EngineConfig:
         model=args.model,
         dtype=args.dtype,
         kv_cache_dtype=args.kv_cache_dtype,
+        kv_cache_unquantized_layers=args.kv_cache_unquantized_layers,
         kv_cache_memory=args.kv_cache_memory,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,

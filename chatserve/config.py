@@ -41,6 +41,7 @@ class EngineConfig:
     block_size: int = 16
     kv_cache_memory: int | None = None  # bytes for the whole pool (all models); None = from free memory
     kv_cache_dtype: str = "auto"
+    kv_cache_unquantized_layers: int = 0  # with a quantized target cache, its first n layers keep the model dtype
     max_model_len: int | None = None  # None = the model's own limit
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 512  # token budget per step (prefill chunks + decodes + drafts)
@@ -55,6 +56,8 @@ class EngineConfig:
             raise ValueError(f"dtype: must be float32, bfloat16 or float16, got {self.dtype!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype: one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_unquantized_layers < 0:
+            raise ValueError(f"kv_cache_unquantized_layers: must be >= 0, got {self.kv_cache_unquantized_layers}")
         if self.block_size not in (8, 16, 32, 64):
             raise ValueError(f"block_size: one of 8, 16, 32, 64, got {self.block_size}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 16:

@@ -6,7 +6,9 @@ dtype (the model dtype for "auto", int8 / float8 otherwise, see quant/kv.py); a 
 also has scales [num_layers, 2, num_blocks, block_size, num_kv_heads] (quant.kv.SCALE_DTYPE).
 Layer l's K is pool[l, 0] (scales[l, 0]) and its V pool[l, 1]. The target and the draft each
 have one, with the same num_blocks, so one block id addresses both; each may use its own
-format. Views are made once here, never per step.
+format. With num_unquantized_layers = n, the first n layers live in a second pool in the model
+dtype (Qwen2.5's layer-0 K has outlier channels that per-token scales cannot carry, see
+docs/benchmarks.md) and the others in the quantized pool. Views are made once here, never per step.
 """
 
 from __future__ import annotations
@@ -26,11 +28,23 @@ class CacheShape:
     head_dim: int
     dtype: torch.dtype  # the model dtype
     kv_format: str = "auto"  # quant.kv.KV_FORMATS
+    num_unquantized_layers: int = 0  # the first n layers keep the model dtype
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.num_unquantized_layers <= self.num_layers:
+            raise ValueError(f"num_unquantized_layers: must be in [0, {self.num_layers}]")
+
+    @property
+    def num_plain_layers(self) -> int:
+        """Layers kept out of a quantized pool, in the model dtype (0 for "auto": one pool)."""
+        return self.num_unquantized_layers if is_quantized(self.kv_format) else 0
 
     def bytes_per_block(self, block_size: int) -> int:
         """K, V and (quantized) their scales, all layers: what one block id costs this model."""
-        per_token = kv_bytes_per_token(self.kv_format, self.num_kv_heads, self.head_dim, self.dtype)
-        return self.num_layers * block_size * per_token
+        plain = kv_bytes_per_token("auto", self.num_kv_heads, self.head_dim, self.dtype)
+        quantized = kv_bytes_per_token(self.kv_format, self.num_kv_heads, self.head_dim, self.dtype)
+        num_plain = self.num_plain_layers
+        return block_size * (num_plain * plain + (self.num_layers - num_plain) * quantized)
 
 
 class LayerCache(NamedTuple):
@@ -46,20 +60,24 @@ class KVCache:
     def __init__(self, shape: CacheShape, num_blocks: int, block_size: int):
         self.shape = shape
         self.num_blocks, self.block_size = num_blocks, block_size
-        dims = (shape.num_layers, 2, num_blocks, block_size, shape.num_kv_heads)
-        self.pool = torch.empty((*dims, shape.head_dim), dtype=kv_storage_dtype(shape.kv_format, shape.dtype))
-        self.scales = torch.empty(dims, dtype=SCALE_DTYPE) if is_quantized(shape.kv_format) else None
-        self.layers = [self._layer(i) for i in range(shape.num_layers)]
-
-    def _layer(self, i: int) -> LayerCache:
+        num_plain = shape.num_plain_layers
+        dims = (2, num_blocks, block_size, shape.num_kv_heads)
+        # [num_plain, 2, num_blocks, block_size, num_kv_heads, head_dim] in the model dtype
+        self.plain_pool = torch.empty((num_plain, *dims, shape.head_dim), dtype=shape.dtype)
+        # [num_pooled, 2, num_blocks, block_size, num_kv_heads, head_dim] in the storage dtype
+        num_pooled = shape.num_layers - num_plain
+        self.pool = torch.empty((num_pooled, *dims, shape.head_dim), dtype=kv_storage_dtype(shape.kv_format, shape.dtype))
+        self.scales = torch.empty((num_pooled, *dims), dtype=SCALE_DTYPE) if is_quantized(shape.kv_format) else None
+        self.layers = [LayerCache(p[0], p[1], None, None) for p in self.plain_pool]
         if self.scales is None:
-            return LayerCache(self.pool[i, 0], self.pool[i, 1], None, None)
-        return LayerCache(self.pool[i, 0], self.pool[i, 1], self.scales[i, 0], self.scales[i, 1])
+            self.layers += [LayerCache(p[0], p[1], None, None) for p in self.pool]
+        else:
+            self.layers += [LayerCache(p[0], p[1], s[0], s[1]) for p, s in zip(self.pool, self.scales)]
 
     @property
     def num_bytes(self) -> int:
         scale_bytes = 0 if self.scales is None else self.scales.nbytes
-        return self.pool.nbytes + scale_bytes
+        return self.plain_pool.nbytes + self.pool.nbytes + scale_bytes
 
 
 def plan_num_blocks(budget_bytes: int, shapes: list[CacheShape], block_size: int) -> int:

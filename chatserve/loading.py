@@ -62,7 +62,7 @@ def load_models(config: EngineConfig) -> LoadedModels:
         draft = load_model(draft_dir, draft_cfg, dtype, max_model_len).eval()
         restrict_head(draft, config.spec.draft_vocab_size, tokenizer.special_token_ids)
         draft = _quantized(draft, config)
-    shapes = [cache_shape(target, dtype, config.kv_cache_dtype)]
+    shapes = [cache_shape(target, dtype, config.kv_cache_dtype, config.kv_cache_unquantized_layers)]
     if draft:
         shapes.append(cache_shape(draft, dtype, config.spec.draft_kv_cache_dtype or config.kv_cache_dtype))
     num_blocks = plan_num_blocks(kv_budget(config, shapes, max_model_len), shapes, config.block_size)
@@ -83,8 +83,8 @@ def _quantized(model: DecoderLM, config: EngineConfig) -> DecoderLM:
     return quantize_weights(model, config.quantization)
 
 
-def cache_shape(model: DecoderLM, dtype: torch.dtype, kv_format: str) -> CacheShape:
-    return CacheShape(model.num_layers, model.num_kv_heads, model.head_dim, dtype, kv_format)
+def cache_shape(model: DecoderLM, dtype: torch.dtype, kv_format: str, num_unquantized_layers: int = 0) -> CacheShape:
+    return CacheShape(model.num_layers, model.num_kv_heads, model.head_dim, dtype, kv_format, num_unquantized_layers)
 
 
 def kv_budget(config: EngineConfig, shapes: list[CacheShape], max_model_len: int) -> int:

@@ -65,6 +65,26 @@ def test_pool_layout_and_views(fmt):
     assert cache.num_bytes == 5 * shape.bytes_per_block(8)
 
 
+def test_first_layers_can_stay_unquantized():
+    shape = CacheShape(3, 2, 16, torch.float32, "int8", num_unquantized_layers=1)
+    cache = KVCache(shape, num_blocks=5, block_size=8)
+    first, rest = cache.layers[0], cache.layers[1:]
+    assert first.k_cache.dtype == torch.float32 and first.k_scale is None
+    assert all(layer.k_cache.dtype == torch.int8 and layer.v_scale is not None for layer in rest)
+    per_token = 2 * 2 * 16 * 4 + 2 * 2 * (2 * 16 + 2 * SCALE_DTYPE.itemsize)
+    assert shape.bytes_per_block(8) == 8 * per_token and cache.num_bytes == 5 * 8 * per_token
+    with pytest.raises(ValueError):
+        CacheShape(3, 2, 16, torch.float32, "int8", num_unquantized_layers=4)
+
+
+def test_engine_with_unquantized_first_layer(tiny_llama_dir, auto_outputs):
+    engine = make_engine(tiny_llama_dir, kv_cache_dtype="int8", kv_cache_unquantized_layers=1)
+    cache = engine.models.target_runner.kv_cache
+    assert cache.layers[0].k_scale is None and cache.layers[1].k_scale is not None
+    outs, _ = run(engine)
+    assert outs[0] == auto_outputs[0]
+
+
 def test_budget_counts_scales():
     budget = 1 << 20
     fp32 = CacheShape(30, 3, 64, torch.float32, "auto")
@@ -143,6 +163,8 @@ def test_cli_flags_reach_the_engine_config():
     assert config.kv_cache_dtype == "int8" and config.spec.draft_kv_cache_dtype == "fp8_e4m3"
     args = build_parser().parse_args(["serve", "--kv-cache-dtype", "int8"])
     assert engine_config(args).spec.draft_kv_cache_dtype is None  # = the target's
+    args = build_parser().parse_args(["generate", "hi", "--kv-cache-dtype", "int8", "--kv-cache-unquantized-layers", "1"])
+    assert engine_config(args).kv_cache_unquantized_layers == 1
 
 
 def test_cli_generate_int8(tiny_llama_dir, capsys):
