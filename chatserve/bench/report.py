@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import subprocess
 from pathlib import Path
 
 from chatserve.bench.metrics import aggregate
@@ -50,7 +51,20 @@ def machine() -> dict:
     import torch
 
     return {"cpu_count": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-            "torch": torch.__version__}
+            "torch": torch.__version__, **git_state()}
+
+
+def git_state() -> dict:
+    """The checkout the servers ran from: commit, and whether tracked files had local edits."""
+    repo = Path(__file__).resolve().parents[2]
+    try:
+        commit = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True,
+                                timeout=10, check=True).stdout.strip()
+        status = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
+                                capture_output=True, text=True, timeout=10, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {"git_commit": None, "git_dirty": None}
+    return {"git_commit": commit, "git_dirty": bool(status.strip())}
 
 
 def write_json(obj: dict, path: str | Path) -> None:

@@ -23,6 +23,7 @@ def test_bench_single_runs_counts_and_fields(server, tmp_path, endpoint):
     result = run_bench(tmp_path, server, "--endpoint", endpoint, "--num-requests", "3", "--concurrency", "2",
                        "--rounds", "2", "--slo-ttft-ms", "60000", "--slo-tpot-ms", "60000")
     assert result["args"]["endpoint"] == endpoint and result["args"]["rounds"] == 2
+    assert len(result["machine"]["git_commit"]) == 40 and isinstance(result["machine"]["git_dirty"], bool)
     (point,) = result["points"]  # 2 rounds of 3 requests pooled into one point
     report = point["report"]
     summary, requests = report["summary"], report["requests"]
