@@ -21,12 +21,13 @@ EVAL_TEXT = Path(__file__).resolve().parents[1] / "chatserve" / "data" / "eval_t
 
 
 def engine_with_kv(models: LoadedModels, config: EngineConfig, kv_format: str, budget_bytes: int,
-                   spec: SpecConfig | None = None, draft_kv_format: str | None = None) -> Engine:
+                   spec: SpecConfig | None = None, draft_kv_format: str | None = None,
+                   num_unquantized_layers: int = 0) -> Engine:
     """An Engine over `models`' weights (not copied) with new pools: the target's in `kv_format`,
     the draft's (if spec uses the draft model) in `draft_kv_format` (default: the target's)."""
     dtype = DTYPES[config.dtype]
     use_draft = spec is not None and spec.method == "draft"
-    shapes = [cache_shape(models.target, dtype, kv_format)]
+    shapes = [cache_shape(models.target, dtype, kv_format, num_unquantized_layers)]
     if use_draft:
         shapes.append(cache_shape(models.draft, dtype, draft_kv_format or kv_format))
     num_blocks = plan_num_blocks(budget_bytes, shapes, config.block_size)
@@ -40,7 +41,8 @@ def engine_with_kv(models: LoadedModels, config: EngineConfig, kv_format: str, b
     )
     if spec is not None and draft_kv_format is not None:
         spec = dataclasses.replace(spec, draft_kv_cache_dtype=draft_kv_format)
-    return Engine(dataclasses.replace(config, kv_cache_dtype=kv_format, spec=spec), fresh)
+    config = dataclasses.replace(config, kv_cache_dtype=kv_format, kv_cache_unquantized_layers=num_unquantized_layers)
+    return Engine(dataclasses.replace(config, spec=spec), fresh)
 
 
 def load_avg() -> list[float]:

@@ -1,10 +1,8 @@
 """Perplexity with every layer's KV quantized except layer 0's (kept in the model dtype).
 
 Tests the explanation for Qwen2.5's KV-quantization loss (benchmarks/kv_outliers.py: layer 0's
-K has outlier channels): swaps layer 0's view for one from an unquantized pool of the same
-block layout (per-layer views are independent, and the kernels dispatch on each view's dtype),
-then teacher-forces chatserve/data/eval_text.txt as kv_quality.py does. An experiment, not an
-engine option (yet).
+K has outlier channels) through the engine option --kv-cache-unquantized-layers 1 (layer 0 in a
+second pool in the model dtype), teacher-forcing chatserve/data/eval_text.txt as kv_quality.py does.
 
     python benchmarks/kv_keep_layer0.py --model qwen2.5-coder-1.5b-instruct --dtype bfloat16
 """
@@ -24,8 +22,7 @@ from kv_common import EVAL_TEXT, engine_with_kv, load_avg  # noqa: E402
 from kv_quality import teacher_forced  # noqa: E402
 
 from chatserve.config import EngineConfig  # noqa: E402
-from chatserve.kv_cache import KVCache  # noqa: E402
-from chatserve.loading import DTYPES, cache_shape, load_models  # noqa: E402
+from chatserve.loading import load_models  # noqa: E402
 
 
 def main() -> None:
@@ -42,10 +39,8 @@ def main() -> None:
     ids = models.tokenizer.encode(EVAL_TEXT.read_text())
     report = {"model": args.model, "dtype": args.dtype, "loadavg_before": load_avg(), "ppl_layer0_unquantized": {}}
     for fmt in args.formats:
-        engine = engine_with_kv(models, config, fmt, 256 << 20)
-        cache = engine.models.target_runner.kv_cache
-        plain = KVCache(cache_shape(models.target, DTYPES[args.dtype], "auto"), cache.num_blocks, cache.block_size)
-        cache.layers[0] = plain.layers[0]
+        engine = engine_with_kv(models, config, fmt, 256 << 20, num_unquantized_layers=1)
+        assert engine.models.target_runner.kv_cache.layers[0].k_scale is None
         nll, _ = teacher_forced(engine, ids, 64)
         report["ppl_layer0_unquantized"][fmt] = math.exp(nll)
         print(f"{fmt}, layer 0 in {args.dtype}: perplexity {math.exp(nll):.4f}", flush=True)
