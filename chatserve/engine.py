@@ -34,7 +34,7 @@ class Engine:
         self.block_manager = self.models.block_manager
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.sampler = Sampler(self.tokenizer.eos_token_ids)
-        self.spec = SpecRunner.create(config.spec, self.models) if config.spec else None
+        self.spec = SpecRunner.create(config.spec, self.models, config.max_num_seqs) if config.spec else None
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
 
@@ -109,7 +109,7 @@ class Engine:
             raise RuntimeError("set_speculation: requests are still running")
         if spec is not None and spec.method == "draft" and self.models.draft_runner is None:
             raise ValueError("set_speculation: no draft model was loaded with this engine")
-        self.spec = SpecRunner.create(spec, self.models) if spec else None
+        self.spec = SpecRunner.create(spec, self.models, self.config.max_num_seqs) if spec else None
         self.block_manager.reset_prefix_cache()
 
     def has_unfinished(self) -> bool:

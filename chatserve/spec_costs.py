@@ -1,10 +1,12 @@
-"""Measure what speculation costs on this machine, once, when a draft model is set up.
+"""Measure what speculation costs on this machine, once, when speculation is set up.
 
-The adaptive draft length (spec/adaptive.py) needs two prices in units of one plain target
-decode step: a draft step, and a target forward over k + 1 rows for each k. Neither is a
-constant: with int8 weights on this CPU, 4 rows cost about what 1 row does and 5 rows about
-twice that; with a 1.5B target and a 0.5B draft a draft step costs ~0.3. So we time them
-(min of a few runs, in scratch blocks taken from the pool and given back) instead of guessing.
+The adaptive draft length (spec/adaptive.py) prices a step with k drafts in units of one plain
+decode step *at the current batch size*: k draft forwards over the batch plus one target
+forward over batch * (k + 1) rows, against one target forward over batch rows. None of these
+is a constant: with int8 weights on this CPU 4 rows cost about what 1 row does and 5 rows about
+twice that, and at 4 sequences a 4-draft verification is 20 rows where plain decoding is 4. So
+we time target forwards over a grid of row counts (and the draft's) once, in scratch blocks
+taken from the pool and given back, and interpolate in between.
 """
 
 from __future__ import annotations
@@ -18,24 +20,55 @@ from chatserve.batch import BatchItem
 from chatserve.block_manager import BlockTable
 
 CONTEXT = 48  # tokens already in the cache when the timed rows arrive: a short chat
-
-
+MAX_ROWS = 64  # beyond this, cost is extrapolated in proportion to rows
 NGRAM_STEP_COST = 0.02  # a prompt lookup in Python next to a forward: nearly free
 
 
 @dataclass(frozen=True)
 class SpecCosts:
-    draft_step_cost: float  # one draft forward (1 row) / one target decode step
-    verify_costs: list[float]  # [k] = target forward over k + 1 rows / one target decode step
+    target_seconds: dict[int, float]  # rows -> one target forward over that many rows
+    draft_seconds: dict[int, float]  # rows -> one draft forward; empty without a draft model
+
+    def batch_costs(self, batch_size: int, max_k: int, use_draft_model: bool) -> tuple[float, list[float]]:
+        """(draft step cost, [verify cost for k = 0..max_k]) in plain steps at batch_size."""
+        plain = _interpolate(self.target_seconds, batch_size)
+        verify = [_interpolate(self.target_seconds, batch_size * (k + 1)) / plain for k in range(max_k + 1)]
+        if use_draft_model and self.draft_seconds:
+            return _interpolate(self.draft_seconds, batch_size) / plain, verify
+        return NGRAM_STEP_COST, verify
+
+    def table(self, max_batch: int, max_k: int, use_draft_model: bool) -> list[tuple[float, list[float]]]:
+        """batch_costs for batch sizes 1..max_batch (index batch_size - 1)."""
+        return [self.batch_costs(b, max_k, use_draft_model) for b in range(1, max_batch + 1)]
+
+
+def _interpolate(seconds: dict[int, float], rows: int) -> float:
+    """Linear between measured row counts; proportional to rows past the largest."""
+    points = sorted(seconds)
+    if rows in seconds:
+        return seconds[rows]
+    if rows > points[-1]:
+        return seconds[points[-1]] * rows / points[-1]
+    hi = next(p for p in points if p > rows)
+    lo = max(p for p in points if p < rows)
+    return seconds[lo] + (seconds[hi] - seconds[lo]) * (rows - lo) / (hi - lo)
+
+
+def row_grid(max_rows: int, max_k: int) -> list[int]:
+    """Every row count up to max_k + 1 (where kernels step), then a coarser grid."""
+    grid = set(range(1, max_k + 2)) | {8, 12, 16, 24, 32, 48, 64}
+    return sorted(r for r in grid if r <= max(max_rows, 1))
 
 
 @torch.inference_mode()
-def measure_spec_costs(models, max_k: int, use_draft_model: bool, reps: int = 3) -> SpecCosts | None:
+def measure_spec_costs(models, max_k: int, max_num_seqs: int, use_draft_model: bool,
+                       reps: int = 2) -> SpecCosts | None:
     """None when the pool cannot spare the scratch blocks (then defaults apply). Without a
-    draft model (n-gram proposals) only the verification table is timed."""
+    draft model (n-gram proposals) only the target is timed."""
+    max_rows = min(MAX_ROWS, max_num_seqs * (max_k + 1))
     bm = models.block_manager
     table = BlockTable()
-    if not bm.allocate(table, CONTEXT + max_k + 1):
+    if not bm.allocate(table, CONTEXT + max_rows):
         return None
     try:
         def best_time(runner, num_rows: int) -> float:
@@ -48,8 +81,10 @@ def measure_spec_costs(models, max_k: int, use_draft_model: bool, reps: int = 3)
                 times.append(time.perf_counter() - start)
             return min(times)
 
-        target = [best_time(models.target_runner, k + 1) for k in range(max_k + 1)]
-        draft = best_time(models.draft_runner, 1) / target[0] if use_draft_model else NGRAM_STEP_COST
+        target = {rows: best_time(models.target_runner, rows) for rows in row_grid(max_rows, max_k)}
+        draft = {}
+        if use_draft_model:
+            draft = {rows: best_time(models.draft_runner, rows) for rows in row_grid(max_num_seqs, 3)}
     finally:
         bm.free(table)
-    return SpecCosts(draft, [t / target[0] for t in target])
+    return SpecCosts(target, draft)

@@ -29,7 +29,7 @@ from spec.stats import SpecStats
 
 
 class SpecRunner:
-    def __init__(self, config: SpecConfig, models, sampler: Sampler):
+    def __init__(self, config: SpecConfig, models, sampler: Sampler, max_num_seqs: int = 16):
         self.config = config
         self.models = models
         self.sampler = sampler
@@ -40,11 +40,16 @@ class SpecRunner:
         self.draft_seconds = 0.0
         self.costs = None
         if config.adaptive:
-            self.costs = measure_spec_costs(models, config.num_draft_tokens, self.has_draft_model)
+            self.costs = measure_spec_costs(models, config.num_draft_tokens, max_num_seqs, self.has_draft_model)
+
+        # Per batch size, for draft-model and n-gram requests: (draft step cost, verify costs).
+        self._batch_costs = {} if self.costs is None else {
+            use_draft: self.costs.table(max_num_seqs, config.num_draft_tokens, use_draft)
+            for use_draft in ((True, False) if self.has_draft_model else (False,))}
 
     @classmethod
-    def create(cls, config: SpecConfig, models) -> "SpecRunner":
-        return cls(config, models, Sampler(models.tokenizer.eos_token_ids))
+    def create(cls, config: SpecConfig, models, max_num_seqs: int = 16) -> "SpecRunner":
+        return cls(config, models, Sampler(models.tokenizer.eos_token_ids), max_num_seqs)
 
     @property
     def methods(self) -> tuple[str, ...]:
@@ -60,13 +65,13 @@ class SpecRunner:
         req.use_draft_model = method == "draft" and req.params.num_draft_tokens != 0
         if not self.config.adaptive:
             return
-        if req.use_draft_model:
-            draft_cost = self.costs.draft_step_cost if self.costs else 0.35
-        else:
-            draft_cost = NGRAM_STEP_COST
-        verify_costs = self.costs.verify_costs if self.costs else None
-        req.spec_controller = AdaptiveDraftLength(self.config.num_draft_tokens, draft_step_cost=draft_cost,
-                                                  verify_costs=verify_costs)
+        if self.costs is None:  # no scratch room to measure: the controller's linear model
+            draft_cost = 0.35 if req.use_draft_model else NGRAM_STEP_COST
+            req.spec_controller = AdaptiveDraftLength(self.config.num_draft_tokens, draft_step_cost=draft_cost)
+            return
+        batch_costs = self._batch_costs[req.use_draft_model]
+        req.spec_controller = AdaptiveDraftLength(self.config.num_draft_tokens, draft_step_cost=batch_costs[0][0],
+                                                  verify_costs=batch_costs[0][1], batch_costs=batch_costs)
 
     def plan(self, running: list[Request]) -> None:
         """Set req.num_draft_tokens (k) for every running request that will decode next step."""

@@ -17,6 +17,8 @@ class AdaptiveDraftLength:
         cost(k) = k * draft_step_cost + verify_base_cost + verify_per_token_cost * k * batch_size
     The base term is the weight reads of one target forward; the per-token term is the
     compute for the k extra positions of every sequence, which is what grows with batch.
+    `batch_costs[batch_size - 1] = (draft_step_cost, verify_costs)` measured for each batch
+    size prices batched steps the same way: at 4 sequences, 4 drafts mean 20 verified rows.
     A measured table `verify_costs[k]` (a forward over k + 1 rows, in plain decode steps)
     replaces the first two terms when given: real kernels are not linear in rows (torch's
     packed int8 GEMV on this CPU handles rows in fours, so 5 rows cost ~2x as much as 4).
@@ -36,6 +38,7 @@ class AdaptiveDraftLength:
         verify_base_cost: float = 1.0,
         verify_per_token_cost: float = 0.05,
         verify_costs: list[float] | None = None,
+        batch_costs: list[tuple[float, list[float]]] | None = None,
     ):
         if max_k < 0 or not 0.0 < ema <= 1.0 or probe_every < 1 or not 0.0 <= initial_accept_rate <= 1.0:
             raise ValueError("need max_k >= 0, 0 < ema <= 1, probe_every >= 1, 0 <= initial_accept_rate <= 1")
@@ -45,6 +48,9 @@ class AdaptiveDraftLength:
         self.probe_every = probe_every
         self.initial_accept_rate = initial_accept_rate
         self.set_costs(draft_step_cost, verify_base_cost, verify_per_token_cost, verify_costs)
+        # Measured (draft step cost, verify costs) per batch size (index batch_size - 1); when
+        # given, they price every batch size instead of the linear per-token term.
+        self.batch_costs = batch_costs
         # alpha = accepted / attempted draft positions, both as EMAs; the prior weighs one position.
         self._accepted_ema = initial_accept_rate
         self._attempted_ema = 1.0
@@ -105,6 +111,10 @@ class AdaptiveDraftLength:
         """Cost of a step with k drafts, in target decode steps at this batch size."""
         if k == 0:
             return 1.0
+        if self.batch_costs:
+            draft_step_cost, verify_costs = self.batch_costs[min(batch_size, len(self.batch_costs)) - 1]
+            if k < len(verify_costs):
+                return k * draft_step_cost + verify_costs[k]
         if self.verify_costs is not None and k < len(self.verify_costs):
             verify_cost = self.verify_costs[k] + self.verify_per_token_cost * k * (batch_size - 1)
         else:

@@ -1,34 +1,48 @@
-"""The speculation cost table is measured in scratch blocks that go back to the pool."""
+"""The speculation cost tables are measured in scratch blocks that go back to the pool, and
+interpolate between measured row counts."""
 
+import pytest
+
+from chatserve.block_manager import BlockTable
 from chatserve.config import EngineConfig, SpecConfig
 from chatserve.engine import Engine
-from chatserve.spec_costs import NGRAM_STEP_COST, measure_spec_costs
+from chatserve.spec_costs import NGRAM_STEP_COST, SpecCosts, _interpolate, measure_spec_costs, row_grid
+
+
+def test_interpolation_and_grid():
+    seconds = {1: 1.0, 4: 1.0, 8: 3.0}
+    assert _interpolate(seconds, 6) == pytest.approx(2.0)
+    assert _interpolate(seconds, 16) == pytest.approx(6.0)  # proportional past the grid
+    assert row_grid(20, 4) == [1, 2, 3, 4, 5, 8, 12, 16]
+    costs = SpecCosts({1: 1.0, 2: 1.0, 4: 1.0, 5: 2.0, 8: 2.0, 10: 2.5}, {1: 0.3, 2: 0.3})
+    draft, verify = costs.batch_costs(2, 4, use_draft_model=True)
+    assert draft == pytest.approx(0.3) and verify == pytest.approx([1.0, 1.0, 2.0 + 2 / 3 * 0, 2.0, 2.5])
+    assert costs.batch_costs(1, 2, use_draft_model=False)[0] == NGRAM_STEP_COST
 
 
 def test_costs_are_measured_and_the_pool_is_left_as_it_was(tiny_llama_dir, tiny_draft_dir):
     spec = SpecConfig(method="draft", draft_model=str(tiny_draft_dir), num_draft_tokens=4)
-    engine = Engine(EngineConfig(model=str(tiny_llama_dir), kv_cache_memory=8 << 20, spec=spec))
+    engine = Engine(EngineConfig(model=str(tiny_llama_dir), kv_cache_memory=8 << 20, spec=spec, max_num_seqs=4))
     bm = engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks  # the engine's own calibration gave its blocks back
-    costs = measure_spec_costs(engine.models, 4, use_draft_model=True)
-    assert len(costs.verify_costs) == 5 and costs.verify_costs[0] == 1.0
-    assert all(c > 0 for c in costs.verify_costs) and costs.draft_step_cost > 0
+    costs = measure_spec_costs(engine.models, 4, 4, use_draft_model=True)
+    assert sorted(costs.target_seconds) == [1, 2, 3, 4, 5, 8, 12, 16, 20][: len(costs.target_seconds)]
+    assert max(costs.target_seconds) == 16 and sorted(costs.draft_seconds) == [1, 2, 3, 4]
+    assert all(t > 0 for t in costs.target_seconds.values())
     assert bm.num_free_blocks == bm.num_blocks
     bm.check_invariants()
-    controller_costs = engine.spec.costs
-    assert controller_costs is not None and len(controller_costs.verify_costs) == 5
-    ngram = measure_spec_costs(engine.models, 2, use_draft_model=False)
-    assert ngram.draft_step_cost == NGRAM_STEP_COST and len(ngram.verify_costs) == 3
+    table = engine.spec._batch_costs[True]
+    assert len(table) == 4 and all(len(v) == 5 and v[0] == pytest.approx(1.0) for _, v in table)
+    ngram = measure_spec_costs(engine.models, 2, 4, use_draft_model=False)
+    assert ngram.draft_seconds == {} and ngram.batch_costs(1, 2, False)[0] == NGRAM_STEP_COST
 
 
 def test_a_full_pool_skips_calibration(tiny_llama_dir, tiny_draft_dir):
     spec = SpecConfig(method="draft", draft_model=str(tiny_draft_dir), num_draft_tokens=4)
     engine = Engine(EngineConfig(model=str(tiny_llama_dir), kv_cache_memory=8 << 20, spec=spec))
     bm = engine.block_manager
-    from chatserve.block_manager import BlockTable
-
     hog = BlockTable()
     assert bm.allocate(hog, bm.num_blocks * bm.block_size)
-    assert measure_spec_costs(engine.models, 4, use_draft_model=True) is None
+    assert measure_spec_costs(engine.models, 4, 16, use_draft_model=True) is None
     bm.free(hog)
     assert bm.num_free_blocks == bm.num_blocks

@@ -97,3 +97,14 @@ def test_measured_verify_costs_avoid_an_expensive_row_count():
     assert stepped.cost(4) == pytest.approx(4 * 0.3 + 2.0)
     with pytest.raises(ValueError):
         stepped.set_costs(0.3, 1.0, 0.01, [1.0, -1.0])
+
+
+def test_batch_costs_stop_drafting_when_the_batch_makes_it_expensive():
+    """Batch 1: verifying drafts costs little, so it drafts (k = 2 at 80% acceptance). Batch 4: the same drafts make 20
+    rows against 4 (measured ~3.5x a plain step) and the draft runs 4 rows too: plain wins."""
+    costs = [(0.3, [1.0, 1.0, 1.0, 1.05, 1.1]), (0.35, [1.0, 1.1, 1.5, 2.0, 2.4]),
+             (0.4, [1.0, 1.5, 2.2, 2.8, 3.2]), (0.45, [1.0, 2.0, 2.9, 3.5, 4.4])]
+    controller = AdaptiveDraftLength(max_k=4, ema=1.0, initial_accept_rate=0.8, batch_costs=costs)
+    assert controller.next_k(batch_size=1) == 2
+    assert controller.next_k(batch_size=4) == 0
+    assert controller.cost(2, batch_size=9) == pytest.approx(2 * 0.45 + 2.9)  # past the table: its last row
