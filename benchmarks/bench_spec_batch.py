@@ -1,0 +1,80 @@
+"""Speculation on vs off at several batch sizes, one process, one run: does adaptive drafting
+ever lose to plain decoding? Greedy, the same code prompts, all requests of a batch at once.
+
+Reports the thread's CPU ms per generated token (with --threads 1 the robust number on a
+shared machine) and wall tokens/s, and checks that every output equals spec off.
+
+    python benchmarks/bench_spec_batch.py --target qwen2.5-coder-1.5b-instruct \\
+        --draft qwen2.5-coder-0.5b-instruct --batch-sizes 1 2 4 --threads 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from chatserve.config import EngineConfig, SpecConfig  # noqa: E402
+from chatserve.engine import Engine  # noqa: E402
+from chatserve.sampling_params import SamplingParams  # noqa: E402
+
+PROMPTS = json.loads((Path(__file__).resolve().parent.parent / "chatserve/data/prompts.json").read_text())
+
+
+def run(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> dict:
+    start, cpu_start = time.perf_counter(), time.thread_time()
+    outs = engine.generate(prompts, params)
+    wall, cpu = time.perf_counter() - start, time.thread_time() - cpu_start
+    tokens = sum(len(o["token_ids"]) for o in outs)
+    drafted = sum(o["stats"].num_drafted for o in outs)
+    accepted = sum(o["stats"].num_accepted for o in outs)
+    return {"tokens": tokens, "tokens_per_s": tokens / wall, "cpu_ms_per_token": cpu * 1e3 / tokens,
+            "drafted": drafted, "accepted": accepted, "outputs": [o["token_ids"] for o in outs]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
+    ap.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--out", default="benchmarks/results/spec_batch.json")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    spec = SpecConfig(method="draft", draft_model=args.draft)
+    engine = Engine(EngineConfig(model=args.target, dtype="bfloat16", quantization="int8", kv_cache_memory=1 << 30,
+                                 max_num_seqs=max(args.batch_sizes), spec=spec))
+    tok = engine.tokenizer
+    texts = PROMPTS["code"]
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    print(f"{args.target} + {args.draft}; load {os.getloadavg()[0]:.2f}", flush=True)
+    results = {}
+    for b in args.batch_sizes:
+        prompts = [tok.apply_chat_template([{"role": "user", "content": t}]) for t in texts[:b]]
+        engine.set_speculation(None)
+        off = run(engine, prompts, params)
+        engine.set_speculation(spec)
+        on = run(engine, prompts, params)
+        row = {"off": off, "draft": on, "cpu_speedup": off["cpu_ms_per_token"] / on["cpu_ms_per_token"],
+               "wall_speedup": on["tokens_per_s"] / off["tokens_per_s"], "same_output": on["outputs"] == off["outputs"]}
+        for r in (off, on):
+            r.pop("outputs")
+        results[b] = row
+        print(f"  batch {b}: off {off['cpu_ms_per_token']:.1f} CPU ms/token, draft {on['cpu_ms_per_token']:.1f} "
+              f"(drafted {on['drafted']}, accepted {on['accepted']}) -> {row['cpu_speedup']:.2f}x CPU, "
+              f"{row['wall_speedup']:.2f}x wall, same output: {row['same_output']}", flush=True)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"args": vars(args), "loadavg": os.getloadavg(), "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
