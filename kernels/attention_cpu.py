@@ -24,6 +24,8 @@ from quant.kv import kv_to_float
 
 # From this many query rows on, use SDPA (bounded memory) instead of materialized scores.
 PREFILL_Q_LEN = 64
+# Up to this many query rows (k + 1 of a verification), attend row by row like decode does.
+ROW_BY_ROW_Q_LEN = 9
 
 
 def paged_attention_cpu(query, k_cache, v_cache, block_tables, seq_lens, cu_q_lens, scale,
@@ -76,6 +78,16 @@ def _attend(out, query, keys, values, k_mults, v_mults, scale) -> None:
     group = num_heads // num_kv_heads
     if q_len >= PREFILL_Q_LEN:
         out.copy_(_attend_sdpa(query, keys, values, k_mults, v_mults, scale))
+        return
+    if q_len <= ROW_BY_ROW_Q_LEN and q_len > 1:
+        # Verification rows one at a time, each exactly as the decode step for that position
+        # would compute it (same shapes, same kernels): otherwise a different bmm blocking
+        # rounds differently, which in bf16 flips greedy near-ties between spec on and off.
+        for i in range(q_len):
+            ctx = seq_len - q_len + i + 1
+            _attend(out[i : i + 1], query[i : i + 1], keys[:, :ctx], values[:, :ctx],
+                    None if k_mults is None else k_mults[:, :ctx],
+                    None if v_mults is None else v_mults[:, :ctx], scale)
         return
     # Row i * group + g of kv head kh's matrix is (query i, head kh * group + g).
     q = (query.float() * scale).view(q_len, num_kv_heads, group, head_dim)
