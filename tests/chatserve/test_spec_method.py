@@ -10,6 +10,7 @@ import torch
 from chatserve.config import EngineConfig, SpecConfig
 from chatserve.engine import Engine
 from chatserve.sampling_params import SamplingParams
+from tests.chatserve.test_engine import assert_pool_empty
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 DRAFT = dataclasses.replace(GREEDY, spec_method="draft")
@@ -26,13 +27,6 @@ def make_engine(model_dir, draft_dir=None, method="draft", **kw):
                           num_draft_tokens=4, adaptive=False)
     kw.setdefault("kv_cache_memory", 8 << 20)
     return Engine(EngineConfig(model=str(model_dir), spec=spec, **kw))
-
-
-def assert_pool_empty(engine):
-    bm = engine.block_manager
-    bm.check_invariants()
-    assert bm.num_free_blocks == bm.num_blocks, "blocks leaked"
-    assert not engine.requests
 
 
 @pytest.fixture(scope="module")
