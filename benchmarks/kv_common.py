@@ -47,3 +47,13 @@ def engine_with_kv(models: LoadedModels, config: EngineConfig, kv_format: str, b
 
 def load_avg() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
+
+
+def write_report(report: dict, out: Path | None, default_name: str) -> None:
+    """Write a benchmark's JSON to `out`, or to benchmarks/results/<default_name>."""
+    import json
+
+    out = out or Path(__file__).parent / "results" / default_name
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {out}")

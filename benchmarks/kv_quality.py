@@ -23,7 +23,6 @@ Prints the numbers and writes JSON (with os.getloadavg()).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time
@@ -32,7 +31,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kv_common import EVAL_TEXT, engine_with_kv, load_avg  # noqa: E402
+from kv_common import EVAL_TEXT, engine_with_kv, load_avg, write_report  # noqa: E402
 
 from chatserve.batch import BatchItem  # noqa: E402
 from chatserve.config import EngineConfig, SpecConfig  # noqa: E402
@@ -203,10 +202,7 @@ def main() -> None:
     if args.spec_methods:
         report["speculation"] = acceptance(models, config, args, spec_prompts, budget)
     report["loadavg_after"] = load_avg()
-    out = args.out or Path(__file__).parent / "results" / f"kv_quality_{args.model}_{args.dtype}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {out}")
+    write_report(report, args.out, f"kv_quality_{args.model}_{args.dtype}.json")
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ interleaved the same way, min and median over --attention-reps. Writes JSON with
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -28,7 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kv_common import EVAL_TEXT, engine_with_kv, load_avg  # noqa: E402
+from kv_common import EVAL_TEXT, engine_with_kv, load_avg, write_report  # noqa: E402
 
 from chatserve.config import EngineConfig  # noqa: E402
 from chatserve.kv_cache import KVCache  # noqa: E402
@@ -168,10 +167,7 @@ def main() -> None:
             d, a = decode[str(n)][fmt], attention[str(n)][fmt]
             print(f"  {n:>7} {fmt:<9} {d['tpot_ms_median']:>8.1f} {d['x_auto_median']:>7.3f} | "
                   f"{a['ms_median']:>8.2f} {a['x_auto_median']:>7.3f} {a['ms_min']:>8.2f} {a['x_auto_min']:>7.3f}")
-    out = args.out or Path(__file__).parent / "results" / f"kv_speed_{args.model}_{args.dtype}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {out}")
+    write_report(report, args.out, f"kv_speed_{args.model}_{args.dtype}.json")
 
 
 if __name__ == "__main__":

@@ -70,8 +70,7 @@ class SpecRunner:
             req.spec_controller = AdaptiveDraftLength(self.config.num_draft_tokens, draft_step_cost=draft_cost)
             return
         batch_costs = self._batch_costs[req.use_draft_model]
-        req.spec_controller = AdaptiveDraftLength(self.config.num_draft_tokens, draft_step_cost=batch_costs[0][0],
-                                                  verify_costs=batch_costs[0][1], batch_costs=batch_costs)
+        req.spec_controller = AdaptiveDraftLength(self.config.num_draft_tokens, batch_costs=batch_costs)
 
     def plan(self, running: list[Request]) -> None:
         """Set req.num_draft_tokens (k) for every running request that will decode next step."""
