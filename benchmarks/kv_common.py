@@ -13,7 +13,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from chatserve.block_manager import BlockManager  # noqa: E402
 from chatserve.config import EngineConfig, SpecConfig  # noqa: E402
 from chatserve.engine import Engine  # noqa: E402
-from chatserve.kv_cache import KVCache, plan_num_blocks  # noqa: E402
+from chatserve.kv_cache import plan_num_blocks  # noqa: E402
+from chatserve.kv_smooth import calibration_ids, smoothed_kv_cache, wants_smoothing  # noqa: E402
 from chatserve.loading import DTYPES, LoadedModels, cache_shape  # noqa: E402
 from chatserve.model_runner import ModelRunner  # noqa: E402
 
@@ -22,16 +23,19 @@ EVAL_TEXT = Path(__file__).resolve().parents[1] / "chatserve" / "data" / "eval_t
 
 def engine_with_kv(models: LoadedModels, config: EngineConfig, kv_format: str, budget_bytes: int,
                    spec: SpecConfig | None = None, draft_kv_format: str | None = None,
-                   num_unquantized_layers: int = 0) -> Engine:
+                   num_unquantized_layers: int = 0, smooth_keys: bool = True) -> Engine:
     """An Engine over `models`' weights (not copied) with new pools: the target's in `kv_format`,
-    the draft's (if spec uses the draft model) in `draft_kv_format` (default: the target's)."""
+    the draft's (if spec uses the draft model) in `draft_kv_format` (default: the target's).
+    Quantized pools get K smoothing unless smooth_keys is False, as the engine's own loader does
+    (the means are calibrated once per model and shared by all engines on it)."""
     dtype = DTYPES[config.dtype]
     use_draft = spec is not None and spec.method == "draft"
     shapes = [cache_shape(models.target, dtype, kv_format, num_unquantized_layers)]
     if use_draft:
         shapes.append(cache_shape(models.draft, dtype, draft_kv_format or kv_format))
     num_blocks = plan_num_blocks(budget_bytes, shapes, config.block_size)
-    runners = [ModelRunner(m, KVCache(s, num_blocks, config.block_size))
+    calib = calibration_ids(models.tokenizer) if any(wants_smoothing(s, smooth_keys) for s in shapes) else []
+    runners = [ModelRunner(m, smoothed_kv_cache(m, s, num_blocks, config.block_size, smooth_keys, calib))
                for m, s in zip((models.target, models.draft), shapes)]
     fresh = dataclasses.replace(
         models,
@@ -41,7 +45,8 @@ def engine_with_kv(models: LoadedModels, config: EngineConfig, kv_format: str, b
     )
     if spec is not None and draft_kv_format is not None:
         spec = dataclasses.replace(spec, draft_kv_cache_dtype=draft_kv_format)
-    config = dataclasses.replace(config, kv_cache_dtype=kv_format, kv_cache_unquantized_layers=num_unquantized_layers)
+    config = dataclasses.replace(config, kv_cache_dtype=kv_format, kv_cache_unquantized_layers=num_unquantized_layers,
+                                 kv_smooth_keys=smooth_keys)
     return Engine(dataclasses.replace(config, spec=spec), fresh)
 
 

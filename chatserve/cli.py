@@ -27,7 +27,10 @@ def _engine_args(p: argparse.ArgumentParser, default_model: str, default_draft: 
                    help="the draft model's KV format (default: same as --kv-cache-dtype)")
     p.add_argument("--kv-cache-unquantized-layers", type=int, default=0, metavar="N",
                    help="with a quantized KV cache, keep the target's first N layers in the model dtype "
-                        "(1 fixes Qwen2.5's layer-0 K outliers)")
+                        "(no longer needed for Qwen2.5: K smoothing handles its layer-0 K outliers)")
+    p.add_argument("--no-kv-smooth-keys", action="store_true",
+                   help="quantized KV caches: do not subtract the calibrated per-channel K mean "
+                        "(smoothing is lossless and on by default; this is for comparisons)")
     p.add_argument("--kv-cache-memory", type=_bytes, default=None, help="pool bytes, e.g. 2G or 512M")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=16)
@@ -60,6 +63,7 @@ def engine_config(args) -> EngineConfig:
         dtype=args.dtype,
         kv_cache_dtype=args.kv_cache_dtype,
         kv_cache_unquantized_layers=args.kv_cache_unquantized_layers,
+        kv_smooth_keys=not args.no_kv_smooth_keys,
         kv_cache_memory=args.kv_cache_memory,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,

@@ -42,6 +42,7 @@ class EngineConfig:
     kv_cache_memory: int | None = None  # bytes for the whole pool (all models); None = from free memory
     kv_cache_dtype: str = "auto"
     kv_cache_unquantized_layers: int = 0  # with a quantized target cache, its first n layers keep the model dtype
+    kv_smooth_keys: bool = True  # quantized caches subtract a calibrated per-channel K mean (chatserve/kv_smooth.py)
     max_model_len: int | None = None  # None = the model's own limit
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 512  # token budget per step (prefill chunks + decodes + drafts)

@@ -9,6 +9,8 @@ have one, with the same num_blocks, so one block id addresses both; each may use
 format. With num_unquantized_layers = n, the first n layers live in a second pool in the model
 dtype (Qwen2.5's layer-0 K has outlier channels that per-token scales cannot carry, see
 docs/benchmarks.md) and the others in the quantized pool. Views are made once here, never per step.
+A quantized cache may also carry per-layer K means (set_key_means, chatserve/kv_smooth.py):
+the attention layer subtracts them from post-RoPE K before storing it; they take no pool bytes.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ class LayerCache(NamedTuple):
     v_cache: torch.Tensor
     k_scale: torch.Tensor | None  # [num_blocks, block_size, num_kv_heads]
     v_scale: torch.Tensor | None
+    k_mean: torch.Tensor | None = None  # [num_kv_heads, head_dim] model dtype: K smoothing, or None
 
 
 class KVCache:
@@ -73,6 +76,23 @@ class KVCache:
             self.layers += [LayerCache(p[0], p[1], None, None) for p in self.pool]
         else:
             self.layers += [LayerCache(p[0], p[1], s[0], s[1]) for p, s in zip(self.pool, self.scales)]
+        self.key_means: torch.Tensor | None = None
+
+    def set_key_means(self, means: torch.Tensor | None) -> None:
+        """K smoothing (chatserve/kv_smooth.py): layer l subtracts means[l] ([num_layers,
+        num_kv_heads, head_dim], any float dtype; kept in the model dtype) from its post-RoPE K
+        before storing or attending; None turns it off. Layers kept in the model dtype
+        (num_plain_layers) get no mean: they stay bit for bit as in an unquantized pool. Call
+        on an empty pool only: K already stored would mix two conventions."""
+        shape = self.shape
+        if means is not None:
+            assert means.shape == (shape.num_layers, shape.num_kv_heads, shape.head_dim), means.shape
+            means = means.to(shape.dtype)
+        self.key_means = means
+        self.layers = [
+            layer._replace(k_mean=None if means is None or i < shape.num_plain_layers else means[i])
+            for i, layer in enumerate(self.layers)
+        ]
 
     @property
     def num_bytes(self) -> int:

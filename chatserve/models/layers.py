@@ -74,7 +74,12 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x).view(-1, num_qk_heads + self.num_kv_heads, self.head_dim)  # (T, H + 2 Hkv, D)
         q, k = self.rotary(positions, qkv[:, :num_qk_heads]).split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, num_qk_heads:]  # (T, Hkv, D)
-        k_cache, v_cache, k_scale, v_scale = kv_cache  # a chatserve.kv_cache.LayerCache
+        k_cache, v_cache, k_scale, v_scale, k_mean = kv_cache  # a chatserve.kv_cache.LayerCache
+        if k_mean is not None:
+            # K smoothing (chatserve/kv_smooth.py): every key of every path (prefill chunk,
+            # decode, verification, prefix-cached blocks) is stored and read minus the same
+            # mean, which shifts each query's scores by one constant: softmax is unchanged.
+            k = k - k_mean
         kv_store(k, v, k_cache, v_cache, attn.slot_mapping, k_scale=k_scale, v_scale=v_scale)
         o = paged_attention(q, k_cache, v_cache, attn.block_tables, attn.seq_lens, attn.cu_q_lens, self.scale,
                             k_scale=k_scale, v_scale=v_scale)
