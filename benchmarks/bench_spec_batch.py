@@ -1,11 +1,13 @@
 """Speculation on vs off at several batch sizes, one process, one run: does adaptive drafting
-ever lose to plain decoding? Greedy, the same code prompts, all requests of a batch at once.
+ever lose to plain decoding? Greedy, all requests of a batch at once, for each prompt set
+(`--workloads`; chat is where drafts are accepted least) and each method (draft model, n-gram).
 
 Reports the thread's CPU ms per generated token (with --threads 1 the robust number on a
 shared machine) and wall tokens/s, and checks that every output equals spec off.
 
     python benchmarks/bench_spec_batch.py --target qwen2.5-coder-1.5b-instruct \\
-        --draft qwen2.5-coder-0.5b-instruct --batch-sizes 1 2 4 --threads 1
+        --draft qwen2.5-coder-0.5b-instruct --batch-sizes 1 2 4 8 --workloads chat code edit --threads 1
+    python benchmarks/bench_spec_batch.py --target smollm2-135m-instruct --draft none --threads 1
 """
 
 from __future__ import annotations
@@ -42,36 +44,44 @@ def run(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> dic
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
-    ap.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
-    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct", help="a draft model, or none (n-gram only)")
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--workloads", nargs="+", default=["chat", "code", "edit"], choices=sorted(PROMPTS))
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", default="benchmarks/results/spec_batch.json")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    spec = SpecConfig(method="draft", draft_model=args.draft)
+    draft = None if args.draft == "none" else args.draft
+    specs = {"ngram": SpecConfig(method="ngram")}
+    if draft:
+        specs = {"draft": SpecConfig(method="draft", draft_model=draft), **specs}
     engine = Engine(EngineConfig(model=args.target, dtype="bfloat16", quantization="int8", kv_cache_memory=1 << 30,
-                                 max_num_seqs=max(args.batch_sizes), spec=spec))
+                                 max_num_seqs=max(args.batch_sizes), spec=specs.get("draft")))
     tok = engine.tokenizer
-    texts = PROMPTS["code"]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-    print(f"{args.target} + {args.draft}; load {os.getloadavg()[0]:.2f}", flush=True)
-    results = {}
-    for b in args.batch_sizes:
-        prompts = [tok.apply_chat_template([{"role": "user", "content": t}]) for t in texts[:b]]
-        engine.set_speculation(None)
-        off = run(engine, prompts, params)
-        engine.set_speculation(spec)
-        on = run(engine, prompts, params)
-        row = {"off": off, "draft": on, "cpu_speedup": off["cpu_ms_per_token"] / on["cpu_ms_per_token"],
-               "wall_speedup": on["tokens_per_s"] / off["tokens_per_s"], "same_output": on["outputs"] == off["outputs"]}
-        for r in (off, on):
-            r.pop("outputs")
-        results[b] = row
-        print(f"  batch {b}: off {off['cpu_ms_per_token']:.1f} CPU ms/token, draft {on['cpu_ms_per_token']:.1f} "
-              f"(drafted {on['drafted']}, accepted {on['accepted']}) -> {row['cpu_speedup']:.2f}x CPU, "
-              f"{row['wall_speedup']:.2f}x wall, same output: {row['same_output']}", flush=True)
+    print(f"{args.target} + {draft or 'n-gram only'}; load {os.getloadavg()[0]:.2f}", flush=True)
+    results: dict = {}
+    for workload in args.workloads:
+        texts = PROMPTS[workload]
+        for b in args.batch_sizes:
+            prompts = [tok.apply_chat_template([{"role": "user", "content": texts[i % len(texts)]}]) for i in range(b)]
+            engine.set_speculation(None)
+            off = run(engine, prompts, params)
+            row = results.setdefault(workload, {})[b] = {"off": off}
+            for name, spec in specs.items():
+                engine.set_speculation(spec)
+                on = row[name] = run(engine, prompts, params)
+                on["cpu_speedup"] = off["cpu_ms_per_token"] / on["cpu_ms_per_token"]
+                on["wall_speedup"] = on["tokens_per_s"] / off["tokens_per_s"]
+                on["same_output"] = on["outputs"] == off["outputs"]
+                print(f"  {workload} batch {b}: off {off['cpu_ms_per_token']:.1f} CPU ms/token, {name} "
+                      f"{on['cpu_ms_per_token']:.1f} (drafted {on['drafted']}, accepted {on['accepted']}) -> "
+                      f"{on['cpu_speedup']:.2f}x CPU, {on['wall_speedup']:.2f}x wall, same output: {on['same_output']}",
+                      flush=True)
+            for r in row.values():
+                r.pop("outputs")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"args": vars(args), "loadavg": os.getloadavg(), "results": results}, indent=1))
 

@@ -31,7 +31,7 @@ ENGINE_ERROR = "engine_error"
 
 ROLES = ("system", "user", "assistant")
 SETTINGS_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens",
-                 "stop", "seed", "speculation", "spec_method", "num_draft_tokens")
+                 "stop", "seed", "speculation", "spec_method", "num_draft_tokens", "ignore_eos")
 MAX_ID_CHARS = 128
 
 
@@ -283,7 +283,7 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
                404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
                503: "service_unavailable_error"}
 _SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "stop",
-                  "speculation", "spec_method", "num_draft_tokens")  # top_k onwards: extensions (vLLM's, ours)
+                  "speculation", "spec_method", "num_draft_tokens", "ignore_eos")  # top_k on: extensions (vLLM's, ours)
 
 
 @dataclass(frozen=True)

@@ -52,3 +52,15 @@ def test_done_stats_from_request_stats():
     assert done["stats"]["acceptance_rate"] == 0.75 and done["stats"]["mean_accepted_length"] == 4.0
     assert done["stats"]["ttft_ms"] == pytest.approx(50.0) and done["stats"]["tpot_ms"] == pytest.approx(10.0)
     assert done["stats"]["generated_tokens"] == 5 and done["stats"]["cached_tokens"] == 8
+
+
+def test_ignore_eos_on_both_endpoints():
+    """vLLM's `ignore_eos` extension (benchmarks use it for fixed-length replies)."""
+    turn = P.parse_client_message('{"type": "chat", "content": "hi", "params": {"ignore_eos": true}}')
+    assert P.build_sampling_params(turn.params, 100).ignore_eos
+    chat = P.parse_chat_completion_request({"messages": [{"role": "user", "content": "x"}], "ignore_eos": True}, 64)
+    assert chat.params.ignore_eos
+    assert not P.parse_chat_completion_request({"messages": [{"role": "user", "content": "x"}]}, 64).params.ignore_eos
+    with pytest.raises(P.ProtocolError) as e:
+        P.parse_chat_completion_request({"messages": [{"role": "user", "content": "x"}], "ignore_eos": "yes"}, 64)
+    assert e.value.code == P.INVALID_PARAMS and e.value.param == "ignore_eos"
