@@ -36,7 +36,7 @@ SETUPS = {
     "Qwen2.5-Coder-1.5B + 0.5B draft": ["qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"],
 }
 # label -> (KV format, model dtype, the target's unquantized first layers): "auto" stores the
-# model dtype; "+L0" is --kv-cache-unquantized-layers 1 (what Qwen2.5 needs, docs/benchmarks.md)
+# model dtype; "+L0" is --kv-cache-unquantized-layers 1 (what Qwen2.5 needed before K smoothing)
 FORMATS = {
     "fp32": ("auto", torch.float32, 0),
     "bf16": ("auto", torch.bfloat16, 0),

@@ -3,6 +3,8 @@
 Tests the explanation for Qwen2.5's KV-quantization loss (benchmarks/kv_outliers.py: layer 0's
 K has outlier channels) through the engine option --kv-cache-unquantized-layers 1 (layer 0 in a
 second pool in the model dtype), teacher-forcing chatserve/data/eval_text.txt as kv_quality.py does.
+The quantized layers use K smoothing (chatserve/kv_smooth.py, the engine's default) unless
+--smooth-keys off; layer 0, kept in the model dtype, is never smoothed.
 
     python benchmarks/kv_keep_layer0.py --model qwen2.5-coder-1.5b-instruct --dtype bfloat16
 """
@@ -31,15 +33,18 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     ap.add_argument("--formats", nargs="+", default=["int8", "fp8_e4m3"])
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--smooth-keys", default="on", choices=["on", "off"])
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     config = EngineConfig(model=args.model, dtype=args.dtype, kv_cache_memory=32 << 20, max_num_seqs=1)
     models = load_models(config)
     ids = models.tokenizer.encode(EVAL_TEXT.read_text())
-    report = {"model": args.model, "dtype": args.dtype, "loadavg_before": load_avg(), "ppl_layer0_unquantized": {}}
+    report = {"model": args.model, "dtype": args.dtype, "loadavg_before": load_avg(),
+              "smooth_keys": args.smooth_keys, "ppl_layer0_unquantized": {}}
     for fmt in args.formats:
-        engine = engine_with_kv(models, config, fmt, 256 << 20, num_unquantized_layers=1)
+        engine = engine_with_kv(models, config, fmt, 256 << 20, num_unquantized_layers=1,
+                                smooth_keys=args.smooth_keys == "on")
         assert engine.models.target_runner.kv_cache.layers[0].k_scale is None
         nll, _ = teacher_forced(engine, ids, 64)
         report["ppl_layer0_unquantized"][fmt] = math.exp(nll)

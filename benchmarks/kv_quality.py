@@ -13,6 +13,9 @@ Per KV format, on one copy of the weights (an engine with its own pool per forma
   a quantized cache "equal" is up to batch shape: the same token's K computed in a k+1-row
   verify batch and in a 1-row decode differs in the last fp32 bits, and where that straddles a
   rounding boundary of the int8/fp8 grid it moves a whole quantization step.
+Quantized pools use K smoothing (chatserve/kv_smooth.py) as the engine does by default;
+--smooth-keys off measures without it, both measures each quantized format both ways (rows
+"int8" and "int8/unsmoothed"; speculation then runs with smoothing on).
 Prints the numbers and writes JSON (with os.getloadavg()).
 
     python benchmarks/kv_quality.py --model smollm2-135m-instruct --dtype float32
@@ -101,24 +104,39 @@ def build_prompts(tokenizer, text: str) -> tuple[list[list[int]], list[list[int]
     return greedy_prompts, spec_prompts
 
 
+def variants(formats: list[str], smooth_keys: str) -> list[tuple[str, str, bool]]:
+    """-> (row label, KV format, smoothing on?) per measured pool; "auto" never smooths."""
+    out = []
+    for fmt in formats:
+        if fmt == "auto" or smooth_keys == "on":
+            out.append((fmt, fmt, True))
+        elif smooth_keys == "off":
+            out.append((fmt, fmt, False))
+        else:
+            out += [(fmt, fmt, True), (f"{fmt}/unsmoothed", fmt, False)]
+    return out
+
+
 def quality_per_format(models, config, args, text_ids, greedy_prompts, budget) -> dict:
     rows, ref_preds, ref_outs = {}, None, None
-    for fmt in args.formats:
+    for label, fmt, smooth in variants(args.formats, args.smooth_keys):
         start = time.perf_counter()
-        engine = engine_with_kv(models, config, fmt, budget)
+        engine = engine_with_kv(models, config, fmt, budget, smooth_keys=smooth)
+        smoothed = engine.models.target_runner.kv_cache.key_means is not None
         nll, preds = teacher_forced(engine, text_ids, args.chunk)
         outs = greedy(engine, greedy_prompts, args.max_tokens)
         if fmt == "auto":
             ref_preds, ref_outs = preds, outs
-        row = {"ppl": math.exp(nll), "nll": nll,
+        row = {"kv_format": fmt, "smooth_keys": smoothed, "ppl": math.exp(nll), "nll": nll,
                "teacher_forced_top1_agreement": (preds == ref_preds).float().mean().item(),
                **agreement(outs, ref_outs), "seconds": time.perf_counter() - start}
-        rows[fmt] = row
+        rows[label] = row
+        print(f"  {label}: ppl {row['ppl']:.4f} ({row['seconds']:.0f} s)", flush=True)
         del engine
-    for fmt, row in rows.items():
+    for row in rows.values():
         row["ppl_change"] = row["ppl"] / rows["auto"]["ppl"] - 1
-        if fmt in GOALS:
-            row["meets_goal"] = row["ppl_change"] <= GOALS[fmt]
+        if row["kv_format"] in GOALS:
+            row["meets_goal"] = row["ppl_change"] <= GOALS[row["kv_format"]]
     return rows
 
 
@@ -136,18 +154,20 @@ def acceptance(models, config, args, spec_prompts, budget) -> dict:
         combos += [("auto", d) for d in args.formats if d != "auto"]  # only the draft quantized
     plain = {}
     rows = []
+    smooth = args.smooth_keys != "off"
     for target_fmt, draft_fmt in combos:
         if target_fmt not in plain:
-            plain[target_fmt] = greedy(engine_with_kv(models, config, target_fmt, budget), spec_prompts,
-                                       args.max_tokens)
+            plain[target_fmt] = greedy(engine_with_kv(models, config, target_fmt, budget, smooth_keys=smooth),
+                                       spec_prompts, args.max_tokens)
         for method, spec in specs.items():
             if method == "ngram" and draft_fmt is not None:
                 continue  # n-gram has no draft cache
-            engine = engine_with_kv(models, config, target_fmt, budget, spec=spec, draft_kv_format=draft_fmt)
+            engine = engine_with_kv(models, config, target_fmt, budget, spec=spec, draft_kv_format=draft_fmt,
+                                    smooth_keys=smooth)
             outs, rate = spec_run(engine, spec_prompts, args.max_tokens)
             row = {"method": method, "target_kv": target_fmt,
                    "draft_kv": (draft_fmt or target_fmt) if method == "draft" else None,
-                   "acceptance": rate, "same_as_plain": outs == plain[target_fmt],
+                   "smooth_keys": smooth, "acceptance": rate, "same_as_plain": outs == plain[target_fmt],
                    "first_divergence_from_plain": agreement(outs, plain[target_fmt])["first_divergence"]}
             rows.append(row)
             print(f"  spec {method:<5} target {target_fmt:<9} draft {str(row['draft_kv']):<9} "
@@ -172,6 +192,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--spec-methods", nargs="*", default=["ngram", "draft"], choices=["ngram", "draft"],
                     help="speculation methods whose acceptance to measure (none: skip)")
+    ap.add_argument("--smooth-keys", default="on", choices=["on", "off", "both"],
+                    help="K smoothing of quantized pools (chatserve/kv_smooth.py): on (the engine's "
+                         "default), off, or both (each quantized format twice)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     assert args.formats[0] == "auto", "the first format is the reference: auto"
@@ -190,18 +213,21 @@ def main() -> None:
     print(f"{args.model} {args.dtype}: {len(text_ids)} text tokens, chunks of {args.chunk}; load {load_before}",
           flush=True)
     rows = quality_per_format(models, config, args, text_ids, greedy_prompts, budget)
-    print(f"  {'format':<9} {'ppl':>8} {'change':>8} {'top1 agr':>9} {'greedy agr':>10}  first divergence")
+    print(f"  {'format':<20} {'ppl':>8} {'change':>8} {'top1 agr':>9} {'greedy agr':>10}  first divergence")
     for fmt, row in rows.items():
         goal = {True: " met", False: " MISSED"}.get(row.get("meets_goal"), "")
-        print(f"  {fmt:<9} {row['ppl']:>8.4f} {row['ppl_change']:>+8.3%} {row['teacher_forced_top1_agreement']:>9.4f}"
+        print(f"  {fmt:<20} {row['ppl']:>8.4f} {row['ppl_change']:>+8.3%} {row['teacher_forced_top1_agreement']:>9.4f}"
               f" {row['token_agreement']:>10.3f}  {row['first_divergence']}{goal}", flush=True)
     report = {"model": args.model, "dtype": args.dtype, "draft_model": args.draft_model,
               "text": str(EVAL_TEXT.name), "text_tokens": len(text_ids), "chunk": args.chunk,
               "max_tokens": args.max_tokens, "threads": torch.get_num_threads(), "goals": GOALS,
-              "loadavg_before": load_before, "formats": rows}
+              "loadavg_before": load_before, "smooth_keys": args.smooth_keys, "formats": rows}
     if args.spec_methods:
         report["speculation"] = acceptance(models, config, args, spec_prompts, budget)
     report["loadavg_after"] = load_avg()
+    # seconds each model's K-mean calibration took (None: it never ran, no smoothed pool)
+    report["calibration_seconds"] = {name: getattr(m, "kv_key_means_seconds", None)
+                                     for name, m in (("target", models.target), ("draft", models.draft)) if m}
     write_report(report, args.out, f"kv_quality_{args.model}_{args.dtype}.json")
 
 

@@ -11,6 +11,9 @@ the ratio of the fastest steps (the least disturbed by other processes on a shar
 A second table times only the attention of one decode step (KV store of the new token +
 paged attention, all layers, the model's head shapes) over a pool filled to the context,
 interleaved the same way, min and median over --attention-reps. Writes JSON with loadavg.
+Quantized pools use K smoothing (chatserve/kv_smooth.py) as the engine does by default; a
+format written "int8/unsmoothed" is the same pool without it (its cost is one subtraction per
+layer in the model, so its attention-only row equals the smoothed one's by construction).
 
     python benchmarks/kv_speed.py --model smollm2-135m-instruct --dtype float32 \
         --contexts 2048 4096 --formats auto int8 --rounds 9 --threads 1
@@ -35,6 +38,13 @@ from chatserve.loading import DTYPES, cache_shape, load_models  # noqa: E402
 from chatserve.sampling_params import SamplingParams  # noqa: E402
 from kernels.attention import paged_attention  # noqa: E402
 from kernels.kv_store import kv_store  # noqa: E402
+
+
+def kv_format(label: str) -> tuple[str, bool]:
+    """"int8" -> ("int8", smoothing on); "int8/unsmoothed" -> ("int8", off)."""
+    fmt, _, variant = label.partition("/")
+    assert variant in ("", "unsmoothed"), label
+    return fmt, variant != "unsmoothed"
 
 
 def long_prompt(tokenizer, num_tokens: int) -> list[int]:
@@ -62,7 +72,10 @@ def engine_decode(models, config, args) -> dict:
     max_context = max(args.contexts) + args.decode_tokens + 64
     per_token = 2 * models.target.num_layers * models.target.num_kv_heads * models.target.head_dim * 4
     budget = 2 * per_token * max_context * len(args.contexts)  # every prompt stays prefix-cached
-    engines = {fmt: engine_with_kv(models, config, fmt, budget) for fmt in args.formats}
+    engines = {}
+    for label in args.formats:
+        fmt, smooth = kv_format(label)
+        engines[label] = engine_with_kv(models, config, fmt, budget, smooth_keys=smooth)
     prompts = {n: long_prompt(models.tokenizer, n) for n in args.contexts}
     for prompt in prompts.values():  # warm-up: prefill every prompt into every pool
         for engine in engines.values():
@@ -104,7 +117,7 @@ def attention_only(models, config, args) -> dict:
         slots = (slots + torch.arange(config.block_size).repeat(num_blocks))[: n + 1]
         cases = {}
         for fmt in args.formats:
-            cache = KVCache(cache_shape(model, dtype, fmt), num_blocks, config.block_size)
+            cache = KVCache(cache_shape(model, dtype, kv_format(fmt)[0]), num_blocks, config.block_size)
             kv = torch.randn(2, n, model.num_kv_heads, model.head_dim, dtype=dtype)
             for layer in cache.layers:
                 kv_store(kv[0], kv[1], layer.k_cache, layer.v_cache, slots[:n], k_scale=layer.k_scale,
@@ -160,12 +173,12 @@ def main() -> None:
               "loadavg_before": load_before, "loadavg_after": load_avg(),
               "engine_decode": decode, "attention_only": attention}
     print(f"\n{args.model} {args.dtype}, {args.threads} thread(s), load {load_before} -> {report['loadavg_after']}")
-    print(f"  {'context':>7} {'format':<9} {'TPOT ms':>8} {'x auto':>7} | {'attn ms':>8} {'x auto':>7}"
+    print(f"  {'context':>7} {'format':<16} {'TPOT ms':>8} {'x auto':>7} | {'attn ms':>8} {'x auto':>7}"
           f" {'attn min':>8} {'x auto':>7}")
     for n in args.contexts:
         for fmt in args.formats:
             d, a = decode[str(n)][fmt], attention[str(n)][fmt]
-            print(f"  {n:>7} {fmt:<9} {d['tpot_ms_median']:>8.1f} {d['x_auto_median']:>7.3f} | "
+            print(f"  {n:>7} {fmt:<16} {d['tpot_ms_median']:>8.1f} {d['x_auto_median']:>7.3f} | "
                   f"{a['ms_median']:>8.2f} {a['x_auto_median']:>7.3f} {a['ms_min']:>8.2f} {a['x_auto_min']:>7.3f}")
     write_report(report, args.out, f"kv_speed_{args.model}_{args.dtype}.json")
 

@@ -7,10 +7,11 @@ also has scales [num_layers, 2, num_blocks, block_size, num_kv_heads] (quant.kv.
 Layer l's K is pool[l, 0] (scales[l, 0]) and its V pool[l, 1]. The target and the draft each
 have one, with the same num_blocks, so one block id addresses both; each may use its own
 format. With num_unquantized_layers = n, the first n layers live in a second pool in the model
-dtype (Qwen2.5's layer-0 K has outlier channels that per-token scales cannot carry, see
-docs/benchmarks.md) and the others in the quantized pool. Views are made once here, never per step.
-A quantized cache may also carry per-layer K means (set_key_means, chatserve/kv_smooth.py):
-the attention layer subtracts them from post-RoPE K before storing it; they take no pool bytes.
+dtype and the others in the quantized pool (an escape hatch for outlier layers; Qwen2.5's
+layer-0 K outlier channels are handled by K smoothing instead, see docs/benchmarks.md). A
+quantized cache may also carry per-layer K means (set_key_means, chatserve/kv_smooth.py): the
+attention layer subtracts them from post-RoPE K before storing it; they take no pool bytes.
+Views are made once here, never per step.
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ class KVCache:
         shape = self.shape
         if means is not None:
             assert means.shape == (shape.num_layers, shape.num_kv_heads, shape.head_dim), means.shape
-            means = means.to(shape.dtype)
+            means = means.to(device=self.pool.device, dtype=shape.dtype)
         self.key_means = means
         self.layers = [
             layer._replace(k_mean=None if means is None or i < shape.num_plain_layers else means[i])

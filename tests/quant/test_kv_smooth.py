@@ -133,6 +133,10 @@ def test_calibration_is_deterministic_and_leaves_the_pool_free(tiny_qwen_dir):
     means_a = a.models.target_runner.kv_cache.key_means
     assert means_a is not None and torch.equal(means_a, b.models.target_runner.kv_cache.key_means)
     assert_pool_empty(a)
+    # the means take no pool bytes: the same budget plans the same blocks with smoothing off
+    off = make_engine(tiny_qwen_dir, dtype="float32", kv_cache_dtype="int8", kv_smooth_keys=False)
+    assert off.block_manager.num_blocks == a.block_manager.num_blocks
+    assert off.models.target_runner.kv_cache.num_bytes == a.models.target_runner.kv_cache.num_bytes
     stats = a.pool_stats()
     assert stats["num_cached_blocks"] == 0 and stats["prefix_cache_queries"] == 0
     # It is the mean of the post-RoPE K the model stores for the calibration text: feed the
