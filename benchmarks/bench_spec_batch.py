@@ -30,7 +30,13 @@ from chatserve.sampling_params import SamplingParams  # noqa: E402
 PROMPTS = json.loads((Path(__file__).resolve().parent.parent / "chatserve/data/prompts.json").read_text())
 
 
+def best_of(repeats: int, engine: Engine, prompts: list[list[int]], params: SamplingParams) -> dict:
+    """The run with the least CPU time of `repeats` (other load only ever adds time)."""
+    return min((run(engine, prompts, params) for _ in range(repeats)), key=lambda r: r["cpu_ms_per_token"])
+
+
 def run(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> dict:
+    engine.block_manager.reset_prefix_cache()  # every run prefills its prompts
     start, cpu_start = time.perf_counter(), time.thread_time()
     outs = engine.generate(prompts, params)
     wall, cpu = time.perf_counter() - start, time.thread_time() - cpu_start
@@ -49,6 +55,7 @@ def main() -> None:
     ap.add_argument("--workloads", nargs="+", default=["chat", "code", "edit"], choices=sorted(PROMPTS))
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--repeats", type=int, default=1, help="run each point this many times, keep the least CPU time")
     ap.add_argument("--out", default="benchmarks/results/spec_batch.json")
     args = ap.parse_args()
     if args.threads:
@@ -68,11 +75,11 @@ def main() -> None:
         for b in args.batch_sizes:
             prompts = [tok.apply_chat_template([{"role": "user", "content": texts[i % len(texts)]}]) for i in range(b)]
             engine.set_speculation(None)
-            off = run(engine, prompts, params)
+            off = best_of(args.repeats, engine, prompts, params)
             row = results.setdefault(workload, {})[b] = {"off": off}
             for name, spec in specs.items():
                 engine.set_speculation(spec)
-                on = row[name] = run(engine, prompts, params)
+                on = row[name] = best_of(args.repeats, engine, prompts, params)
                 on["cpu_speedup"] = off["cpu_ms_per_token"] / on["cpu_ms_per_token"]
                 on["wall_speedup"] = on["tokens_per_s"] / off["tokens_per_s"]
                 on["same_output"] = on["outputs"] == off["outputs"]

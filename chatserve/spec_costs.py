@@ -29,6 +29,14 @@ class SpecCosts:
     target_seconds: dict[int, float]  # rows -> one target forward over that many rows
     draft_seconds: dict[int, float]  # rows -> one draft forward; empty without a draft model
 
+    def target(self, rows: int) -> float:
+        """Seconds of one target forward over `rows` rows (interpolated)."""
+        return _interpolate(self.target_seconds, rows)
+
+    def draft(self, rows: int) -> float:
+        """Seconds of one draft forward over `rows` rows (interpolated); 0 without a draft model."""
+        return _interpolate(self.draft_seconds, rows) if self.draft_seconds else 0.0
+
     def batch_costs(self, batch_size: int, max_k: int, use_draft_model: bool) -> tuple[float, list[float]]:
         """(draft step cost, [verify cost for k = 0..max_k]) in plain steps at batch_size."""
         plain = _interpolate(self.target_seconds, batch_size)
@@ -43,20 +51,20 @@ class SpecCosts:
 
 
 def _interpolate(seconds: dict[int, float], rows: int) -> float:
-    """Linear between measured row counts; proportional to rows past the largest."""
+    """The time of the nearest measured row count at or above `rows`; proportional to rows past
+    the largest. Rounding up, not a line between points: kernels cost in steps (int8 GEMV
+    tiles rows in fours, so 9 rows cost what 12 do, not a quarter of the way from 8 to 12), and
+    the grid below has a point at the top of each step up to 32 rows."""
     points = sorted(seconds)
-    if rows in seconds:
-        return seconds[rows]
     if rows > points[-1]:
         return seconds[points[-1]] * rows / points[-1]
-    hi = next(p for p in points if p > rows)
-    lo = max(p for p in points if p < rows)
-    return seconds[lo] + (seconds[hi] - seconds[lo]) * (rows - lo) / (hi - lo)
+    return seconds[next(p for p in points if p >= rows)]
 
 
 def row_grid(max_rows: int, max_k: int) -> list[int]:
-    """Every row count up to max_k + 1 (where kernels step), then a coarser grid."""
-    grid = set(range(1, max_k + 2)) | {8, 12, 16, 24, 32, 48, 64}
+    """Every row count up to max_k + 1, then every multiple of 4 to 32 (the int8 GEMV's steps),
+    then a coarser grid."""
+    grid = set(range(1, max_k + 2)) | set(range(8, 33, 4)) | {48, 64}
     return sorted(r for r in grid if r <= max(max_rows, 1))
 
 

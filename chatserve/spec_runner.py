@@ -22,7 +22,7 @@ from chatserve.request import Request
 from chatserve.sampler import Sampler
 from chatserve.spec_costs import NGRAM_STEP_COST, measure_spec_costs
 from chatserve.scheduler import ScheduledSeq
-from spec.adaptive import AdaptiveDraftLength
+from spec.adaptive import AdaptiveDraftLength, allocate_drafts
 from spec.ngram import NgramProposer
 from spec.sampling import exponential_noise, sample_from_probs
 from spec.stats import SpecStats
@@ -39,13 +39,9 @@ class SpecRunner:
         self._draft_probs: dict[str, torch.Tensor] = {}
         self.draft_seconds = 0.0
         self.costs = None
+        self._ngram_drafts: dict[str, list[int]] = {}  # request id -> the n-gram proposal plan() made
         if config.adaptive:
             self.costs = measure_spec_costs(models, config.num_draft_tokens, max_num_seqs, self.has_draft_model)
-
-        # Per batch size, for draft-model and n-gram requests: (draft step cost, verify costs).
-        self._batch_costs = {} if self.costs is None else {
-            use_draft: self.costs.table(max_num_seqs, config.num_draft_tokens, use_draft)
-            for use_draft in ((True, False) if self.has_draft_model else (False,))}
 
     @classmethod
     def create(cls, config: SpecConfig, models, max_num_seqs: int = 16) -> "SpecRunner":
@@ -69,20 +65,44 @@ class SpecRunner:
             draft_cost = 0.35 if req.use_draft_model else NGRAM_STEP_COST
             req.spec_controller = AdaptiveDraftLength(self.config.num_draft_tokens, draft_step_cost=draft_cost)
             return
-        batch_costs = self._batch_costs[req.use_draft_model]
-        req.spec_controller = AdaptiveDraftLength(self.config.num_draft_tokens, batch_costs=batch_costs)
+        # The controller keeps this request's acceptance estimate; plan() prices the batch.
+        req.spec_controller = AdaptiveDraftLength(self.config.num_draft_tokens)
 
     def plan(self, running: list[Request]) -> None:
-        """Set req.num_draft_tokens (k) for every running request that will decode next step."""
+        """Set req.num_draft_tokens (k) for every running request that will decode next step.
+
+        With measured costs, the adaptive requests' k are chosen together (allocate_drafts):
+        each offers its acceptance estimate and a cap (an n-gram request: the proposal it
+        actually has, made here since lookup is free), and the batch gets the drafts that
+        maximize expected tokens per second of the whole step."""
+        self._ngram_drafts = {}
         batch_size = len(running)
+        offers: list[tuple[Request, int, float]] = []
         for req in running:
             req.num_draft_tokens = 0
             if req.is_prefilling or req.num_output_tokens == 0:
                 continue
-            k = self._wanted_k(req, batch_size)
             # Never overshoot max_tokens or the context: k drafts emit up to k + 1 tokens.
-            k = min(k, req.params.max_tokens - req.num_output_tokens - 1, self.models.max_model_len - len(req.token_ids) - 1)
-            req.num_draft_tokens = max(k, 0)
+            room = max(min(req.params.max_tokens - req.num_output_tokens - 1,
+                           self.models.max_model_len - len(req.token_ids) - 1), 0)
+            if req.spec_controller is None or req.params.num_draft_tokens is not None or self.costs is None:
+                req.num_draft_tokens = min(self._wanted_k(req, batch_size), room)
+                continue
+            cap, accept_rate = req.spec_controller.offer()
+            cap = min(cap, room)
+            if not req.use_draft_model and cap > 0:
+                tokens = self.ngram.propose_one(req.token_ids, cap)
+                self._ngram_drafts[req.request_id] = tokens
+                cap = len(tokens)
+            offers.append((req, cap, accept_rate))
+        if not offers:
+            return
+        ks = allocate_drafts([a for _, _, a in offers], [c for _, c, _ in offers], self.costs.target,
+                             self.costs.draft if self.has_draft_model else None,
+                             [r.use_draft_model for r, _, _ in offers])
+        for (req, _, _), k in zip(offers, ks):
+            req.num_draft_tokens = k
+            req.spec_controller.allocated(k)
 
     def _wanted_k(self, req: Request, batch_size: int) -> int:
         if req.params.num_draft_tokens is not None:
@@ -95,9 +115,13 @@ class SpecRunner:
         """Fill req.draft_token_ids (<= num_draft_tokens each) for the scheduled decodes."""
         by_ngram = [s for s in seqs if not s.req.use_draft_model]
         by_draft = [s for s in seqs if s.req.use_draft_model]
-        if by_ngram:
-            draft = self.ngram.propose([s.req.token_ids for s in by_ngram], [s.num_draft_tokens for s in by_ngram])
-            for s, tokens in zip(by_ngram, draft.token_ids):
+        planned = [s for s in by_ngram if s.req.request_id in self._ngram_drafts]
+        for s in planned:
+            s.req.draft_token_ids = self._ngram_drafts[s.req.request_id][: s.num_draft_tokens]
+        unplanned = [s for s in by_ngram if s.req.request_id not in self._ngram_drafts]
+        if unplanned:
+            draft = self.ngram.propose([s.req.token_ids for s in unplanned], [s.num_draft_tokens for s in unplanned])
+            for s, tokens in zip(unplanned, draft.token_ids):
                 s.req.draft_token_ids = list(tokens)
         if by_draft:
             start = time.perf_counter()

@@ -1,6 +1,10 @@
-"""Per-request choice of k, the number of draft tokens, from acceptance and measured costs.
+"""Choosing k, the number of draft tokens, from acceptance and measured costs.
 
-Integers and floats only; the engine measures costs and reports outcomes.
+AdaptiveDraftLength keeps one request's acceptance estimate (and pauses / probes it);
+allocate_drafts splits a step's drafts over the batch from those estimates and the measured
+forward times. (AdaptiveDraftLength.next_k, a per-request choice on relative costs, is what
+the engine falls back to when the pool had no room to measure.) Integers and floats only; the
+engine measures costs and reports outcomes.
 """
 
 from __future__ import annotations
@@ -89,6 +93,21 @@ class AdaptiveDraftLength:
         self._num_steps_at_zero = 0
         return self._best_k(self.initial_accept_rate, batch_size)
 
+    def offer(self) -> tuple[int, float]:
+        """For a batch-level choice (allocate_drafts): (the most drafts this request may take
+        this step, the acceptance rate to price them at). (0, alpha) while alpha is below
+        min_accept_rate; once probe_every steps in a row got no drafts, max_k at the initial
+        rate, so that a stale estimate can recover. Report the outcome with allocated(k)."""
+        if self._num_steps_at_zero + 1 >= self.probe_every:
+            return self.max_k, self.initial_accept_rate
+        if self.accept_rate < self.min_accept_rate:
+            return 0, self.accept_rate
+        return self.max_k, self.accept_rate
+
+    def allocated(self, k: int) -> None:
+        """The k this request got for the step its offer() was for."""
+        self._num_steps_at_zero = 0 if k > 0 else self._num_steps_at_zero + 1
+
     def update(self, num_drafted: int, num_accepted: int) -> None:
         """Record a step's outcome: the first num_accepted of num_drafted drafts were accepted."""
         if not 0 <= num_accepted <= num_drafted:
@@ -128,3 +147,52 @@ class AdaptiveDraftLength:
             if rate > best_rate:
                 best_k, best_rate = k, rate
         return best_k
+
+
+def allocate_drafts(
+    accept_rates: list[float],
+    caps: list[int],
+    target_seconds,
+    draft_seconds=None,
+    uses_draft_model: list[bool] | None = None,
+) -> list[int]:
+    """Batch-level draft lengths: k_i <= caps[i] for each decoding sequence of one step, chosen
+    to maximize expected emitted tokens per second of the whole step.
+
+    Sequence i's j-th draft position adds accept_rates[i]**j expected tokens (it counts only if
+    the j - 1 before it were accepted). A step with n drafts in all runs one target forward over
+    b + n rows (`target_seconds(rows)`), and with a draft model (`draft_seconds(rows)`, None for
+    free proposals such as n-gram) max(k) draft steps, step s over the sequences with k_i >= s
+    (only those with uses_draft_model[i], when given; the others' proposals are free).
+    For a given n the best drafts are the n largest gains (each sequence's gains shrink with j,
+    so these form a prefix per sequence): scanning every n is exact without a draft model. With
+    one, draft steps cost by count more than by rows, so the scan is repeated for every limit
+    K on the steps (positions j <= K only): a close heuristic (tested against enumeration).
+    Unlike pricing each sequence as if every other one drafted the same k, this sees that at 3
+    sequences one more row is free (int8 GEMV tiles rows in fours) while at 8 sequences a
+    single extra row starts a third tile.
+    Returns all zeros when no allocation beats plain decoding (b tokens for target_seconds(b)).
+    """
+    b = len(caps)
+    if b == 0 or not any(caps):
+        return [0] * b
+    # (gain, -j, i): largest gain first; equal gains keep each sequence's positions in order.
+    gains = sorted(((accept_rates[i] ** j, -j, i) for i in range(b) for j in range(1, caps[i] + 1)), reverse=True)
+    best_rate, best = b / target_seconds(b), []
+    for max_steps in range(1, max(caps) + 1) if draft_seconds is not None else [max(caps)]:
+        chosen = [g for g in gains if -g[1] <= max_steps]
+        tokens = float(b)
+        active_per_step = [0] * (max_steps + 1)  # active_per_step[s]: draft-model sequences drafting >= s tokens
+        for n, (gain, neg_j, i) in enumerate(chosen, start=1):
+            tokens += gain
+            if uses_draft_model is None or uses_draft_model[i]:
+                active_per_step[-neg_j] += 1
+            seconds = target_seconds(b + n)
+            if draft_seconds is not None:
+                seconds += sum(draft_seconds(a) for a in active_per_step[1:] if a)
+            if tokens / seconds > best_rate:
+                best_rate, best = tokens / seconds, chosen[:n]
+    ks = [0] * b
+    for _, _, i in best:
+        ks[i] += 1
+    return ks

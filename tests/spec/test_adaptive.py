@@ -1,6 +1,6 @@
 import pytest
 
-from spec.adaptive import AdaptiveDraftLength
+from spec.adaptive import AdaptiveDraftLength, allocate_drafts
 
 
 def _run(controller: AdaptiveDraftLength, accepts: bool, num_steps: int, batch_size: int = 1) -> list[int]:
@@ -108,3 +108,97 @@ def test_batch_costs_stop_drafting_when_the_batch_makes_it_expensive():
     assert controller.next_k(batch_size=1) == 2
     assert controller.next_k(batch_size=4) == 0
     assert controller.cost(2, batch_size=9) == pytest.approx(2 * 0.45 + 2.9)  # past the table: its last row
+
+
+# ---------------------------------------------------------------- batch-level allocation
+
+def _tiled(rows: int) -> float:
+    """Like torch's packed int8 GEMV on this CPU: rows go in tiles of 4, each a pass over the weights."""
+    return 1.0 + ((rows + 3) // 4 - 1) * 0.95
+
+
+def _brute_force(rates, caps, target, draft=None):
+    """Best expected tokens per second over every k vector (small cases only)."""
+    import itertools
+
+    best, best_rate = [0] * len(caps), len(caps) / target(len(caps))
+    for ks in itertools.product(*(range(c + 1) for c in caps)):
+        tokens = sum(sum(r ** j for j in range(k + 1)) for r, k in zip(rates, ks))
+        seconds = target(len(caps) + sum(ks))
+        if draft is not None:
+            seconds += sum(draft(sum(k >= s for k in ks)) for s in range(1, max(ks, default=0) + 1) if any(k >= s for k in ks))
+        if tokens / seconds > best_rate + 1e-12:
+            best, best_rate = list(ks), tokens / seconds
+    return best, best_rate
+
+
+def _rate(rates, ks, target, draft=None):
+    tokens = sum(sum(r ** j for j in range(k + 1)) for r, k in zip(rates, ks))
+    seconds = target(len(ks) + sum(ks))
+    if draft is not None:
+        seconds += sum(draft(sum(k >= s for k in ks)) for s in range(1, max(ks, default=0) + 1) if any(k >= s for k in ks))
+    return tokens / seconds
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_allocate_drafts_is_optimal_without_a_draft_model(seed):
+    """Free proposals (n-gram): the scan over n finds the best of all k vectors (checked by enumeration)."""
+    import random
+
+    rng = random.Random(seed)
+    b = rng.randint(1, 4)
+    rates = [rng.choice([0.0, 0.1, 0.5, 0.8, 0.95, 1.0, rng.random()]) for _ in range(b)]
+    caps = [rng.randint(0, 4) for _ in range(b)]
+    ks = allocate_drafts(rates, caps, _tiled)
+    assert all(0 <= k <= c for k, c in zip(ks, caps))
+    _, best_rate = _brute_force(rates, caps, _tiled)
+    assert _rate(rates, ks, _tiled) == pytest.approx(best_rate)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_allocate_drafts_with_a_draft_model_is_near_the_best(seed):
+    """With draft steps priced per active sequence the scan is a heuristic: within 3% of the best here."""
+    import random
+
+    rng = random.Random(seed)
+    b = rng.randint(1, 3)
+    rates = [rng.choice([0.3, 0.6, 0.8, 0.9, rng.random()]) for _ in range(b)]
+    caps = [rng.randint(0, 4) for _ in range(b)]
+    draft = lambda rows: 0.25 + 0.02 * rows  # noqa: E731
+    ks = allocate_drafts(rates, caps, _tiled, draft)
+    _, best_rate = _brute_force(rates, caps, _tiled, draft)
+    assert _rate(rates, ks, _tiled, draft) >= 0.97 * best_rate
+
+
+def test_allocate_drafts_uses_free_rows_and_refuses_a_new_tile():
+    # 3 sequences: the 4th row of the tile is free, so even a 20% draft is worth it (1.2 > 1 token for nothing).
+    assert sum(allocate_drafts([0.2, 0.2, 0.2], [4, 4, 4], _tiled)) == 1
+    # 8 sequences fill two tiles: one more row costs a third pass (+47%); 4 drafts at 0.9 are worth
+    # 3.6 tokens on top of 8 (+45%) -- not enough; at 1.0 they are (4 drafts +50%, all 8: +100% for +97%).
+    assert allocate_drafts([0.9] * 8, [1] * 8, _tiled) == [0] * 8
+    assert allocate_drafts([1.0] * 8, [1] * 8, _tiled) == [1] * 8
+    # Nothing to draft: all zeros.
+    assert allocate_drafts([0.9, 0.9], [0, 0], _tiled) == [0, 0]
+    assert allocate_drafts([], [], _tiled) == []
+
+
+def test_allocate_drafts_prices_only_draft_model_sequences_for_draft_steps():
+    draft = lambda rows: 0.6  # noqa: E731  an expensive draft step
+    # One sequence at 0.5 acceptance: a 0.6 draft step is not worth 0.5 of a token...
+    assert allocate_drafts([0.5], [3], _tiled, draft, [True]) == [0]
+    # ...but the same proposal from n-gram (free) is: 4 rows cost what 1 does.
+    assert allocate_drafts([0.5], [3], _tiled, draft, [False]) == [3]
+
+
+def test_offer_pauses_at_low_acceptance_and_probes():
+    c = AdaptiveDraftLength(max_k=4, ema=1.0, min_accept_rate=0.3, probe_every=4, initial_accept_rate=0.8)
+    assert c.offer() == (4, pytest.approx(0.8))
+    c.update(4, 0)  # alpha -> 0
+    offers = []
+    for _ in range(8):
+        cap, rate = c.offer()
+        offers.append(cap)
+        c.allocated(cap)  # pretend the batch takes all it is offered
+        if cap:
+            c.update(cap, 0)
+    assert offers == [0, 0, 0, 4, 0, 0, 0, 4]  # a probe every 4th step, at the initial rate
