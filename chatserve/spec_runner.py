@@ -22,7 +22,7 @@ from chatserve.request import Request
 from chatserve.sampler import Sampler
 from chatserve.spec_costs import NGRAM_STEP_COST, measure_spec_costs
 from chatserve.scheduler import ScheduledSeq
-from spec.adaptive import AdaptiveDraftLength, allocate_drafts
+from spec.adaptive import AcceptanceEMA, AdaptiveDraftLength, allocate_drafts
 from spec.ngram import NgramProposer
 from spec.sampling import exponential_noise, sample_from_probs
 from spec.stats import SpecStats
@@ -40,6 +40,10 @@ class SpecRunner:
         self.draft_seconds = 0.0
         self.costs = None
         self._ngram_drafts: dict[str, list[int]] = {}  # request id -> the n-gram proposal plan() made
+        # Acceptance over all requests, per method: the prior of a new request's estimate and of
+        # its probes. (n-gram drafts on chat are mostly rejected; a fixed optimistic prior made
+        # every new or probing request pay for drafts at batch sizes where only likely ones pay.)
+        self.method_accept_rate = {"draft": AcceptanceEMA(ema=0.05, prior=0.8), "ngram": AcceptanceEMA(ema=0.05, prior=0.5)}
         if config.adaptive:
             self.costs = measure_spec_costs(models, config.num_draft_tokens, max_num_seqs, self.has_draft_model)
 
@@ -66,7 +70,8 @@ class SpecRunner:
             req.spec_controller = AdaptiveDraftLength(self.config.num_draft_tokens, draft_step_cost=draft_cost)
             return
         # The controller keeps this request's acceptance estimate; plan() prices the batch.
-        req.spec_controller = AdaptiveDraftLength(self.config.num_draft_tokens)
+        prior = self.method_accept_rate[method].rate
+        req.spec_controller = AdaptiveDraftLength(self.config.num_draft_tokens, initial_accept_rate=prior)
 
     def plan(self, running: list[Request]) -> None:
         """Set req.num_draft_tokens (k) for every running request that will decode next step.
@@ -88,6 +93,7 @@ class SpecRunner:
             if req.spec_controller is None or req.params.num_draft_tokens is not None or self.costs is None:
                 req.num_draft_tokens = min(self._wanted_k(req, batch_size), room)
                 continue
+            req.spec_controller.initial_accept_rate = self.method_accept_rate[req.stats.spec_method].rate  # for probes
             cap, accept_rate = req.spec_controller.offer()
             cap = min(cap, room)
             if not req.use_draft_model and cap > 0:
@@ -174,5 +180,7 @@ class SpecRunner:
         for i in range(num_accepted):
             st.accepted_by_position[i] += 1
         self.stats.update(num_drafted, num_accepted)
+        if req.stats.spec_method in self.method_accept_rate:
+            self.method_accept_rate[req.stats.spec_method].update(num_drafted, num_accepted)
         if req.spec_controller is not None:
             req.spec_controller.update(num_drafted, num_accepted)

@@ -10,6 +10,31 @@ engine measures costs and reports outcomes.
 from __future__ import annotations
 
 
+class AcceptanceEMA:
+    """alpha, the probability that a draft position is accepted: accepted / attempted positions,
+    both as exponential moving averages over steps; the prior weighs one position."""
+
+    def __init__(self, ema: float, prior: float):
+        self.ema = ema
+        self._accepted = prior
+        self._attempted = 1.0
+
+    @property
+    def rate(self) -> float:
+        return self._accepted / self._attempted
+
+    def update(self, num_drafted: int, num_accepted: int) -> None:
+        """A step's outcome: the first num_accepted of num_drafted drafts were accepted."""
+        if not 0 <= num_accepted <= num_drafted:
+            raise ValueError(f"need 0 <= num_accepted <= num_drafted, got {num_accepted}, {num_drafted}")
+        if num_drafted == 0:
+            return
+        # Positions actually tested: the accepted ones plus the rejected one, if any.
+        num_attempted = num_accepted + (num_accepted < num_drafted)
+        self._accepted += self.ema * (num_accepted - self._accepted)
+        self._attempted += self.ema * (num_attempted - self._attempted)
+
+
 class AdaptiveDraftLength:
     """Picks k in [0, max_k] to maximize expected emitted tokens per unit of cost.
 
@@ -55,9 +80,7 @@ class AdaptiveDraftLength:
         # Measured (draft step cost, verify costs) per batch size (index batch_size - 1); when
         # given, they price every batch size instead of the linear per-token term.
         self.batch_costs = batch_costs
-        # alpha = accepted / attempted draft positions, both as EMAs; the prior weighs one position.
-        self._accepted_ema = initial_accept_rate
-        self._attempted_ema = 1.0
+        self._alpha = AcceptanceEMA(ema, initial_accept_rate)
         self._num_steps_at_zero = 0
 
     def set_costs(
@@ -78,7 +101,7 @@ class AdaptiveDraftLength:
     @property
     def accept_rate(self) -> float:
         """Current estimate of alpha, the probability that a draft position is accepted."""
-        return self._accepted_ema / self._attempted_ema
+        return self._alpha.rate
 
     def next_k(self, batch_size: int = 1) -> int:
         """k for this request's next step; call once per step."""
@@ -110,14 +133,7 @@ class AdaptiveDraftLength:
 
     def update(self, num_drafted: int, num_accepted: int) -> None:
         """Record a step's outcome: the first num_accepted of num_drafted drafts were accepted."""
-        if not 0 <= num_accepted <= num_drafted:
-            raise ValueError(f"need 0 <= num_accepted <= num_drafted, got {num_accepted}, {num_drafted}")
-        if num_drafted == 0:
-            return
-        # Positions actually tested: the accepted ones plus the rejected one, if any.
-        num_attempted = num_accepted + (num_accepted < num_drafted)
-        self._accepted_ema += self.ema * (num_accepted - self._accepted_ema)
-        self._attempted_ema += self.ema * (num_attempted - self._attempted_ema)
+        self._alpha.update(num_drafted, num_accepted)
 
     def expected_tokens(self, k: int, accept_rate: float | None = None) -> float:
         """Mean tokens emitted by a step with k drafts: (1 - alpha^(k+1)) / (1 - alpha)."""
