@@ -3,17 +3,23 @@ thread). Qwen 1.5B, int8, 2 threads, 3 code prompts x 32 tokens, spec off; print
 
     python benchmarks/thread_probe.py            # and with OMP_WAIT_POLICY=PASSIVE
 """
-import sys, json, time, threading, torch
-sys.path.insert(0, "/work/main")
+import json
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 torch.set_num_threads(2)
-from chatserve.config import EngineConfig
-from chatserve.engine import Engine
-from chatserve.sampling_params import SamplingParams
-P = json.load(open("/work/main/chatserve/data/prompts.json"))["code"][:3]
+from chatserve.config import EngineConfig  # noqa: E402
+from chatserve.engine import Engine  # noqa: E402
+from chatserve.sampling_params import SamplingParams  # noqa: E402
+P = json.loads((ROOT / "chatserve/data/prompts.json").read_text())["code"][:3]
 engine = Engine(EngineConfig(model="qwen2.5-coder-1.5b-instruct", dtype="bfloat16", quantization="int8", kv_cache_memory=1 << 30, max_num_seqs=8))
 tok = engine.tokenizer
 params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
-out = {}
 def direct(tag):
     t = []
     for p in P:
