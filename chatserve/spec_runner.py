@@ -93,8 +93,7 @@ class SpecRunner:
             if req.spec_controller is None or req.params.num_draft_tokens is not None or self.costs is None:
                 req.num_draft_tokens = min(self._wanted_k(req, batch_size), room)
                 continue
-            req.spec_controller.initial_accept_rate = self.method_accept_rate[req.stats.spec_method].rate  # for probes
-            cap, accept_rate = req.spec_controller.offer()
+            cap, accept_rate = req.spec_controller.offer(probe_accept_rate=self.method_accept_rate[req.stats.spec_method].rate)
             cap = min(cap, room)
             if not req.use_draft_model and cap > 0:
                 tokens = self.ngram.propose_one(req.token_ids, cap)

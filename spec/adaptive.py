@@ -116,13 +116,14 @@ class AdaptiveDraftLength:
         self._num_steps_at_zero = 0
         return self._best_k(self.initial_accept_rate, batch_size)
 
-    def offer(self) -> tuple[int, float]:
+    def offer(self, probe_accept_rate: float | None = None) -> tuple[int, float]:
         """For a batch-level choice (allocate_drafts): (the most drafts this request may take
         this step, the acceptance rate to price them at). (0, alpha) while alpha is below
-        min_accept_rate; once probe_every steps in a row got no drafts, max_k at the initial
-        rate, so that a stale estimate can recover. Report the outcome with allocated(k)."""
+        min_accept_rate; once probe_every steps in a row got no drafts, max_k at
+        probe_accept_rate (default: the initial rate), so that a stale estimate can recover.
+        Report the outcome with allocated(k)."""
         if self._num_steps_at_zero + 1 >= self.probe_every:
-            return self.max_k, self.initial_accept_rate
+            return self.max_k, self.initial_accept_rate if probe_accept_rate is None else probe_accept_rate
         if self.accept_rate < self.min_accept_rate:
             return 0, self.accept_rate
         return self.max_k, self.accept_rate
