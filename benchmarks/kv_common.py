@@ -14,7 +14,7 @@ from chatserve.block_manager import BlockManager  # noqa: E402
 from chatserve.config import EngineConfig, SpecConfig  # noqa: E402
 from chatserve.engine import Engine  # noqa: E402
 from chatserve.kv_cache import plan_num_blocks  # noqa: E402
-from chatserve.kv_smooth import calibration_ids, smoothed_kv_cache, wants_smoothing  # noqa: E402
+from chatserve.kv_smooth import smoothed_kv_caches  # noqa: E402
 from chatserve.loading import DTYPES, LoadedModels, cache_shape  # noqa: E402
 from chatserve.model_runner import ModelRunner  # noqa: E402
 
@@ -34,9 +34,9 @@ def engine_with_kv(models: LoadedModels, config: EngineConfig, kv_format: str, b
     if use_draft:
         shapes.append(cache_shape(models.draft, dtype, draft_kv_format or kv_format))
     num_blocks = plan_num_blocks(budget_bytes, shapes, config.block_size)
-    calib = calibration_ids(models.tokenizer) if any(wants_smoothing(s, smooth_keys) for s in shapes) else []
-    runners = [ModelRunner(m, smoothed_kv_cache(m, s, num_blocks, config.block_size, smooth_keys, calib))
-               for m, s in zip((models.target, models.draft), shapes)]
+    caches = smoothed_kv_caches((models.target, models.draft), shapes, num_blocks, config.block_size, smooth_keys,
+                                models.tokenizer)
+    runners = [ModelRunner(m, cache) for m, cache in zip((models.target, models.draft), caches)]
     fresh = dataclasses.replace(
         models,
         target_runner=runners[0],

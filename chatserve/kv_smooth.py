@@ -77,3 +77,11 @@ def smoothed_kv_cache(model, shape: CacheShape, num_blocks: int, block_size: int
     if wants_smoothing(shape, smooth_keys):
         cache.set_key_means(key_means(model, token_ids, shape.dtype))
     return cache
+
+
+def smoothed_kv_caches(models, shapes: list[CacheShape], num_blocks: int, block_size: int, smooth_keys: bool,
+                       tokenizer) -> list[KVCache]:
+    """smoothed_kv_cache for each (model, shape) pair (the target's, then the draft's); the
+    calibration text is tokenized only when some cache smooths."""
+    calib = calibration_ids(tokenizer) if any(wants_smoothing(s, smooth_keys) for s in shapes) else []
+    return [smoothed_kv_cache(m, s, num_blocks, block_size, smooth_keys, calib) for m, s in zip(models, shapes)]

@@ -11,7 +11,7 @@ import torch
 from chatserve.block_manager import BlockManager
 from chatserve.config import EngineConfig
 from chatserve.kv_cache import CacheShape, available_memory_bytes, plan_num_blocks
-from chatserve.kv_smooth import calibration_ids, smoothed_kv_cache, wants_smoothing
+from chatserve.kv_smooth import smoothed_kv_caches
 from chatserve.model_runner import ModelRunner
 from chatserve.models.llama import DecoderLM
 from chatserve.models.loader import load_model
@@ -71,9 +71,8 @@ def load_models(config: EngineConfig) -> LoadedModels:
         raise ValueError(f"kv_cache_memory: room for only {num_blocks} KV blocks; give the pool more memory")
     bm = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
     # K smoothing for quantized caches: calibrated here, once per model (chatserve/kv_smooth.py).
-    calib = calibration_ids(tokenizer) if any(wants_smoothing(s, config.kv_smooth_keys) for s in shapes) else []
-    caches = [smoothed_kv_cache(m, s, num_blocks, config.block_size, config.kv_smooth_keys, calib)
-              for m, s in zip((target, draft), shapes)]
+    caches = smoothed_kv_caches((target, draft), shapes, num_blocks, config.block_size, config.kv_smooth_keys,
+                                tokenizer)
     target_runner = ModelRunner(target, caches[0])
     draft_runner = ModelRunner(draft, caches[1]) if draft else None
     vocab = target_cfg.vocab_size
