@@ -26,7 +26,7 @@ from chatserve.config import EngineConfig  # noqa: E402
 from chatserve.engine import Engine  # noqa: E402
 from chatserve.sampling_params import SamplingParams  # noqa: E402
 from chatserve.spec_costs import SpecCosts, measure_spec_costs  # noqa: E402
-from spec.adaptive import AdaptiveDraftLength  # noqa: E402
+from spec.adaptive import AcceptanceEMA, AdaptiveDraftLength, allocate_drafts  # noqa: E402
 from spec.ngram import NgramProposer  # noqa: E402
 
 PROMPTS = json.loads((Path(__file__).resolve().parent.parent / "chatserve/data/prompts.json").read_text())
@@ -34,21 +34,36 @@ MAX_K = 15
 
 
 class Controlled:
-    """What the engine does: k from one acceptance EMA and the cost table, then propose <= k."""
+    """What the engine does (SpecRunner.plan at batch 1): the request offers its acceptance
+    estimate, the proposal is made with that cap, allocate_drafts prices it with the measured
+    costs. `engine_wide` plays the engine's per-method estimate (the prior of new requests and
+    probes), shared by the prompts of one replay."""
 
-    def __init__(self, costs: SpecCosts, max_k: int, min_n: int):
-        self.ctl = AdaptiveDraftLength(max_k, batch_costs=costs.table(1, max_k, False))
+    def __init__(self, costs: SpecCosts, max_k: int, min_n: int, engine_wide: AcceptanceEMA):
+        self.costs, self.engine_wide = costs, engine_wide
+        self.ctl = AdaptiveDraftLength(max_k, initial_accept_rate=engine_wide.rate)
         self.proposer = NgramProposer(min_n, 4, max_k)
 
     def propose(self, context: list[int]) -> list[int]:
-        return self.proposer.propose_one(context, self.ctl.next_k(1))
+        cap, accept_rate = self.ctl.offer(probe_accept_rate=self.engine_wide.rate)
+        tokens = self.proposer.propose_one(context, cap)
+        k = allocate_drafts([accept_rate], [len(tokens)], self.costs.target)[0] if tokens else 0
+        self.ctl.allocated(k)
+        return tokens[:k]
 
     def update(self, num_drafted: int, num_accepted: int) -> None:
         if num_drafted:
             self.ctl.update(num_drafted, num_accepted)
+            self.engine_wide.update(num_drafted, num_accepted)
 
 
-class PerMatchLength(Controlled):
+def controlled(costs: SpecCosts, max_k: int, min_n: int):
+    """A make_policy for replay(): Controlled requests sharing one engine-wide estimate (n-gram prior 0.5)."""
+    engine_wide = AcceptanceEMA(ema=0.05, prior=0.5)
+    return lambda: Controlled(costs, max_k, min_n, engine_wide)
+
+
+class PerMatchLength:
     """Propose first, then pick k with an acceptance estimate kept per matched n-gram length."""
 
     def __init__(self, costs: SpecCosts, max_k: int, min_n: int):
@@ -122,7 +137,7 @@ def main() -> None:
     verify_cost = lambda k: verify[k] if k else 1.0  # noqa: E731
     print(f"{args.model}, {args.workload} x {len(prompts)}, {sum(map(len, replies))} reply tokens")
     print("verify cost of k drafts (plain steps):", [round(c, 2) for c in verify])
-    policies = {f"controller k<={k} min_n={n}": (lambda k=k, n=n: Controlled(costs, k, n)) for k in (4, 7) for n in (1, 2)}
+    policies = {f"controller k<={k} min_n={n}": controlled(costs, k, n) for k in (4, 7) for n in (1, 2)}
     policies |= {f"per-match-length k<={k}": (lambda k=k: PerMatchLength(costs, k, 1)) for k in (4, 7, 15)}
     report = {"model": args.model, "workload": args.workload, "reply_tokens": [len(r) for r in replies],
               "verify_costs": verify, "tokens_per_cost": {}, "per_prompt": {}}
@@ -132,7 +147,7 @@ def main() -> None:
     report["tokens_per_cost"]["oracle (free verification)"] = rate = replay(lambda: Oracle(costs), prompts, replies, verify_cost, free=True)
     print(f"  {'oracle (free verification)':28s} {rate:.3f}")
     for i, (p, r) in enumerate(zip(prompts, replies)):
-        report["per_prompt"][i] = rate = replay(lambda: Controlled(costs, 4, 1), [p], [r], verify_cost)
+        report["per_prompt"][i] = rate = replay(controlled(costs, 4, 1), [p], [r], verify_cost)
         print(f"  prompt {i}: {len(r)} tokens, controller {rate:.2f}")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
