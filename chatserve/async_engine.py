@@ -2,7 +2,9 @@
 
 The event loop never runs model work and the engine thread never touches a socket: the
 loop sends commands through a thread-safe inbox, the thread answers with
-loop.call_soon_threadsafe(queue.put_nowait, delta).
+loop.call_soon_threadsafe(queue.put_nowait, delta). Before the thread starts, the constructing
+thread (which loaded the model) gives up its OpenMP team, so the engine thread's parallel ops
+are not throttled (chatserve/openmp.py).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import uuid
 from typing import AsyncIterator
 
 from chatserve.engine import Engine
+from chatserve.openmp import release_thread_team
 from chatserve.sampling_params import Delta, SamplingParams
 
 
@@ -29,6 +32,7 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._stopped = False
         self._stats: dict = engine.pool_stats() | self._spec_stats()
+        self.released_openmp_team = release_thread_team()
         self._thread = threading.Thread(target=self._run, name="chatserve-engine", daemon=True)
         self._thread.start()
 
