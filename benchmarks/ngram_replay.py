@@ -67,8 +67,8 @@ class PerMatchLength:
     """Propose first, then pick k with an acceptance estimate kept per matched n-gram length."""
 
     def __init__(self, costs: SpecCosts, max_k: int, min_n: int):
-        self.ctls = {n: AdaptiveDraftLength(max_k, batch_costs=costs.table(1, max_k, False), initial_accept_rate=0.5)
-                     for n in range(min_n, 5)}
+        self.costs = costs
+        self.ctls = {n: AdaptiveDraftLength(max_k, initial_accept_rate=0.5) for n in range(min_n, 5)}
         self.proposers = {n: NgramProposer(n, n, max_k) for n in self.ctls}
         self.max_k, self.last_n = max_k, None
 
@@ -77,7 +77,10 @@ class PerMatchLength:
             tokens = self.proposers[n].propose_one(context, self.max_k)
             if tokens:
                 self.last_n = n
-                return tokens[: self.ctls[n].next_k(1)]
+                cap, accept_rate = self.ctls[n].offer()
+                k = allocate_drafts([accept_rate], [min(cap, len(tokens))], self.costs.target)[0]
+                self.ctls[n].allocated(k)
+                return tokens[:k]
         return []
 
     def update(self, num_drafted: int, num_accepted: int) -> None:
@@ -133,7 +136,7 @@ def main() -> None:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     replies = [engine.generate([p], params)[0]["token_ids"] for p in prompts]
     costs = measure_spec_costs(engine.models, MAX_K, 1, False, reps=3)
-    verify = costs.batch_costs(1, MAX_K, False)[1]
+    verify = [costs.target(k + 1) / costs.target(1) for k in range(MAX_K + 1)]
     verify_cost = lambda k: verify[k] if k else 1.0  # noqa: E731
     print(f"{args.model}, {args.workload} x {len(prompts)}, {sum(map(len, replies))} reply tokens")
     print("verify cost of k drafts (plain steps):", [round(c, 2) for c in verify])

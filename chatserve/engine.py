@@ -119,7 +119,7 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> list[Delta]:
         if self.spec:
-            self.spec.plan(self.scheduler.running)
+            self.spec.plan(self.scheduler.running, self.scheduler.prefill_tokens_next_step())
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return []

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
+from itertools import islice
 
 from chatserve.block_manager import BlockManager
 from chatserve.request import Request, Status
@@ -75,6 +76,16 @@ class Scheduler:
             scheduled.append(ScheduledSeq(req, n, 0))
             budget -= n
         return scheduled
+
+    def prefill_tokens_next_step(self) -> int:
+        """About how many prompt tokens the next schedule() feeds next to the decodes: running
+        prefill chunks, then waiting requests while sequence slots last (prefix-cache hits not
+        subtracted), within the token budget. Speculation prices drafts by it (SpecRunner.plan)."""
+        num_decodes = sum(1 for r in self.running if not r.is_prefilling)
+        pending = sum(len(r.token_ids) - r.num_computed_tokens for r in self.running if r.is_prefilling)
+        free_slots = max(self.max_num_seqs - len(self.running), 0)
+        pending += sum(len(r.token_ids) - r.num_computed_tokens for r in islice(self.waiting, free_slots))
+        return min(pending, max(self.max_num_batched_tokens - num_decodes, 0))
 
     def _allocate_or_preempt(self, req: Request, num_tokens: int, scheduled: list[ScheduledSeq]) -> bool:
         """Grow req's table to num_tokens, preempting the youngest running requests if needed.

@@ -1,16 +1,17 @@
 """Measure what speculation costs on this machine, once, when speculation is set up.
 
-The adaptive draft length (spec/adaptive.py) prices a step with k drafts in units of one plain
-decode step *at the current batch size*: k draft forwards over the batch plus one target
-forward over batch * (k + 1) rows, against one target forward over batch rows. None of these
-is a constant: with int8 weights on this CPU 4 rows cost about what 1 row does and 5 rows about
-twice that, and at 4 sequences a 4-draft verification is 20 rows where plain decoding is 4. So
-we time target forwards over a grid of row counts (and the draft's) once, in scratch blocks
-taken from the pool and given back, and interpolate in between.
+allocate_drafts (spec/adaptive.py) prices a step by its forwards: one target forward over
+batch + drafts rows, and with a draft model one draft forward per draft position over the
+sequences still drafting. None of these is a constant: with int8 weights on this CPU 4 rows
+cost about what 1 row does and 5 rows about twice that, and at 4 sequences a 4-draft
+verification is 20 rows where plain decoding is 4. So we time target forwards over a grid of
+row counts (and the draft's) once, in scratch blocks taken from the pool and given back, and
+look up in between. When the pool cannot spare the blocks, assumed_spec_costs stands in.
 """
 
 from __future__ import annotations
 
+import bisect
 import time
 from dataclasses import dataclass
 
@@ -21,7 +22,12 @@ from chatserve.block_manager import BlockTable
 
 CONTEXT = 48  # tokens already in the cache when the timed rows arrive: a short chat
 MAX_ROWS = 64  # beyond this, cost is extrapolated in proportion to rows
-NGRAM_STEP_COST = 0.02  # a prompt lookup in Python next to a forward: nearly free
+# Assumed when nothing can be measured, in units of a one-row target forward: each extra row
+# adds 5% (the weights are read once per forward), a draft forward costs 35% (a 0.5B draft
+# next to a 1.5B target) plus 1% per row.
+ASSUMED_ROW_COST = 0.05
+ASSUMED_DRAFT_COST = 0.35
+ASSUMED_DRAFT_ROW_COST = 0.01
 
 
 @dataclass(frozen=True)
@@ -29,36 +35,38 @@ class SpecCosts:
     target_seconds: dict[int, float]  # rows -> one target forward over that many rows
     draft_seconds: dict[int, float]  # rows -> one draft forward; empty without a draft model
 
+    def __post_init__(self):  # the row counts in order, once (allocate_drafts looks up ~100 a step)
+        object.__setattr__(self, "_target_rows", sorted(self.target_seconds))
+        object.__setattr__(self, "_draft_rows", sorted(self.draft_seconds))
+
     def target(self, rows: int) -> float:
-        """Seconds of one target forward over `rows` rows (interpolated)."""
-        return _interpolate(self.target_seconds, rows)
+        """Seconds of one target forward over `rows` rows (looked up)."""
+        return _lookup(self.target_seconds, self._target_rows, rows)
+
+    def step_target(self, num_decodes: int, prefill_rows: int = 0):
+        """rows -> seconds, as allocate_drafts should price a step that also feeds prefill_rows
+        prompt tokens: a decode-only step's time for the decodes (the rate drafts must beat is
+        what those sequences get without drafts), plus what rows past them add next to the
+        prompt chunk. That chunk makes the forward compute-bound, with no int8 tile steps: on
+        Qwen 1.5B, 4 -> 5 rows alone cost +48 ms, next to 200 prompt rows ~+4 ms."""
+        if not prefill_rows:
+            return self.target
+        plain = self.target(num_decodes) - self.target(prefill_rows + num_decodes)
+        return lambda rows: plain + self.target(prefill_rows + rows)
 
     def draft(self, rows: int) -> float:
-        """Seconds of one draft forward over `rows` rows (interpolated); 0 without a draft model."""
-        return _interpolate(self.draft_seconds, rows) if self.draft_seconds else 0.0
-
-    def batch_costs(self, batch_size: int, max_k: int, use_draft_model: bool) -> tuple[float, list[float]]:
-        """(draft step cost, [verify cost for k = 0..max_k]) in plain steps at batch_size."""
-        plain = _interpolate(self.target_seconds, batch_size)
-        verify = [_interpolate(self.target_seconds, batch_size * (k + 1)) / plain for k in range(max_k + 1)]
-        if use_draft_model and self.draft_seconds:
-            return _interpolate(self.draft_seconds, batch_size) / plain, verify
-        return NGRAM_STEP_COST, verify
-
-    def table(self, max_batch: int, max_k: int, use_draft_model: bool) -> list[tuple[float, list[float]]]:
-        """batch_costs for batch sizes 1..max_batch (index batch_size - 1)."""
-        return [self.batch_costs(b, max_k, use_draft_model) for b in range(1, max_batch + 1)]
+        """Seconds of one draft forward over `rows` rows (looked up); 0 without a draft model."""
+        return _lookup(self.draft_seconds, self._draft_rows, rows) if self.draft_seconds else 0.0
 
 
-def _interpolate(seconds: dict[int, float], rows: int) -> float:
-    """The time of the nearest measured row count at or above `rows`; proportional to rows past
-    the largest. Rounding up, not a line between points: kernels cost in steps (int8 GEMV
-    tiles rows in fours, so 9 rows cost what 12 do, not a quarter of the way from 8 to 12), and
-    the grid below has a point at the top of each step up to 32 rows."""
-    points = sorted(seconds)
+def _lookup(seconds: dict[int, float], points: list[int], rows: int) -> float:
+    """The time of the nearest measured row count at or above `rows` (points: the sorted keys);
+    proportional to rows past the largest. Rounding up, not a line between points: kernels cost
+    in steps (int8 GEMV tiles rows in fours, so 9 rows cost what 12 do, not a quarter of the way
+    from 8 to 12), and the grid below has a point at the top of each step up to 32 rows."""
     if rows > points[-1]:
         return seconds[points[-1]] * rows / points[-1]
-    return seconds[next(p for p in points if p >= rows)]
+    return seconds[points[bisect.bisect_left(points, rows)]]
 
 
 def row_grid(max_rows: int, max_k: int) -> list[int]:
@@ -68,11 +76,19 @@ def row_grid(max_rows: int, max_k: int) -> list[int]:
     return sorted(r for r in grid if r <= max(max_rows, 1))
 
 
+def assumed_spec_costs(max_rows: int, use_draft_model: bool) -> SpecCosts:
+    """A linear model (the ASSUMED_* constants) on every row count up to max_rows."""
+    rows = range(1, max(max_rows, 1) + 1)
+    target = {r: 1.0 + ASSUMED_ROW_COST * (r - 1) for r in rows}
+    draft = {r: ASSUMED_DRAFT_COST + ASSUMED_DRAFT_ROW_COST * (r - 1) for r in rows} if use_draft_model else {}
+    return SpecCosts(target, draft)
+
+
 @torch.inference_mode()
 def measure_spec_costs(models, max_k: int, max_num_seqs: int, use_draft_model: bool,
                        reps: int = 2) -> SpecCosts | None:
-    """None when the pool cannot spare the scratch blocks (then defaults apply). Without a
-    draft model (n-gram proposals) only the target is timed."""
+    """None when the pool cannot spare the scratch blocks (then assumed_spec_costs apply).
+    Without a draft model (n-gram proposals) only the target is timed."""
     max_rows = min(MAX_ROWS, max_num_seqs * (max_k + 1))
     bm = models.block_manager
     table = BlockTable()

@@ -20,7 +20,7 @@ from chatserve.batch import BatchItem
 from chatserve.config import SpecConfig
 from chatserve.request import Request
 from chatserve.sampler import Sampler
-from chatserve.spec_costs import NGRAM_STEP_COST, measure_spec_costs
+from chatserve.spec_costs import MAX_ROWS, assumed_spec_costs, measure_spec_costs
 from chatserve.scheduler import ScheduledSeq
 from spec.adaptive import AcceptanceEMA, AdaptiveDraftLength, allocate_drafts
 from spec.ngram import NgramProposer
@@ -46,6 +46,8 @@ class SpecRunner:
         self.method_accept_rate = {"draft": AcceptanceEMA(ema=0.05, prior=0.8), "ngram": AcceptanceEMA(ema=0.05, prior=0.5)}
         if config.adaptive:
             self.costs = measure_spec_costs(models, config.num_draft_tokens, max_num_seqs, self.has_draft_model)
+            if self.costs is None:  # no scratch room in the pool: a linear model instead
+                self.costs = assumed_spec_costs(MAX_ROWS, self.has_draft_model)
 
     @classmethod
     def create(cls, config: SpecConfig, models, max_num_seqs: int = 16) -> "SpecRunner":
@@ -65,23 +67,23 @@ class SpecRunner:
         req.use_draft_model = method == "draft" and req.params.num_draft_tokens != 0
         if not self.config.adaptive:
             return
-        if self.costs is None:  # no scratch room to measure: the controller's linear model
-            draft_cost = 0.35 if req.use_draft_model else NGRAM_STEP_COST
-            req.spec_controller = AdaptiveDraftLength(self.config.num_draft_tokens, draft_step_cost=draft_cost)
-            return
         # The controller keeps this request's acceptance estimate; plan() prices the batch.
         prior = self.method_accept_rate[method].rate
         req.spec_controller = AdaptiveDraftLength(self.config.num_draft_tokens, initial_accept_rate=prior)
 
-    def plan(self, running: list[Request]) -> None:
+    def plan(self, running: list[Request], prefill_rows: int = 0) -> None:
         """Set req.num_draft_tokens (k) for every running request that will decode next step.
 
-        With measured costs, the adaptive requests' k are chosen together (allocate_drafts):
-        each offers its acceptance estimate and a cap (an n-gram request: the proposal it
-        actually has, made here since lookup is free), and the batch gets the drafts that
-        maximize expected tokens per second of the whole step."""
+        The adaptive requests' k are chosen together (allocate_drafts): each offers its
+        acceptance estimate and a cap (an n-gram request: the proposal it actually has, made
+        here since lookup is free), and the batch gets the drafts that maximize expected tokens
+        per second of the whole step. A request that fixed num_draft_tokens, or any request
+        when adaptive speculation is off, drafts its fixed k.
+
+        prefill_rows (prompt tokens this step also feeds the target) change what draft rows
+        cost: the rows past them, not past the decodes alone (SpecCosts.step_target).
+        """
         self._ngram_drafts = {}
-        batch_size = len(running)
         offers: list[tuple[Request, int, float]] = []
         for req in running:
             req.num_draft_tokens = 0
@@ -90,8 +92,10 @@ class SpecRunner:
             # Never overshoot max_tokens or the context: k drafts emit up to k + 1 tokens.
             room = max(min(req.params.max_tokens - req.num_output_tokens - 1,
                            self.models.max_model_len - len(req.token_ids) - 1), 0)
-            if req.spec_controller is None or req.params.num_draft_tokens is not None or self.costs is None:
-                req.num_draft_tokens = min(self._wanted_k(req, batch_size), room)
+            if req.spec_controller is None or req.params.num_draft_tokens is not None:
+                asked = req.params.num_draft_tokens
+                k = self.config.num_draft_tokens if asked is None else min(asked, self.config.num_draft_tokens)
+                req.num_draft_tokens = min(k, room)
                 continue
             cap, accept_rate = req.spec_controller.offer(probe_accept_rate=self.method_accept_rate[req.stats.spec_method].rate)
             cap = min(cap, room)
@@ -102,19 +106,13 @@ class SpecRunner:
             offers.append((req, cap, accept_rate))
         if not offers:
             return
-        ks = allocate_drafts([a for _, _, a in offers], [c for _, c, _ in offers], self.costs.target,
+        target = self.costs.step_target(len(offers), prefill_rows)
+        ks = allocate_drafts([a for _, _, a in offers], [c for _, c, _ in offers], target,
                              self.costs.draft if self.has_draft_model else None,
                              [r.use_draft_model for r, _, _ in offers])
         for (req, _, _), k in zip(offers, ks):
             req.num_draft_tokens = k
             req.spec_controller.allocated(k)
-
-    def _wanted_k(self, req: Request, batch_size: int) -> int:
-        if req.params.num_draft_tokens is not None:
-            return min(req.params.num_draft_tokens, self.config.num_draft_tokens)
-        if req.spec_controller is None:
-            return self.config.num_draft_tokens
-        return req.spec_controller.next_k(batch_size)
 
     def propose(self, seqs: list[ScheduledSeq]) -> None:
         """Fill req.draft_token_ids (<= num_draft_tokens each) for the scheduled decodes."""

@@ -1,25 +1,45 @@
 """The speculation cost tables are measured in scratch blocks that go back to the pool, and
-interpolate between measured row counts."""
+round up to the next measured row count; with no room to measure, a linear model stands in."""
 
 import pytest
 
 from chatserve.block_manager import BlockTable
 from chatserve.config import EngineConfig, SpecConfig
 from chatserve.engine import Engine
-from chatserve.spec_costs import NGRAM_STEP_COST, SpecCosts, _interpolate, measure_spec_costs, row_grid
+from chatserve.spec_costs import MAX_ROWS, SpecCosts, assumed_spec_costs, measure_spec_costs, row_grid
 
 
-def test_interpolation_and_grid():
-    seconds = {1: 1.0, 4: 1.0, 8: 3.0}
-    assert _interpolate(seconds, 5) == pytest.approx(3.0)  # rounds up to the next measured count
-    assert _interpolate(seconds, 4) == pytest.approx(1.0)
-    assert _interpolate(seconds, 16) == pytest.approx(6.0)  # proportional past the grid
+def test_lookup_and_grid():
+    costs = SpecCosts({8: 3.0, 1: 1.0, 4: 1.0}, {2: 0.4, 1: 0.3})  # any key order
+    assert costs.target(5) == pytest.approx(3.0)  # rounds up to the next measured count
+    assert costs.target(4) == pytest.approx(1.0)
+    assert costs.target(3) == pytest.approx(1.0)
+    assert costs.target(16) == pytest.approx(6.0)  # proportional past the grid
+    assert costs.draft(2) == pytest.approx(0.4) and costs.draft(4) == pytest.approx(0.8)
+    assert SpecCosts({1: 1.0}, {}).draft(3) == 0.0  # no draft model
     assert row_grid(20, 4) == [1, 2, 3, 4, 5, 8, 12, 16, 20]
     assert row_grid(64, 4) == [1, 2, 3, 4, 5, 8, 12, 16, 20, 24, 28, 32, 48, 64]
-    costs = SpecCosts({1: 1.0, 2: 1.0, 4: 1.0, 5: 2.0, 8: 2.0, 10: 2.5}, {1: 0.3, 2: 0.3})
-    draft, verify = costs.batch_costs(2, 4, use_draft_model=True)
-    assert draft == pytest.approx(0.3) and verify == pytest.approx([1.0, 1.0, 2.0, 2.0, 2.5])
-    assert costs.batch_costs(1, 2, use_draft_model=False)[0] == NGRAM_STEP_COST
+
+
+def test_a_prefill_chunk_prices_draft_rows_past_it():
+    """4 decodes: a 5th row starts a new int8 tile alone (+100%), but next to 60 prompt rows it
+    adds one row of a big forward; the plain step still costs what 4 decode rows do."""
+    from spec.adaptive import allocate_drafts
+
+    costs = SpecCosts({1: 1.0, 4: 1.0, 8: 2.0, 32: 4.0, 64: 6.4}, {})
+    alone, with_prefill = costs.step_target(4), costs.step_target(4, prefill_rows=60)
+    assert alone(4) == with_prefill(4) == pytest.approx(1.0)
+    assert alone(5) == pytest.approx(2.0)
+    assert with_prefill(5) == pytest.approx(1.0 + 6.4 * 65 / 64 - 6.4)  # one row at 0.1 per row
+    assert allocate_drafts([0.5] * 4, [1] * 4, alone) == [0] * 4
+    assert allocate_drafts([0.5] * 4, [1] * 4, with_prefill) == [1] * 4
+
+
+def test_assumed_costs_are_linear():
+    costs = assumed_spec_costs(64, use_draft_model=True)
+    assert costs.target(1) == pytest.approx(1.0) and costs.target(21) == pytest.approx(2.0)
+    assert costs.draft(1) == pytest.approx(0.35) and costs.draft(11) == pytest.approx(0.45)
+    assert assumed_spec_costs(64, use_draft_model=False).draft_seconds == {}
 
 
 def test_costs_are_measured_and_the_pool_is_left_as_it_was(tiny_llama_dir, tiny_draft_dir):
@@ -33,10 +53,9 @@ def test_costs_are_measured_and_the_pool_is_left_as_it_was(tiny_llama_dir, tiny_
     assert all(t > 0 for t in costs.target_seconds.values())
     assert bm.num_free_blocks == bm.num_blocks
     bm.check_invariants()
-    table = engine.spec.costs.table(4, 4, True)
-    assert len(table) == 4 and all(len(v) == 5 and v[0] == pytest.approx(1.0) for _, v in table)
+    assert sorted(engine.spec.costs.target_seconds) == [1, 2, 3, 4, 5, 8, 12, 16, 20]  # the engine's own
     ngram = measure_spec_costs(engine.models, 2, 4, use_draft_model=False)
-    assert ngram.draft_seconds == {} and ngram.batch_costs(1, 2, False)[0] == NGRAM_STEP_COST
+    assert ngram.draft_seconds == {} and ngram.draft(4) == 0.0
 
 
 def test_a_full_pool_skips_calibration(tiny_llama_dir, tiny_draft_dir):
@@ -48,6 +67,29 @@ def test_a_full_pool_skips_calibration(tiny_llama_dir, tiny_draft_dir):
     assert measure_spec_costs(engine.models, 4, 16, use_draft_model=True) is None
     bm.free(hog)
     assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_an_engine_without_room_to_measure_drafts_on_assumed_costs(tiny_llama_dir, tiny_draft_dir):
+    """A pool too small for the scratch blocks: the engine prices drafts with the linear model,
+    and its greedy output still equals speculation off."""
+    from chatserve.sampling_params import SamplingParams
+    from tests.chatserve.test_engine import assert_pool_empty
+
+    spec = SpecConfig(method="draft", draft_model=str(tiny_draft_dir), num_draft_tokens=4)
+    engine = Engine(EngineConfig(model=str(tiny_llama_dir), kv_cache_memory=8 << 20, spec=spec, max_num_seqs=4))
+    prompt = [[3, 1, 4, 1, 5, 9, 2, 6] * 2]
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    engine.set_speculation(None)
+    off = engine.generate(prompt, params)[0]["token_ids"]
+    bm = engine.block_manager
+    hog = BlockTable()  # leaves 4 free blocks: the scratch rows (48 + 20 tokens) need 5
+    assert bm.allocate(hog, (bm.num_blocks - 4) * bm.block_size)
+    engine.set_speculation(spec)
+    bm.free(hog)
+    assert engine.spec.costs == assumed_spec_costs(MAX_ROWS, use_draft_model=True)
+    on = engine.generate(prompt, params)[0]
+    assert on["token_ids"] == off and on["stats"].num_drafted > 0
+    assert_pool_empty(engine)
 
 
 @pytest.mark.parametrize("method", ["draft", "ngram"])
