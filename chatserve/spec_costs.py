@@ -22,6 +22,10 @@ from chatserve.block_manager import BlockTable
 
 CONTEXT = 48  # tokens already in the cache when the timed rows arrive: a short chat
 MAX_ROWS = 64  # beyond this, cost is extrapolated in proportion to rows
+# A draft that has not seen a request's prompt catches up on all of it in one forward (one
+# logit row): priced from these points (Qwen 0.5B, 2 threads: 43 rows ~84 ms, 256 ~311 ms;
+# extrapolating from 16 decode rows would say 160 and 960).
+CATCH_UP_ROWS = (64, 128, 256)
 # Assumed when nothing can be measured, in units of a one-row target forward: each extra row
 # adds 5% (the weights are read once per forward), a draft forward costs 35% (a 0.5B draft
 # next to a 1.5B target) plus 1% per row.
@@ -92,11 +96,14 @@ def measure_spec_costs(models, max_k: int, max_num_seqs: int, use_draft_model: b
     max_rows = min(MAX_ROWS, max_num_seqs * (max_k + 1))
     bm = models.block_manager
     table = BlockTable()
-    if not bm.allocate(table, CONTEXT + max_rows):
-        return None
+    catch_up_rows = CATCH_UP_ROWS if use_draft_model else ()
+    if not bm.allocate(table, CONTEXT + max((max_rows, *catch_up_rows))):
+        catch_up_rows = ()  # a small pool: price catch-ups from the decode grid instead
+        if not bm.allocate(table, CONTEXT + max_rows):
+            return None
     try:
-        def best_time(runner, num_rows: int) -> float:
-            item = BatchItem([0] * num_rows, CONTEXT, table.block_ids, num_rows)
+        def best_time(runner, num_rows: int, num_logits: int | None = None) -> float:
+            item = BatchItem([0] * num_rows, CONTEXT, table.block_ids, num_logits or num_rows)
             runner.run([item])  # warm-up
             times = []
             for _ in range(reps):
@@ -109,6 +116,7 @@ def measure_spec_costs(models, max_k: int, max_num_seqs: int, use_draft_model: b
         draft = {}
         if use_draft_model:
             draft = {rows: best_time(models.draft_runner, rows) for rows in row_grid(max_num_seqs, 3)}
+            draft |= {rows: best_time(models.draft_runner, rows, num_logits=1) for rows in catch_up_rows}
     finally:
         bm.free(table)
     return SpecCosts(target, draft)

@@ -82,6 +82,11 @@ class SpecRunner:
 
         prefill_rows (prompt tokens this step also feeds the target) change what draft rows
         cost: the rows past them, not past the decodes alone (SpecCosts.step_target).
+        A draft-model request whose draft has not seen its prompt yet (new, or every earlier
+        step priced it out) must first catch up on all of it: that forward is a setup cost,
+        amortized over the steps the request may still take (_catch_up_seconds). Otherwise
+        short replies at batch sizes where drafting rarely pays would each buy a whole draft
+        prefill for one probe.
         """
         self._ngram_drafts = {}
         offers: list[tuple[Request, int, float]] = []
@@ -106,13 +111,26 @@ class SpecRunner:
             offers.append((req, cap, accept_rate))
         if not offers:
             return
+        setup = [self._catch_up_seconds(r, cap, a) for r, cap, a in offers] if self.has_draft_model else None
         target = self.costs.step_target(len(offers), prefill_rows)
         ks = allocate_drafts([a for _, _, a in offers], [c for _, c, _ in offers], target,
                              self.costs.draft if self.has_draft_model else None,
-                             [r.use_draft_model for r, _, _ in offers])
+                             [r.use_draft_model for r, _, _ in offers], setup)
         for (req, _, _), k in zip(offers, ks):
             req.num_draft_tokens = k
             req.spec_controller.allocated(k)
+
+    def _catch_up_seconds(self, req: Request, cap: int, accept_rate: float) -> float:
+        """The extra draft time of req's first drafting step (the tokens its draft has not
+        seen, past the 1-2 a caught-up draft feeds), per step it may still take: its room in
+        max_tokens over the tokens a step emits at this acceptance and cap."""
+        unseen = len(req.token_ids) - req.num_draft_computed_tokens
+        if not req.use_draft_model or unseen <= 2 or cap == 0:
+            return 0.0
+        room = max(req.params.max_tokens - req.num_output_tokens, 1)
+        tokens_per_step = sum(accept_rate ** j for j in range(cap + 1))
+        steps = max(room / tokens_per_step, 1.0)
+        return (self.costs.draft(unseen) - self.costs.draft(1)) / steps
 
     def propose(self, seqs: list[ScheduledSeq]) -> None:
         """Fill req.draft_token_ids (<= num_draft_tokens each) for the scheduled decodes."""

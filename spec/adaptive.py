@@ -98,6 +98,7 @@ def allocate_drafts(
     target_seconds,
     draft_seconds=None,
     uses_draft_model: list[bool] | None = None,
+    setup_seconds: list[float] | None = None,
 ) -> list[int]:
     """Batch-level draft lengths: k_i <= caps[i] for each decoding sequence of one step, chosen
     to maximize expected emitted tokens per second of the whole step.
@@ -114,27 +115,37 @@ def allocate_drafts(
     Unlike pricing each sequence as if every other one drafted the same k, this sees that at 3
     sequences one more row is free (int8 GEMV tiles rows in fours) while at 8 sequences a
     single extra row starts a third tile.
+    setup_seconds[i], when given, is paid once if sequence i drafts at all (a draft model
+    catching up on a prompt it has not seen, amortized by the caller); the scan is repeated
+    without the sequences that have one, so a dear setup cannot keep the others from drafting.
     Returns all zeros when no allocation beats plain decoding (b tokens for target_seconds(b)).
     """
     b = len(caps)
     if b == 0 or not any(caps):
         return [0] * b
-    # (gain, -j, i): largest gain first; equal gains keep each sequence's positions in order.
-    gains = sorted(((accept_rates[i] ** j, -j, i) for i in range(b) for j in range(1, caps[i] + 1)), reverse=True)
     best_rate, best = b / target_seconds(b), []
-    for max_steps in range(1, max(caps) + 1) if draft_seconds is not None else [max(caps)]:
-        chosen = [g for g in gains if -g[1] <= max_steps]
-        tokens = float(b)
-        active_per_step = [0] * (max_steps + 1)  # active_per_step[s]: draft-model sequences drafting >= s tokens
-        for n, (gain, neg_j, i) in enumerate(chosen, start=1):
-            tokens += gain
-            if uses_draft_model is None or uses_draft_model[i]:
-                active_per_step[-neg_j] += 1
-            seconds = target_seconds(b + n)
-            if draft_seconds is not None:
-                seconds += sum(draft_seconds(a) for a in active_per_step[1:] if a)
-            if tokens / seconds > best_rate:
-                best_rate, best = tokens / seconds, chosen[:n]
+    candidates = [caps]
+    if setup_seconds is not None and any(setup_seconds):  # also try without the sequences that need one
+        candidates.append([0 if setup_seconds[i] else c for i, c in enumerate(caps)])
+    for caps_tried in candidates:
+        # (gain, -j, i): largest gain first; equal gains keep each sequence's positions in order.
+        gains = sorted(((accept_rates[i] ** j, -j, i) for i in range(b) for j in range(1, caps_tried[i] + 1)),
+                       reverse=True)
+        for max_steps in range(1, max(caps_tried) + 1) if draft_seconds is not None else [max(caps_tried)]:
+            chosen = [g for g in gains if -g[1] <= max_steps]
+            tokens, setup = float(b), 0.0
+            active_per_step = [0] * (max_steps + 1)  # active_per_step[s]: draft-model sequences drafting >= s tokens
+            for n, (gain, neg_j, i) in enumerate(chosen, start=1):
+                tokens += gain
+                if uses_draft_model is None or uses_draft_model[i]:
+                    active_per_step[-neg_j] += 1
+                if setup_seconds is not None and neg_j == -1:
+                    setup += setup_seconds[i]
+                seconds = target_seconds(b + n) + setup
+                if draft_seconds is not None:
+                    seconds += sum(draft_seconds(a) for a in active_per_step[1:] if a)
+                if tokens / seconds > best_rate:
+                    best_rate, best = tokens / seconds, chosen[:n]
     ks = [0] * b
     for _, _, i in best:
         ks[i] += 1

@@ -103,14 +103,14 @@ def _tiled(rows: int) -> float:
     return 1.0 + ((rows + 3) // 4 - 1) * 0.95
 
 
-def _brute_force(rates, caps, target, draft=None):
+def _brute_force(rates, caps, target, draft=None, setup=None):
     """Best expected tokens per second over every k vector (small cases only)."""
     import itertools
 
     best, best_rate = [0] * len(caps), len(caps) / target(len(caps))
     for ks in itertools.product(*(range(c + 1) for c in caps)):
         tokens = sum(sum(r ** j for j in range(k + 1)) for r, k in zip(rates, ks))
-        seconds = target(len(caps) + sum(ks))
+        seconds = target(len(caps) + sum(ks)) + sum(u for u, k in zip(setup or [0] * len(ks), ks) if k)
         if draft is not None:
             seconds += sum(draft(sum(k >= s for k in ks)) for s in range(1, max(ks, default=0) + 1) if any(k >= s for k in ks))
         if tokens / seconds > best_rate + 1e-12:
@@ -118,9 +118,9 @@ def _brute_force(rates, caps, target, draft=None):
     return best, best_rate
 
 
-def _rate(rates, ks, target, draft=None):
+def _rate(rates, ks, target, draft=None, setup=None):
     tokens = sum(sum(r ** j for j in range(k + 1)) for r, k in zip(rates, ks))
-    seconds = target(len(ks) + sum(ks))
+    seconds = target(len(ks) + sum(ks)) + sum(u for u, k in zip(setup or [0] * len(ks), ks) if k)
     if draft is not None:
         seconds += sum(draft(sum(k >= s for k in ks)) for s in range(1, max(ks, default=0) + 1) if any(k >= s for k in ks))
     return tokens / seconds
@@ -174,6 +174,32 @@ def test_allocate_drafts_prices_only_draft_model_sequences_for_draft_steps():
     assert allocate_drafts([0.5], [3], _tiled, draft, [True]) == [0]
     # ...but the same proposal from n-gram (free) is: 4 rows cost what 1 does.
     assert allocate_drafts([0.5], [3], _tiled, draft, [False]) == [3]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_allocate_drafts_with_setups_is_near_the_best(seed):
+    """Some sequences must catch up first (a setup paid if they draft at all): within 3% of the best here."""
+    import random
+
+    rng = random.Random(100 + seed)
+    b = rng.randint(1, 3)
+    rates = [rng.choice([0.3, 0.6, 0.8, 0.9, rng.random()]) for _ in range(b)]
+    caps = [rng.randint(0, 4) for _ in range(b)]
+    setup = [rng.choice([0.0, 0.0, 0.2, 0.8, 2.0]) for _ in range(b)]
+    draft = lambda rows: 0.25 + 0.02 * rows  # noqa: E731
+    ks = allocate_drafts(rates, caps, _tiled, draft, setup_seconds=setup)
+    _, best_rate = _brute_force(rates, caps, _tiled, draft, setup)
+    assert _rate(rates, ks, _tiled, draft, setup) >= 0.97 * best_rate
+
+
+def test_allocate_drafts_pays_a_setup_once_per_drafting_sequence():
+    draft = lambda rows: 0.1  # noqa: E731
+    # One sequence at 0.8: 3 drafts fill the first tile, worth ~1.95 tokens for 0.3 of draft steps.
+    assert allocate_drafts([0.8], [3], _tiled, draft, [True]) == [3]
+    assert allocate_drafts([0.8], [3], _tiled, draft, [True], setup_seconds=[0.5]) == [3]  # still pays
+    assert allocate_drafts([0.8], [3], _tiled, draft, [True], setup_seconds=[2.0]) == [0]  # a catch-up too dear
+    # Two sequences, only the second must catch up: the first drafts, the second does not.
+    assert allocate_drafts([0.8, 0.8], [1, 1], _tiled, draft, [True, True], setup_seconds=[0.0, 2.0]) == [1, 0]
 
 
 def test_offer_pauses_at_low_acceptance_and_probes():
