@@ -19,7 +19,7 @@ from chatserve.server.openai_api import OpenAIRoutes, error_response
 from chatserve.server.state import AppState
 from chatserve.server.websocket import Connection
 
-WEB_DIR = Path(__file__).resolve().parents[2] / "web"
+WEB_DIR = (Path(__file__).resolve().parents[1] / "web").resolve()  # chatserve/web -> ../web, in a wheel too
 
 
 def create_app(engine, config: ServerConfig) -> Starlette:
