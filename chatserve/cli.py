@@ -19,7 +19,7 @@ def _engine_args(p: argparse.ArgumentParser, default_model: str, default_draft: 
     p.add_argument("--no-adaptive", action="store_true", help="always draft k tokens (no adaptive k)")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
                    help="activation and unquantized-weight dtype (float32 for bit-exact comparisons)")
-    p.add_argument("--quantization", "-q", default="int8", choices=["int8", "none", "bnb-int8", "bnb-nf4"],
+    p.add_argument("--quantization", "-q", default="int8", choices=["int4", "int8", "none", "bnb-int8", "bnb-nf4"],
                    help="weight quantization after loading: int8 (default) = weight-only int8 per channel, "
                         "2.5x fewer bytes per token than bf16 on CPU; none = weights in --dtype")
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)

@@ -50,7 +50,7 @@ class EngineConfig:
     num_threads: int | None = None  # torch threads; None = leave torch's default
     seed: int = 0
     spec: SpecConfig | None = None
-    quantization: str | None = None  # weight quantization: "int8" (fast on CPU), "bnb-int8", "bnb-nf4"
+    quantization: str | None = None  # weight quantization: "int4", "int8" (fast on CPU), "bnb-int8", "bnb-nf4"
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -63,8 +63,8 @@ class EngineConfig:
             raise ValueError(f"block_size: one of 8, 16, 32, 64, got {self.block_size}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 16:
             raise ValueError("max_num_seqs must be >= 1 and max_num_batched_tokens >= 16")
-        if self.quantization not in (None, "int8", "bnb-int8", "bnb-nf4"):
-            raise ValueError(f"quantization: one of int8, bnb-int8, bnb-nf4, got {self.quantization!r}")
+        if self.quantization not in (None, "int4", "int8", "bnb-int8", "bnb-nf4"):
+            raise ValueError(f"quantization: one of int4, int8, bnb-int8, bnb-nf4, got {self.quantization!r}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory: must be positive bytes, got {self.kv_cache_memory}")
 

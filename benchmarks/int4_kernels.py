@@ -1,0 +1,95 @@
+"""Weight-matmul kernels on the 1.5B target's linear shapes, cold weights (one distinct tensor per
+layer, so L3 cannot hold them): time for all 112 matmuls of one forward, by activation rows M.
+
+    .venv/bin/python benchmarks/int4_kernels.py --rows 1 4 8 16 64 --json benchmarks/results/int4_kernels.json
+
+Kernels: chatserve's int4 (kernels/int4_matmul.py), torch's `_weight_int4pack_mm_for_cpu` (bf16
+activations), torch's `_weight_int8pack_mm` (quant/int8.py's decode path), dense fp32 and bf16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from kernels.int4_matmul import int4_matmul
+from quant.int4 import make_params, pack_codes
+
+SHAPES = [(2048, 1536), (1536, 1536), (17920, 1536), (1536, 8960)]  # (out, in): qkv, o, gate_up, down
+
+
+def build(num_layers: int, kinds: list[str]) -> dict[str, list]:
+    weights = {k: [] for k in kinds}
+    for _ in range(num_layers):
+        for n, k in SHAPES:
+            codes = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+            if "chatserve-int4" in kinds:
+                params = make_params(torch.rand(n, k // 32) * 0.01, torch.randn(n, k // 32) * 0.01)
+                weights["chatserve-int4"].append((pack_codes(codes), params))
+            if "torch-int4pack" in kinds:
+                packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.int(), 1)
+                weights["torch-int4pack"].append((packed, torch.randn(k // 32, n, 2).to(torch.bfloat16)))
+            if "torch-int8pack" in kinds:
+                weights["torch-int8pack"].append((codes.to(torch.int8), torch.rand(n).to(torch.bfloat16)))
+            if "dense-fp32" in kinds:
+                weights["dense-fp32"].append(torch.randn(n, k))
+            if "dense-bf16" in kinds:
+                weights["dense-bf16"].append(torch.randn(n, k, dtype=torch.bfloat16))
+    return weights
+
+
+def run(kind: str, ws: list, rows: int) -> None:
+    xs = {k: torch.randn(rows, k) for _, k in SHAPES}
+    xb = {k: v.to(torch.bfloat16) for k, v in xs.items()}
+    for (n, k), w in zip(SHAPES * (len(ws) // len(SHAPES)), ws):
+        if kind == "chatserve-int4":
+            int4_matmul(xs[k], *w)
+        elif kind == "torch-int4pack":
+            torch.ops.aten._weight_int4pack_mm_for_cpu(xb[k], w[0], 32, w[1])
+        elif kind == "torch-int8pack":
+            torch.ops.aten._weight_int8pack_mm(xb[k], *w)
+        elif kind == "dense-fp32":
+            F.linear(xs[k], w)
+        else:
+            F.linear(xb[k], w)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 64])
+    p.add_argument("--kinds", nargs="+", default=["chatserve-int4", "torch-int4pack", "torch-int8pack", "dense-fp32", "dense-bf16"])
+    p.add_argument("--layers", type=int, default=28)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    weights = build(args.layers, args.kinds)
+    results = []
+    for rows in args.rows:
+        line = {"rows": rows}
+        for kind in args.kinds:  # interleaved per row count: the kinds see the same machine state
+            run(kind, weights[kind], rows)
+            times = []
+            for _ in range(args.repeats):
+                start = time.perf_counter()
+                run(kind, weights[kind], rows)
+                times.append(time.perf_counter() - start)
+            line[kind] = round(min(times) * 1e3, 2)
+        line["loadavg"] = os.getloadavg()[0]
+        results.append(line)
+        print(json.dumps(line), flush=True)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"threads": args.threads, "layers": args.layers, "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

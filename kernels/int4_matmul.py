@@ -1,0 +1,113 @@
+"""int4 weight matmul on the CPU: a small C++ kernel (AVX2), built on first use, plus references.
+
+Layout (quant/int4.py): codes [N, K/2] uint8, two 4-bit codes per byte, group g of a row in
+bytes [16g, 16g + 16) with byte j = code(32g + j) | code(32g + 16 + j) << 4; params [N, K/32, 2]
+float16 = (d, m) per group of 32, so w = d * code + m (GGUF's Q4_1 block).
+
+The kernel quantizes each activation row to int8 per group of 32 (x ~= xd * xq, as llama.cpp's
+Q8_1) and takes integer dot products (`vpmaddubsw`), reading half a byte per weight:
+    y[r, n] = sum_g d[n, g] * xd[r, g] * (code[n, g] . xq[r, g]) + m[n, g] * xd[r, g] * sum(xq[r, g])
+Each output is computed the same way whatever the number of rows (no row depends on another),
+so a verification row equals the decode row for the same position bit for bit.
+
+torch's own `_weight_int4pack_mm_for_cpu` was measured first (benchmarks/int4_kernels.py): on an
+AVX2-only Zen 3 it needs bf16 activations (fp32: ~20x slower) and runs ~3x slower than this kernel
+at one row; it has no AVX2 fast path. Built with torch.utils.cpp_extension (needs a C++ compiler and
+ninja); `is_available()` is False where it cannot be built or the CPU lacks AVX2/FMA/F16C, and
+quant/int4.py then dequantizes per call (correct, slow).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+GROUP_SIZE = 32
+_SOURCE = Path(__file__).with_name("int4_matmul_cpu.cpp")
+_CPU_FLAGS = ("avx2", "fma", "f16c")
+
+
+@functools.lru_cache(maxsize=1)
+def _extension():
+    """The compiled module, or None (no compiler, no ninja, or a CPU without AVX2/FMA/F16C)."""
+    if os.environ.get("CHATSERVE_NO_CPU_KERNELS"):
+        return None
+    if not _cpu_has(_CPU_FLAGS):
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        print("chatserve: loading the int4 CPU kernel (built once per machine, ~1 min)", file=sys.stderr, flush=True)
+        return load(name="chatserve_int4_matmul", sources=[str(_SOURCE)],
+                    extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c"], verbose=False)
+    except Exception as error:  # no compiler / ninja: the slow path still works
+        print(f"chatserve: the int4 CPU kernel could not be built ({type(error).__name__}: "
+              f"{str(error).splitlines()[0] if str(error) else ''}); int4 layers dequantize per call",
+              file=sys.stderr)
+        return None
+
+
+def _cpu_has(flags: tuple[str, ...]) -> bool:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    have = set(line.split(":", 1)[-1].split())
+    return all(f in have for f in flags)
+
+
+def is_available() -> bool:
+    return _extension() is not None
+
+
+def int4_matmul(x: torch.Tensor,  # [M, K] float32
+                codes: torch.Tensor,  # [N, K/2] uint8
+                params: torch.Tensor,  # [N, K/32, 2] float16
+                ) -> torch.Tensor:  # [M, N] float32
+    """x @ W.T through the C++ kernel (activations quantized per row, see the module docstring)."""
+    ext = _extension()
+    assert ext is not None, "int4_matmul: the CPU kernel is not available (check is_available())"
+    assert x.dim() == 2 and x.dtype == torch.float32 and x.shape[1] % GROUP_SIZE == 0, (x.shape, x.dtype)
+    assert codes.dtype == torch.uint8 and codes.shape[1] * 2 == x.shape[1], (codes.shape, x.shape)
+    assert params.dtype == torch.float16 and params.shape == (codes.shape[0], x.shape[1] // GROUP_SIZE, 2)
+    xq, xd, xs = ext.quantize_rows(x.contiguous())
+    return ext.q4_matmul(xq, xd, xs, codes, params)
+
+
+def int4_dequantize(codes: torch.Tensor, params: torch.Tensor) -> torch.Tensor:  # [N, K] float32
+    """The weight a layer stands for, through the C++ kernel (quant.int4.dequantize_int4 is the reference)."""
+    ext = _extension()
+    assert ext is not None, "int4_dequantize: the CPU kernel is not available (check is_available())"
+    return ext.q4_dequantize(codes, params)
+
+
+def quantize_rows_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] float32 -> (xq [M, K] int8, xd [M, K/32], xs [M, K/32]) as the kernel computes them:
+    xd = max|x| / 127 per group, xq = round-half-even(x * 127 / max|x|), xs = xd * sum(xq)."""
+    m, k = x.shape
+    groups = x.float().view(m, k // GROUP_SIZE, GROUP_SIZE)
+    amax = groups.abs().amax(dim=2)  # [M, K/32]
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    xq = torch.round(groups * inv[..., None]).to(torch.int8)
+    xd = amax / 127.0
+    return xq.view(m, k), xd, xd * xq.sum(dim=2, dtype=torch.int32).float()
+
+
+def int4_matmul_ref(x: torch.Tensor, codes: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+    """The kernel's maths in plain torch (float64 sums): the same activation quantization, the
+    same per-group formula. Differs from the kernel only by float32 summation order."""
+    from quant.int4 import unpack_codes
+
+    xq, xd, xs = quantize_rows_ref(x)
+    m, k = xq.shape
+    n, num_groups = params.shape[:2]
+    w = unpack_codes(codes).double().view(n, num_groups, GROUP_SIZE)  # [N, G, 32]
+    dots = torch.einsum("mgj,ngj->mng", xq.double().view(m, num_groups, GROUP_SIZE), w)  # [M, N, G]
+    d, mins = params[..., 0].double(), params[..., 1].double()  # [N, G]
+    y = (dots * d[None] * xd.double()[:, None, :]).sum(-1) + (mins[None] * xs.double()[:, None, :]).sum(-1)
+    return y.float()

@@ -1,0 +1,153 @@
+"""Weight-only int4 (quant/int4.py, kernels/int4_matmul.py): the packing, the C++ kernel against
+its plain-torch reference, rows that do not depend on how many rows share a call, the layer's two
+paths, and greedy speculation equal to plain decoding on the int4 engine."""
+
+import pytest
+import torch
+from torch import nn
+
+from chatserve.config import EngineConfig, SpecConfig
+from chatserve.engine import Engine
+from chatserve.sampling_params import SamplingParams
+from kernels import int4_matmul as kernel
+from quant import int4
+from quant.apply import quantize_weights
+from quant.int4 import Int4Linear, dequantize_int4, make_params, pack_codes, quantize_int4, unpack_codes
+
+PROMPTS = ["Hello there", "def add(a, b):", "1, 2, 3, 4, 1, 2, 3,", "abcabcabcabc", "SELECT * FROM"]
+
+
+def test_kernel_builds_here():
+    """CI machines have a compiler and an AVX2 CPU: the fast path must be the one tested."""
+    assert kernel.is_available()
+
+
+def random_layer(n: int, k: int, generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    w = torch.randn(n, k, generator=generator)
+    codes, d, m = quantize_int4(w)
+    return w, pack_codes(codes), make_params(d, m)
+
+
+def test_quantize_is_within_half_a_step_and_packing_round_trips(generator):
+    w = torch.randn(40, 96, generator=generator)
+    codes, d, m = quantize_int4(w)
+    assert codes.dtype == torch.uint8 and int(codes.max()) <= 15 and d.shape == (40, 3)
+    assert torch.equal(unpack_codes(pack_codes(codes)), codes)
+    deq = (codes.view(40, 3, 32).float() * d[..., None] + m[..., None]).view(40, 96)
+    assert ((deq - w).abs().view(40, 3, 32) <= d[..., None] / 2 + 1e-6).all()
+    # every group uses both ends of the code range (min -> 0, max -> 15)
+    assert (codes.view(40, 3, 32).amin(-1) == 0).all() and (codes.view(40, 3, 32).amax(-1) == 15).all()
+
+
+def test_packed_byte_layout():
+    """Byte j of group g holds k = 32g + j (low nibble) and k = 32g + 16 + j (high nibble)."""
+    codes = (torch.arange(64) % 16).to(torch.uint8).view(1, 64)
+    packed = pack_codes(codes)
+    assert packed[0, 0] == (0 | (0 << 4)) and packed[0, 1] == (1 | (1 << 4)) and packed[0, 16] == 0
+    codes[0, 16] = 9
+    assert pack_codes(codes)[0, 0] == 9 << 4
+
+
+def test_kernel_dequantize_equals_reference(generator):
+    _, packed, params = random_layer(48, 160, generator)
+    assert torch.equal(kernel.int4_dequantize(packed, params), dequantize_int4(packed, params))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 17])
+def test_kernel_matches_its_reference(rows, generator):
+    _, packed, params = random_layer(72, 192, generator)
+    x = torch.randn(rows, 192, generator=generator)
+    x[0, :32] = 0.0  # an all-zero activation group
+    torch.testing.assert_close(kernel.int4_matmul(x, packed, params), kernel.int4_matmul_ref(x, packed, params),
+                               rtol=1e-5, atol=1e-4)
+
+
+def test_reference_is_close_to_the_float_matmul(generator):
+    """Activation quantization (int8 per 32) costs well under 1% of the output's scale."""
+    _, packed, params = random_layer(64, 256, generator)
+    x = torch.randn(6, 256, generator=generator)
+    exact = x @ dequantize_int4(packed, params).t()
+    err = (kernel.int4_matmul_ref(x, packed, params) - exact).abs().max()
+    assert err < 0.01 * exact.abs().max()
+
+
+def test_kernel_rows_do_not_depend_on_the_row_count(generator):
+    _, packed, params = random_layer(100, 128, generator)
+    x = torch.randn(int4.SMALL_M, 128, generator=generator)
+    alone = kernel.int4_matmul(x[:1], packed, params)
+    for rows in range(2, int4.SMALL_M + 1):
+        out = kernel.int4_matmul(x[:rows], packed, params)
+        assert torch.equal(out[:1], alone), rows
+        assert torch.equal(out[rows - 1 : rows], kernel.int4_matmul(x[rows - 1 : rows], packed, params)), rows
+
+
+@pytest.mark.parametrize("rows", [1, 5, int4.SMALL_M, int4.SMALL_M + 3])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_linear_is_the_dequantized_matmul(rows, bias, dtype, generator):
+    linear = nn.Linear(128, 96, bias=bias)
+    layer = Int4Linear.from_linear(linear)
+    x = torch.randn(2, rows, 128, generator=generator).to(dtype)
+    ref = x.float() @ dequantize_int4(layer.packed, layer.params).t()
+    if bias:
+        ref = ref + linear.bias.detach()
+    out = layer(x)
+    assert out.dtype == dtype and out.shape == (2, rows, 96)
+    tol = 3e-2 if dtype == torch.bfloat16 else 2e-2
+    torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)
+
+
+def test_without_the_kernel_the_layer_dequantizes(monkeypatch, generator):
+    linear = nn.Linear(64, 40)
+    layer = Int4Linear.from_linear(linear)
+    x = torch.randn(3, 64, generator=generator)
+    monkeypatch.setattr(kernel, "is_available", lambda: False)
+    expected = x @ dequantize_int4(layer.packed, layer.params).t() + linear.bias.detach()
+    torch.testing.assert_close(layer(x), expected)
+
+
+def test_quantize_weights_int4_swaps_every_linear():
+    model = nn.Sequential(nn.Embedding(64, 32), nn.Linear(32, 32), nn.Linear(32, 64, bias=False))
+    model[2].weight = model[0].weight
+    quantize_weights(model, "int4")
+    assert [type(m) for m in model] == [nn.Embedding, Int4Linear, Int4Linear]
+
+
+@pytest.mark.parametrize("method", ["ngram", "self-draft"])
+def test_greedy_speculation_equals_plain_on_int4(tiny_llama_dir, method):
+    fast = dict(dtype="float32", quantization="int4", kv_cache_memory=8 << 20)
+    plain = Engine(EngineConfig(model=str(tiny_llama_dir), **fast))
+    if method == "ngram":
+        spec = SpecConfig(method="ngram", num_draft_tokens=4, adaptive=False)
+    else:
+        spec = SpecConfig(method="draft", draft_model=str(tiny_llama_dir), num_draft_tokens=4, adaptive=False)
+    engine = Engine(EngineConfig(model=str(tiny_llama_dir), spec=spec, **fast))
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    prompts = [plain.tokenizer.encode(p) for p in PROMPTS]
+    expected = [plain.generate([p], params)[0]["token_ids"] for p in prompts]
+    got = [engine.generate([p], params)[0] for p in prompts]
+    assert [g["token_ids"] for g in got] == expected
+    assert sum(g["stats"].num_drafted for g in got) > 0
+    if method == "self-draft":
+        assert all(g["stats"].num_accepted == g["stats"].num_drafted for g in got)
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_int4_engine_logits_stay_close_to_fp32(tiny_llama_dir):
+    """Next-token logits of the int4 model (decode path and prefill path) stay near the fp32
+    model's, and a generation runs end to end with the pool back to free."""
+    from chatserve.batch import BatchItem
+
+    ref = Engine(EngineConfig(model=str(tiny_llama_dir), kv_cache_memory=8 << 20))
+    q4 = Engine(EngineConfig(model=str(tiny_llama_dir), quantization="int4", kv_cache_memory=8 << 20))
+    assert any(isinstance(m, Int4Linear) for m in q4.models.target.modules())
+    for length in (5, int4.SMALL_M + 9):  # the kernel path, then the dense prefill path
+        prompt = ref.tokenizer.encode("The quick brown fox jumps over the lazy dog")[:length]
+        item = [BatchItem(prompt, 0, [0, 1], 1)]
+        a, b = ref.models.target_runner.run(item)[0], q4.models.target_runner.run(item)[0]
+        # 4 bits on random Gaussian weights cost ~10% per layer (range / 15 per step); real
+        # models' quality is measured by benchmarks/weight_quality.py
+        assert ((a - b).norm() / a.norm()) < 0.3
+    out = q4.generate([ref.tokenizer.encode("Hello")], SamplingParams(max_tokens=8, temperature=0.0))[0]
+    assert len(out["token_ids"]) == 8
+    assert q4.block_manager.num_free_blocks == q4.block_manager.num_blocks
