@@ -17,8 +17,9 @@ def _engine_args(p: argparse.ArgumentParser, default_model: str, default_draft: 
     p.add_argument("--no-spec", action="store_true", help="disable speculative decoding")
     p.add_argument("--num-draft-tokens", type=int, default=4, help="maximum draft length k")
     p.add_argument("--no-adaptive", action="store_true", help="always draft k tokens (no adaptive k)")
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
-                   help="activation and unquantized-weight dtype (float32 for bit-exact comparisons)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="activation and unquantized-weight dtype: auto = bfloat16 where the CPU has native "
+                        "bf16 (AVX-512 BF16 / AMX), else float32 (float32 for bit-exact comparisons)")
     p.add_argument("--quantization", "-q", default="int8", choices=["int4", "int8", "none", "bnb-int8", "bnb-nf4"],
                    help="weight quantization after loading: int8 (default) = weight-only int8 per channel, "
                         "2.5x fewer bytes per token than bf16 on CPU; none = weights in --dtype")
@@ -58,9 +59,11 @@ def engine_config(args) -> EngineConfig:
             adaptive=not args.no_adaptive,
             draft_kv_cache_dtype=args.draft_kv_cache_dtype,
         )
+    from kernels.cpu_features import default_dtype
+
     return EngineConfig(
         model=args.model,
-        dtype=args.dtype,
+        dtype=default_dtype() if args.dtype == "auto" else args.dtype,
         kv_cache_dtype=args.kv_cache_dtype,
         kv_cache_unquantized_layers=args.kv_cache_unquantized_layers,
         kv_smooth_keys=not args.no_kv_smooth_keys,
@@ -127,7 +130,10 @@ def cmd_serve(args) -> int:
     draft = None if not config.spec else (config.spec.draft_model or config.spec.method)
     print(f"loading {config.model} (draft: {draft})...", file=sys.stderr, flush=True)
     engine = Engine(config)
-    print(f"loaded {config.model} (draft: {draft}) in {time.perf_counter() - start:.1f} s", file=sys.stderr)
+    mem = {k: v / 2**30 for k, v in engine.memory_stats().items()}
+    print(f"loaded {config.model} (draft: {draft}) in {time.perf_counter() - start:.1f} s; weights "
+          f"{config.quantization or config.dtype}: {mem['weights_bytes']:.2f} GiB, resident {mem['rss_bytes']:.2f} GiB "
+          f"(peak {mem['peak_rss_bytes']:.2f}), KV pool {mem['kv_pool_bytes']:.2f} GiB reserved", file=sys.stderr)
     server_config = ServerConfig(
         host=args.host,
         port=args.port,

@@ -22,6 +22,20 @@ from chatserve.spec_runner import SpecRunner
 from chatserve.tokenizer import IncrementalDetokenizer
 
 
+def process_memory() -> dict:
+    """{"rss_bytes", "peak_rss_bytes"} from /proc/self/status (zeros where there is none)."""
+    fields = {"VmRSS:": "rss_bytes", "VmHWM:": "peak_rss_bytes"}
+    out = dict.fromkeys(fields.values(), 0)
+    try:
+        for line in open("/proc/self/status"):
+            key, *rest = line.split()
+            if key in fields:
+                out[fields[key]] = int(rest[0]) * 1024
+    except OSError:
+        pass
+    return out
+
+
 class Engine:
     def __init__(self, config: EngineConfig, models: LoadedModels | None = None):
         self.config = config
@@ -241,6 +255,17 @@ class Engine:
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
         }
+
+    def memory_stats(self) -> dict:
+        """Bytes: the process's resident set now and at its peak (Linux), the models' weights
+        (parameters and buffers, shared tensors once) and the KV pool (reserved; its pages
+        become resident as blocks are first written)."""
+        models = [m for m in (self.models.target, self.models.draft) if m is not None]
+        tensors = {t.data_ptr(): t.untyped_storage().nbytes() for m in models
+                   for t in itertools.chain(m.parameters(), m.buffers())}
+        runners = [r for r in (self.models.target_runner, self.models.draft_runner) if r is not None]
+        return {"weights_bytes": sum(tensors.values()), "kv_pool_bytes": sum(r.kv_cache.num_bytes for r in runners),
+                **process_memory()}
 
     def check_no_leaks(self) -> None:
         """After all requests finished, every block is free (cached-free counts as free)."""

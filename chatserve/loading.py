@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +17,7 @@ from chatserve.model_runner import ModelRunner
 from chatserve.models.llama import DecoderLM
 from chatserve.models.loader import load_model
 from chatserve.tokenizer import Tokenizer
-from spec.draft_vocab import restrict_head
+from spec.draft_vocab import SubsetHead, subset_head
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -54,14 +55,15 @@ def load_models(config: EngineConfig) -> LoadedModels:
     target_cfg = read_config(target_dir)
     max_model_len = min(config.max_model_len or 10**9, target_cfg.max_position_embeddings)
     tokenizer = Tokenizer(target_dir)
-    target = _quantized(load_model(target_dir, target_cfg, dtype, max_model_len).eval(), config)
+    target = _quantized(_load(target_dir, target_cfg, dtype, max_model_len, config), config)
     draft = None
     if config.spec and config.spec.method == "draft":
         draft_dir = resolve(config.spec.draft_model)
         draft_cfg = read_config(draft_dir)
         check_same_vocab(tokenizer, Tokenizer(draft_dir), target_cfg, draft_cfg)
-        draft = load_model(draft_dir, draft_cfg, dtype, max_model_len).eval()
-        restrict_head(draft, config.spec.draft_vocab_size, tokenizer.special_token_ids)
+        restrict = functools.partial(subset_head, num_kept=config.spec.draft_vocab_size,
+                                     always=tokenizer.special_token_ids)
+        draft = _load(draft_dir, draft_cfg, dtype, max_model_len, config, restrict)
         draft = _quantized(draft, config)
     shapes = [cache_shape(target, dtype, config.kv_cache_dtype, config.kv_cache_unquantized_layers)]
     if draft:
@@ -77,6 +79,29 @@ def load_models(config: EngineConfig) -> LoadedModels:
     draft_runner = ModelRunner(draft, caches[1]) if draft else None
     vocab = target_cfg.vocab_size
     return LoadedModels(tokenizer, target, target_runner, draft, draft_runner, bm, max_model_len, vocab)
+
+
+def _load(model_dir: Path, model_cfg, dtype: torch.dtype, max_model_len: int, config: EngineConfig,
+          head_transform=None) -> DecoderLM:
+    """The model, quantized layer by layer as it is read (int4 / int8: peak memory is the
+    quantized model plus one float layer). `head_transform` (a draft's subset head) applies to
+    the LM head before it is quantized."""
+    from quant.apply import NATIVE_SCHEMES, prepare, quantize_module
+
+    scheme = config.quantization
+    head_transform = head_transform or (lambda head: head)
+
+    def transform(name: str, module):
+        if name == "lm_head":
+            module = head_transform(module)
+            if isinstance(module, SubsetHead):
+                module.linear = transform("lm_head.linear", module.linear)
+                return module
+        return quantize_module(module, scheme) if scheme in NATIVE_SCHEMES else module
+
+    if scheme in NATIVE_SCHEMES:
+        prepare(scheme)
+    return load_model(model_dir, model_cfg, dtype, max_model_len, transform).eval()
 
 
 def _quantized(model: DecoderLM, config: EngineConfig) -> DecoderLM:

@@ -1,8 +1,8 @@
 """int4 weight matmul on the CPU: a small C++ kernel (AVX2), built on first use, plus references.
 
-Layout (quant/int4.py): codes [N, K/2] uint8, two 4-bit codes per byte, group g of a row in
-bytes [16g, 16g + 16) with byte j = code(32g + j) | code(32g + 16 + j) << 4; params [N, K/32, 2]
-float16 = (d, m) per group of 32, so w = d * code + m (GGUF's Q4_1 block).
+Layout (quant/int4.py): codes [N, K/2] uint8, two 4-bit codes per byte, groups 2p and 2p + 1 of
+a row in bytes [32p, 32p + 32) with byte j = code(64p + j) | code(64p + 32 + j) << 4; params
+[N, 2, K/32] float16 = d then m of each group of 32, so w = d * code + m (GGUF's Q4_1 block).
 
 The kernel quantizes each activation row to int8 per group of 32 (x ~= xd * xq, as llama.cpp's
 Q8_1) and takes integer dot products (`vpmaddubsw`), reading half a byte per weight:
@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from kernels.cpu_features import cpu_flags
+
 GROUP_SIZE = 32
 _SOURCE = Path(__file__).with_name("int4_matmul_cpu.cpp")
 _CPU_FLAGS = ("avx2", "fma", "f16c")
@@ -36,7 +38,7 @@ def _extension():
     """The compiled module, or None (no compiler, no ninja, or a CPU without AVX2/FMA/F16C)."""
     if os.environ.get("CHATSERVE_NO_CPU_KERNELS"):
         return None
-    if not _cpu_has(_CPU_FLAGS):
+    if not set(_CPU_FLAGS) <= cpu_flags():
         return None
     try:
         from torch.utils.cpp_extension import load
@@ -51,30 +53,21 @@ def _extension():
         return None
 
 
-def _cpu_has(flags: tuple[str, ...]) -> bool:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
-    have = set(line.split(":", 1)[-1].split())
-    return all(f in have for f in flags)
-
-
 def is_available() -> bool:
     return _extension() is not None
 
 
 def int4_matmul(x: torch.Tensor,  # [M, K] float32
                 codes: torch.Tensor,  # [N, K/2] uint8
-                params: torch.Tensor,  # [N, K/32, 2] float16
+                params: torch.Tensor,  # [N, 2, K/32] float16
                 ) -> torch.Tensor:  # [M, N] float32
     """x @ W.T through the C++ kernel (activations quantized per row, see the module docstring)."""
     ext = _extension()
     assert ext is not None, "int4_matmul: the CPU kernel is not available (check is_available())"
     assert x.dim() == 2 and x.dtype == torch.float32 and x.shape[1] % GROUP_SIZE == 0, (x.shape, x.dtype)
     assert codes.dtype == torch.uint8 and codes.shape[1] * 2 == x.shape[1], (codes.shape, x.shape)
-    assert params.dtype == torch.float16 and params.shape == (codes.shape[0], x.shape[1] // GROUP_SIZE, 2)
+    assert x.shape[1] % (2 * GROUP_SIZE) == 0, f"in_features {x.shape[1]} must be a multiple of 64"
+    assert params.dtype == torch.float16 and params.shape == (codes.shape[0], 2, x.shape[1] // GROUP_SIZE)
     xq, xd, xs = ext.quantize_rows(x.contiguous())
     return ext.q4_matmul(xq, xd, xs, codes, params)
 
@@ -105,9 +98,9 @@ def int4_matmul_ref(x: torch.Tensor, codes: torch.Tensor, params: torch.Tensor) 
 
     xq, xd, xs = quantize_rows_ref(x)
     m, k = xq.shape
-    n, num_groups = params.shape[:2]
+    n, num_groups = params.shape[0], params.shape[2]
     w = unpack_codes(codes).double().view(n, num_groups, GROUP_SIZE)  # [N, G, 32]
     dots = torch.einsum("mgj,ngj->mng", xq.double().view(m, num_groups, GROUP_SIZE), w)  # [M, N, G]
-    d, mins = params[..., 0].double(), params[..., 1].double()  # [N, G]
+    d, mins = params[:, 0].double(), params[:, 1].double()  # [N, G]
     y = (dots * d[None] * xd.double()[:, None, :]).sum(-1) + (mins[None] * xs.double()[:, None, :]).sum(-1)
     return y.float()

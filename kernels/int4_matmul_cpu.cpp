@@ -1,9 +1,10 @@
 // int4 weight x int8-quantized activation matmul for x86 CPUs with AVX2 (kernels/int4_matmul.py).
 //
-// Weight layout ("q4 groups of 32", as GGUF's Q4_1 block), one row per output feature:
-//   codes  [N, K/2] uint8: group g of row n is bytes [16g, 16g + 16); byte j holds the code of
-//          k = 32g + j in its low nibble and of k = 32g + 16 + j in its high nibble (0..15)
-//   params [N, K/32, 2] fp16: (d, m) per group, w = d * code + m
+// Weight layout (groups of 32 as GGUF's Q4_1 block; K % 64 == 0), one row per output feature:
+//   codes  [N, K/2] uint8: groups 2p and 2p + 1 of row n share bytes [32p, 32p + 32); byte j
+//          holds the code of k = 64p + j in its low nibble and of k = 64p + 32 + j in its high
+//          nibble (0..15), so one 32-byte load splits into two groups with two masks
+//   params [N, 2, K/32] fp16: d of every group, then m of every group; w = d * code + m
 // Activations are quantized per row and group of 32 (as llama.cpp's Q8_1):
 //   xq [M, K] int8, xd [M, K/32] float (x ~= xd * xq), xs [M, K/32] float (= xd * sum(xq))
 // so that  y[r, n] = sum_g d_g * xd_g * dot(code_g, xq_g) + m_g * xs_g.
@@ -27,42 +28,70 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(lo);
 }
 
-// 16 bytes of codes -> 32 unsigned bytes in k order (low nibbles = k 0..15, high = k 16..31).
-inline __m256i unpack_codes(const uint8_t* p) {
-  __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  __m128i mask = _mm_set1_epi8(0x0F);
-  __m128i lo = _mm_and_si128(raw, mask);
-  __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
-  return _mm256_set_m128i(hi, lo);
+// int32 lanes of code . xq for one group (u8 x s8 pairs -> i16, |.| <= 2 * 15 * 127), as float.
+inline __m256 group_dot(__m256i codes, const int8_t* xq, __m256i ones) {
+  const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
+  return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(codes, a), ones));
 }
 
-// Output rows [n0, n1) for activation rows [r0, r0 + R), R <= 4 (a register tile).
+// Output rows [n0, n1) for activation rows [r0, r0 + R), R <= 4 (a register tile). Groups go
+// 8 at a time: their 8 scales d * xd come from one fp16 load and one multiply, and each group
+// takes its lane by a permute; the m * xs terms are one FMA per 8 groups. Two accumulators per
+// row (even / odd groups) keep the FMA latency off the critical path at R = 1.
 template <int R>
 void tile(const uint8_t* codes, const at::Half* params, const int8_t* xq, const float* xd, const float* xs,
           float* y, int64_t K, int64_t N, int64_t r0, int64_t n0, int64_t n1) {
   const int64_t G = K / kGroup;
   const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* c = codes + n * (K / 2);
-    const uint16_t* pm = reinterpret_cast<const uint16_t*>(params) + n * G * 2;
-    __m256 acc[R];
-    float mterm[R];
-    for (int r = 0; r < R; ++r) { acc[r] = _mm256_setzero_ps(); mterm[r] = 0.f; }
-    for (int64_t g = 0; g < G; ++g) {
-      const __m256i w = unpack_codes(c + g * 16);
-      const float d = _cvtsh_ss(pm[2 * g]);
-      const float m = _cvtsh_ss(pm[2 * g + 1]);
+    const uint16_t* dh = reinterpret_cast<const uint16_t*>(params) + n * 2 * G;  // d [G], then m [G]
+    const uint16_t* mh = dh + G;
+    __m256 acc[R][2], macc[R];
+    float tail[R];
+    for (int r = 0; r < R; ++r) {
+      acc[r][0] = acc[r][1] = macc[r] = _mm256_setzero_ps();
+      tail[r] = 0.f;
+    }
+    int64_t g = 0;
+    for (; g + 8 <= G; g += 8) {
+      const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dh + g)));
+      const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mh + g)));
+      __m256 sv[R];
       for (int r = 0; r < R; ++r) {
         const int64_t row = r0 + r;
-        const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + row * K + g * kGroup));
-        const __m256i dot16 = _mm256_maddubs_epi16(w, a);  // u8 x s8 pairs -> i16 (|.| <= 3810)
-        const __m256i dot32 = _mm256_madd_epi16(dot16, ones);
-        const __m256 scale = _mm256_set1_ps(d * xd[row * G + g]);
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32), scale, acc[r]);
-        mterm[r] += m * xs[row * G + g];
+        sv[r] = _mm256_mul_ps(dv, _mm256_loadu_ps(xd + row * G + g));
+        macc[r] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(xs + row * G + g), macc[r]);
+      }
+      for (int q = 0; q < 4; ++q) {  // a pair of groups: 32 bytes, low nibbles then high nibbles
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + (g / 2 + q) * 32));
+        const __m256i wa = _mm256_and_si256(v, low4);
+        const __m256i wb = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        const __m256i ia = _mm256_set1_epi32(2 * q), ib = _mm256_set1_epi32(2 * q + 1);
+        for (int r = 0; r < R; ++r) {
+          const int8_t* xr = xq + (r0 + r) * K + (g + 2 * q) * kGroup;
+          acc[r][0] = _mm256_fmadd_ps(group_dot(wa, xr, ones), _mm256_permutevar8x32_ps(sv[r], ia), acc[r][0]);
+          acc[r][1] = _mm256_fmadd_ps(group_dot(wb, xr + kGroup, ones), _mm256_permutevar8x32_ps(sv[r], ib), acc[r][1]);
+        }
       }
     }
-    for (int r = 0; r < R; ++r) y[(r0 + r) * N + n] = hsum(acc[r]) + mterm[r];
+    for (; g < G; g += 2) {  // the last G % 8 groups (G is even: K % 64 == 0)
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + (g / 2) * 32));
+      const __m256i wa = _mm256_and_si256(v, low4);
+      const __m256i wb = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+      const float da = _cvtsh_ss(dh[g]), db = _cvtsh_ss(dh[g + 1]);
+      const float ma = _cvtsh_ss(mh[g]), mb = _cvtsh_ss(mh[g + 1]);
+      for (int r = 0; r < R; ++r) {
+        const int64_t row = r0 + r;
+        const int8_t* xr = xq + row * K + g * kGroup;
+        acc[r][0] = _mm256_fmadd_ps(group_dot(wa, xr, ones), _mm256_set1_ps(da * xd[row * G + g]), acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(group_dot(wb, xr + kGroup, ones), _mm256_set1_ps(db * xd[row * G + g + 1]), acc[r][1]);
+        tail[r] += ma * xs[row * G + g] + mb * xs[row * G + g + 1];
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      y[(r0 + r) * N + n] = hsum(_mm256_add_ps(acc[r][0], acc[r][1])) + hsum(macc[r]) + tail[r];
   }
 }
 
@@ -108,7 +137,8 @@ torch::Tensor q4_matmul(torch::Tensor xq, torch::Tensor xd, torch::Tensor xs, to
   TORCH_CHECK(xq.is_contiguous() && xd.is_contiguous() && xs.is_contiguous() && codes.is_contiguous() &&
               params.is_contiguous());
   const int64_t M = xq.size(0), K = xq.size(1), N = codes.size(0);
-  TORCH_CHECK(codes.size(1) * 2 == K && params.size(0) == N && params.size(1) * kGroup == K);
+  TORCH_CHECK(K % (2 * kGroup) == 0 && codes.size(1) * 2 == K && params.size(0) == N && params.size(1) == 2 &&
+              params.size(2) * kGroup == K);
   auto y = torch::empty({M, N}, xd.options());
   const uint8_t* c = codes.data_ptr<uint8_t>();
   const at::Half* p = params.data_ptr<at::Half>();
@@ -136,26 +166,34 @@ torch::Tensor q4_matmul(torch::Tensor xq, torch::Tensor xd, torch::Tensor xs, to
   return y;
 }
 
-// codes [N, K/2], params [N, K/32, 2] -> W [N, K] float32 (for long prefill chunks, where a dense
+// codes [N, K/2], params [N, 2, K/32] -> W [N, K] float32 (for long prefill chunks, where a dense
 // GEMM beats the integer kernel).
 torch::Tensor q4_dequantize(torch::Tensor codes, torch::Tensor params) {
   TORCH_CHECK(codes.scalar_type() == torch::kUInt8 && params.scalar_type() == torch::kHalf);
   TORCH_CHECK(codes.is_contiguous() && params.is_contiguous());
   const int64_t N = codes.size(0), K = codes.size(1) * 2, G = K / kGroup;
+  TORCH_CHECK(K % (2 * kGroup) == 0 && params.size(0) == N && params.size(1) == 2 && params.size(2) == G);
   auto w = torch::empty({N, K}, torch::dtype(torch::kFloat32));
   const uint8_t* c = codes.data_ptr<uint8_t>();
   const uint16_t* pm = reinterpret_cast<const uint16_t*>(params.data_ptr<at::Half>());
   float* out = w.data_ptr<float>();
-  at::parallel_for(0, N * G, 1024, [&](int64_t i0, int64_t i1) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  // One pair of groups (64 weights, 32 bytes of codes) per iteration.
+  at::parallel_for(0, N * G / 2, 512, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
-      const __m256i codes32 = unpack_codes(c + i * 16);
-      const __m256 d = _mm256_set1_ps(_cvtsh_ss(pm[2 * i]));
-      const __m256 m = _mm256_set1_ps(_cvtsh_ss(pm[2 * i + 1]));
-      const __m128i lo = _mm256_castsi256_si128(codes32), hi = _mm256_extracti128_si256(codes32, 1);
-      const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
-      for (int j = 0; j < 4; ++j) {
-        const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[j]));
-        _mm256_storeu_ps(out + i * kGroup + 8 * j, _mm256_fmadd_ps(v, d, m));
+      const int64_t n = i / (G / 2), g = 2 * (i % (G / 2));
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + i * 32));
+      const __m256i halves[2] = {_mm256_and_si256(v, low4), _mm256_and_si256(_mm256_srli_epi16(v, 4), low4)};
+      for (int h = 0; h < 2; ++h) {
+        const __m256 d = _mm256_set1_ps(_cvtsh_ss(pm[n * 2 * G + g + h]));
+        const __m256 m = _mm256_set1_ps(_cvtsh_ss(pm[n * 2 * G + G + g + h]));
+        const __m128i lo = _mm256_castsi256_si128(halves[h]), hi = _mm256_extracti128_si256(halves[h], 1);
+        const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+        float* dst = out + n * K + (g + h) * kGroup;
+        for (int j = 0; j < 4; ++j) {
+          const __m256 x = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[j]));
+          _mm256_storeu_ps(dst + 8 * j, _mm256_fmadd_ps(x, d, m));
+        }
       }
     }
   });

@@ -3,7 +3,7 @@
 Runs after loading, so models/ never mentions quantization. Schemes:
 - "int4": weight-only 4-bit in groups of 32 (quant/int4.py, kernels/int4_matmul.py): 0.625
   bytes per weight read per decode step. Every linear layer, the LM head included (a tied head
-  gets its own 4-bit copy; the embedding table stays as it is).
+  gets its own 4-bit copy), and the embedding table as int8 rows.
 - "int8": weight-only int8 per output channel, bf16 maths (quant/int8.py): the fast CPU path,
   ~2.5x fewer bytes per decode step than bf16. Includes the LM head (a fifth to a quarter of a
   small model's weights), which gets its own int8 copy when it is tied to the embedding.
@@ -16,25 +16,47 @@ from __future__ import annotations
 from torch import nn
 
 from quant.int4 import Int4Linear
-from quant.int8 import Int8Linear
+from quant.int8 import Int8Embedding, Int8Linear
 
 WEIGHT_QUANT_SCHEMES = ("int4", "int8", "bnb-int8", "bnb-nf4")
+NATIVE_SCHEMES = ("int4", "int8")  # the ones quantize_module does layer by layer (streamed while loading)
 
 
 def quantize_weights(model: nn.Module, scheme: str) -> nn.Module:
+    """Swap, in place, every layer of `model` that `scheme` quantizes; returns model."""
     if scheme not in WEIGHT_QUANT_SCHEMES:
         raise ValueError(f"quantization: one of {WEIGHT_QUANT_SCHEMES}, got {scheme!r}")
     if scheme.startswith("bnb-"):
         from quant.weights import quantize_model
 
         return quantize_model(model, scheme.removeprefix("bnb-"))
+    prepare(scheme)
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            replacement = quantize_module(child, scheme)
+            if replacement is not child:
+                setattr(parent, name, replacement)
+    return model
+
+
+def prepare(scheme: str) -> None:
+    """Build what the scheme's kernels need now (once per machine), not in the first request."""
     if scheme == "int4":
         from kernels import int4_matmul
 
-        int4_matmul.is_available()  # build the CPU kernel now (once per machine), not in the first request
-    layer_class = Int4Linear if scheme == "int4" else Int8Linear
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear):
-                setattr(parent, name, layer_class.from_linear(child))
-    return model
+        int4_matmul.is_available()
+
+
+def quantize_module(module: nn.Module, scheme: str) -> nn.Module:
+    """The quantized twin of one layer, or the layer itself when the scheme leaves it alone.
+
+    int4: linear layers whose in_features is a multiple of 64 (the kernel's pairs of groups;
+    others get int8), and the embedding table as int8 rows (its lookups read a few rows, but
+    it is the largest tensor of a small model: 151,936 x 1,536 for Qwen2.5-1.5B)."""
+    if isinstance(module, nn.Linear):
+        if scheme == "int4" and module.in_features % 64 == 0:
+            return Int4Linear.from_linear(module)
+        return Int8Linear.from_linear(module)
+    if scheme == "int4" and isinstance(module, nn.Embedding):
+        return Int8Embedding.from_embedding(module)
+    return module

@@ -11,8 +11,10 @@ The matmul is kernels/int4_matmul.py (C++, AVX2; activations quantized to int8 p
 as llama.cpp does). Without it (no compiler, another CPU) the layer dequantizes its weight for
 each call: correct, and slow.
 
-Packed codes [N, K/2] uint8: group g of a row is bytes [16g, 16g + 16), byte j = code(32g + j)
-in the low nibble and code(32g + 16 + j) in the high nibble (llama.cpp's order for Q4 blocks).
+Packed codes [N, K/2] uint8 (K % 64 == 0): groups 2p and 2p + 1 of a row share bytes
+[32p, 32p + 32), byte j = code(64p + j) in the low nibble and code(64p + 32 + j) in the high
+nibble, so the kernel splits one 32-byte load into two groups with two masks. Params
+[N, 2, K/32] float16: every group's d, then every group's m (8 groups load at once).
 """
 
 from __future__ import annotations
@@ -24,40 +26,49 @@ from torch import nn
 from kernels import int4_matmul as kernel
 
 GROUP_SIZE = 32
+ROW_CHUNK = 4096  # rows quantized at a time (bounds the float temporaries)
 SMALL_M = 16  # rows up to which the int4 kernel beats dequantize + dense GEMM (benchmarks/int4_kernels.py)
 
 
 def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """weight [N, K] float -> (codes [N, K] uint8 in 0..15, d [N, K/32], m [N, K/32] float32).
 
-    Min/max per group (Q4_1): the group's minimum is code 0 (m) and its maximum code 15."""
+    Min/max per group (Q4_1): the group's minimum is code 0 (m) and its maximum code 15. Rows go
+    in chunks, so a 151,936-row LM head needs no full-size float temporaries."""
     n, k = weight.shape
-    assert k % GROUP_SIZE == 0, f"in_features {k} is not a multiple of {GROUP_SIZE}"
-    groups = weight.float().view(n, k // GROUP_SIZE, GROUP_SIZE)  # [N, K/32, 32]
-    lo, hi = groups.amin(dim=2), groups.amax(dim=2)  # [N, K/32]
-    d = (hi - lo) / 15
-    safe_d = torch.where(d > 0, d, torch.ones_like(d))
-    codes = torch.round((groups - lo[..., None]) / safe_d[..., None]).clamp_(0, 15).to(torch.uint8)
-    return codes.view(n, k), d, lo
+    assert k % (2 * GROUP_SIZE) == 0, f"in_features {k} is not a multiple of {2 * GROUP_SIZE}"
+    codes = torch.empty(n, k, dtype=torch.uint8)
+    d = torch.empty(n, k // GROUP_SIZE)
+    lo = torch.empty(n, k // GROUP_SIZE)
+    for start in range(0, n, ROW_CHUNK):
+        groups = weight[start : start + ROW_CHUNK].float().view(-1, k // GROUP_SIZE, GROUP_SIZE)  # [rows, K/32, 32]
+        chunk_lo, chunk_hi = groups.amin(dim=2), groups.amax(dim=2)  # [rows, K/32]
+        chunk_d = (chunk_hi - chunk_lo) / 15
+        safe_d = torch.where(chunk_d > 0, chunk_d, torch.ones_like(chunk_d))
+        chunk = torch.round((groups - chunk_lo[..., None]) / safe_d[..., None]).clamp_(0, 15)
+        codes[start : start + ROW_CHUNK] = chunk.view(-1, k)
+        d[start : start + ROW_CHUNK], lo[start : start + ROW_CHUNK] = chunk_d, chunk_lo
+    return codes, d, lo
 
 
 def pack_codes(codes: torch.Tensor) -> torch.Tensor:
     """codes [N, K] uint8 (0..15) -> packed [N, K/2] uint8 (see the module docstring)."""
     n, k = codes.shape
-    groups = codes.view(n, k // GROUP_SIZE, 2, GROUP_SIZE // 2)  # [N, G, (low, high), 16]
-    return (groups[:, :, 0] | (groups[:, :, 1] << 4)).reshape(n, k // 2)
+    assert k % (2 * GROUP_SIZE) == 0, f"in_features {k} is not a multiple of {2 * GROUP_SIZE}"
+    pairs = codes.view(n, k // (2 * GROUP_SIZE), 2, GROUP_SIZE)  # [N, K/64, (low, high), 32]
+    return (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(n, k // 2)
 
 
 def unpack_codes(packed: torch.Tensor) -> torch.Tensor:
     """packed [N, K/2] uint8 -> codes [N, K] uint8."""
     n, half_k = packed.shape
-    groups = packed.view(n, half_k // 16, 1, 16)  # [N, G, 1, 16]
-    return torch.cat((groups & 15, groups >> 4), dim=2).reshape(n, 2 * half_k)
+    pairs = packed.view(n, half_k // GROUP_SIZE, 1, GROUP_SIZE)  # [N, K/64, 1, 32]
+    return torch.cat((pairs & 15, pairs >> 4), dim=2).reshape(n, 2 * half_k)
 
 
 def make_params(d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """d, m [N, G] -> params [N, G, 2] float16."""
-    return torch.stack((d, m), dim=2).to(torch.float16).contiguous()
+    """d, m [N, G] -> params [N, 2, G] float16."""
+    return torch.stack((d, m), dim=1).to(torch.float16).contiguous()
 
 
 def dequantize_int4(packed: torch.Tensor, params: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -65,7 +76,7 @@ def dequantize_int4(packed: torch.Tensor, params: torch.Tensor, dtype: torch.dty
     codes = unpack_codes(packed)
     n, k = codes.shape
     w = codes.view(n, k // GROUP_SIZE, GROUP_SIZE).to(dtype)  # [N, G, 32]
-    return w.mul_(params[..., :1].to(dtype)).add_(params[..., 1:].to(dtype)).view(n, k)
+    return w.mul_(params[:, 0, :, None].to(dtype)).add_(params[:, 1, :, None].to(dtype)).view(n, k)
 
 
 class Int4Linear(nn.Module):
@@ -79,7 +90,7 @@ class Int4Linear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = packed.shape[0], packed.shape[1] * 2
         self.register_buffer("packed", packed.contiguous())  # [N, K/2] uint8
-        self.register_buffer("params", params.contiguous())  # [N, K/32, 2] float16: (d, m)
+        self.register_buffer("params", params.contiguous())  # [N, 2, K/32] float16: d, then m
         self.register_buffer("bias", None if bias is None else bias.detach().float())
 
     @classmethod

@@ -24,9 +24,13 @@ SMALL_M = 32  # rows up to which the packed GEMV kernel wins (measured: 1..32 ro
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """weight [out, in] float -> (int8 [out, in], scales [out] float32), symmetric per row."""
-    w = weight.float()
-    scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)  # [out]
-    q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
+    q = torch.empty(weight.shape, dtype=torch.int8)
+    scales = torch.empty(weight.shape[0])  # [out]
+    for start in range(0, weight.shape[0], 4096):  # in row chunks: no full-size float temporaries
+        w = weight[start : start + 4096].float()
+        chunk_scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
+        q[start : start + 4096] = torch.round(w / chunk_scales[:, None]).clamp_(-127, 127)
+        scales[start : start + 4096] = chunk_scales
     return q, scales
 
 
@@ -64,3 +68,23 @@ class Int8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-channel"
+
+
+class Int8Embedding(nn.Module):
+    """Drop-in for nn.Embedding (lookup only): one int8 row and one scale per token, so the table
+    takes a quarter of its fp32 bytes. Only the looked-up rows are widened, to `dtype`."""
+
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = qweight.shape
+        self.dtype = dtype
+        self.register_buffer("qweight", qweight.contiguous())  # [vocab, hidden] int8
+        self.register_buffer("scales", scales.float())  # [vocab]
+
+    @classmethod
+    def from_embedding(cls, embedding: nn.Embedding) -> "Int8Embedding":
+        return cls(*quantize_int8(embedding.weight.data), embedding.weight.dtype)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
+        rows = self.qweight.index_select(0, ids.reshape(-1)).float() * self.scales.index_select(0, ids.reshape(-1))[:, None]
+        return rows.to(self.dtype).view(*ids.shape, self.embedding_dim)

@@ -41,8 +41,14 @@ def frequent_token_ids(vocab_size: int, num_kept: int, always: list[int]) -> tor
 
 def restrict_head(model: nn.Module, num_kept: int, always: list[int]) -> bool:
     """Swap model.lm_head for a SubsetHead when that saves anything; returns whether it did."""
-    vocab = model.lm_head.out_features
+    head = subset_head(model.lm_head, num_kept, always)
+    model.lm_head = head
+    return isinstance(head, SubsetHead)
+
+
+def subset_head(head: nn.Linear, num_kept: int, always: list[int]) -> nn.Module:
+    """A SubsetHead over the `num_kept` most frequent ids, or `head` itself when that saves nothing."""
+    vocab = head.out_features
     if num_kept <= 0 or num_kept >= vocab:
-        return False
-    model.lm_head = SubsetHead(model.lm_head, frequent_token_ids(vocab, num_kept, always), vocab)
-    return True
+        return head
+    return SubsetHead(head, frequent_token_ids(vocab, num_kept, always), vocab)

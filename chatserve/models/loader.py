@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
+import struct
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from torch import nn
 
 from chatserve.models.llama import DecoderLM
 
@@ -19,31 +23,118 @@ FUSED = {
 }
 
 
-def load_model(model_dir: str | Path, cfg, dtype: torch.dtype, max_positions: int) -> DecoderLM:
+def load_model(model_dir: str | Path, cfg, dtype: torch.dtype, max_positions: int,
+               transform: Callable[[str, nn.Module], nn.Module] | None = None) -> DecoderLM:
+    """Read the checkpoint into a DecoderLM in `dtype`, one layer (leaf module) at a time.
+
+    `transform(name, module)` (e.g. quantization) replaces each leaf module as soon as its
+    parameters are read, so a quantized model never holds all of its float weights at once: the
+    peak is the quantized model plus one float layer. Files are opened per layer and closed
+    after it: safetensors maps them, and mapped pages count as resident until unmapped (a 6 GB
+    fp32 file held open would be the peak). A tied LM head is read with the embedding and
+    transformed after the decoder layers, from the float table."""
     with torch.device("meta"):
-        model = DecoderLM(cfg, max_positions)
-    # Allocate in the target dtype at once (copy_ converts each tensor as it is read), so a
-    # 1.5B model in bf16 never holds a 6 GB fp32 copy on the way.
-    model = model.to_empty(device="cpu").to(dtype)
-    # to_empty leaves buffers uninitialised and may untie shared weights: redo both.
+        model = DecoderLM(cfg, max_positions).to(dtype)
     _init_rotary(model, cfg, max_positions, dtype)
-    if model.tie_word_embeddings:
+    tied = model.tie_word_embeddings
+    if tied:
         model.lm_head.weight = model.embed_tokens.weight
-    params = dict(model.named_parameters())
+    sources = _checkpoint_index(Path(model_dir))  # our parameter name -> [(file, key, shard)]
+    names = {name for name, _ in model.named_parameters()}
     loaded: set[str] = set()
-    files = sorted(Path(model_dir).glob("*.safetensors"))
+    leaves = [name for name, module in model.named_modules()
+              if not list(module.children()) and list(module.parameters(recurse=False))]
+    for name in leaves:
+        module = model.get_submodule(name)
+        if not (tied and name == "lm_head"):  # a tied head already holds the table
+            # allocated in the target dtype: copy_ converts as it reads, so a bf16 model never
+            # holds an fp32 copy of a layer
+            module.to_empty(device="cpu")
+            if tied and name == "embed_tokens":
+                model.lm_head.weight = module.weight  # to_empty made a new tensor: tie it again
+            with _open_files(sources) as files:
+                for pname, param in module.named_parameters():
+                    _read(param, f"{name}.{pname}", sources, files, model, loaded)
+        if transform is not None:
+            replacement = transform(name, module)
+            if replacement is not module:
+                parent, _, child = name.rpartition(".")
+                setattr(model.get_submodule(parent) if parent else model, child, replacement)
+    _check_complete(names, loaded, tied)
+    return model
+
+
+@contextlib.contextmanager
+def _open_files(sources: dict):
+    paths = {path for entries in sources.values() for path, _, _ in entries}
+    readers = {path: SafetensorsReader(path) for path in paths}
+    try:
+        yield readers
+    finally:
+        for reader in readers.values():
+            reader.close()
+
+
+def _checkpoint_index(model_dir: Path) -> dict[str, list[tuple[Path, str, int | None]]]:
+    files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {model_dir}")
+    sources: dict[str, list] = {}
     for path in files:
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                target, shard = _map_name(name)
-                if target is None or target not in params:
-                    continue
-                _copy_into(params[target], f.get_tensor(name), shard, model, target)
-                loaded.add(target if shard is None else f"{target}#{shard}")
-    _check_complete(model, params, loaded)
-    return model
+        reader = SafetensorsReader(path)
+        for key in reader.keys():
+            target, shard = _map_name(key)
+            if target is not None:
+                sources.setdefault(target, []).append((path, key, shard))
+        reader.close()
+    return sources
+
+
+def _read(param, name, sources, files, model, loaded: set[str]) -> None:
+    """Fill one parameter from its checkpoint tensor(s); a fused one (qkv, gate_up) from its shards."""
+    for path, key, shard in sources.get(name, ()):
+        rows = _shard_rows(param, shard, model, name, files[path].shape(key))
+        files[path].read_into(key, rows)
+        loaded.add(name if shard is None else f"{name}#{shard}")
+
+
+class SafetensorsReader:
+    """Reads tensors of a safetensors file with plain reads, in chunks, straight into their
+    destination (converting the dtype): no mapping, so nothing but the destination stays resident."""
+
+    DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+    CHUNK_BYTES = 32 << 20
+
+    def __init__(self, path: Path):
+        self.file = open(path, "rb")
+        (length,) = struct.unpack("<Q", self.file.read(8))
+        self.header = json.loads(self.file.read(length))
+        self.data_start = 8 + length
+
+    def keys(self) -> list[str]:
+        return [k for k in self.header if k != "__metadata__"]
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self.header[key]["shape"])
+
+    def read_into(self, key: str, out: torch.Tensor) -> None:
+        entry = self.header[key]
+        dtype = self.DTYPES[entry["dtype"]]
+        assert tuple(out.shape) == tuple(entry["shape"]), (key, out.shape, entry["shape"])
+        begin, end = entry["data_offsets"]
+        flat = out.view(-1)
+        row_bytes = dtype.itemsize
+        step = max(self.CHUNK_BYTES // row_bytes, 1)
+        self.file.seek(self.data_start + begin)
+        with torch.no_grad():
+            for start in range(0, (end - begin) // row_bytes, step):
+                count = min(step, flat.numel() - start)
+                buffer = torch.empty(count, dtype=dtype)
+                self.file.readinto(memoryview(buffer.view(torch.uint8).numpy()))
+                flat[start : start + count].copy_(buffer)
+
+    def close(self) -> None:
+        self.file.close()
 
 
 def _map_name(name: str) -> tuple[str | None, int | None]:
@@ -57,16 +148,15 @@ def _map_name(name: str) -> tuple[str | None, int | None]:
     return name, None
 
 
-def _copy_into(param: torch.nn.Parameter, tensor: torch.Tensor, shard: int | None, model: DecoderLM, target: str):
-    with torch.no_grad():
-        if shard is None:
-            assert param.shape == tensor.shape, (target, param.shape, tensor.shape)
-            param.copy_(tensor)
-            return
-        sizes = _shard_sizes(model, target)
-        start = sum(sizes[:shard])
-        assert tensor.shape[0] == sizes[shard], (target, shard, tensor.shape)
-        param[start : start + sizes[shard]].copy_(tensor)
+def _shard_rows(param: torch.Tensor, shard: int | None, model: DecoderLM, target: str, shape) -> torch.Tensor:
+    """The part of `param` a checkpoint tensor of `shape` fills: all of it, or a fused shard's rows."""
+    if shard is None:
+        assert tuple(param.shape) == tuple(shape), (target, param.shape, shape)
+        return param.data
+    sizes = _shard_sizes(model, target)
+    start = sum(sizes[:shard])
+    assert shape[0] == sizes[shard], (target, shard, shape)
+    return param.data[start : start + sizes[shard]]
 
 
 def _shard_sizes(model: DecoderLM, target: str) -> list[int]:
@@ -77,10 +167,10 @@ def _shard_sizes(model: DecoderLM, target: str) -> list[int]:
     return [inter, inter]
 
 
-def _check_complete(model: DecoderLM, params: dict, loaded: set[str]) -> None:
+def _check_complete(params, loaded: set[str], tie_word_embeddings: bool) -> None:
     missing = []
     for name in params:
-        if name == "lm_head.weight" and model.tie_word_embeddings:
+        if name == "lm_head.weight" and tie_word_embeddings:
             continue
         if "qkv_proj" in name:
             need = [f"{name}#{i}" for i in range(3)]

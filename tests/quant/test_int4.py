@@ -29,34 +29,36 @@ def random_layer(n: int, k: int, generator) -> tuple[torch.Tensor, torch.Tensor,
 
 
 def test_quantize_is_within_half_a_step_and_packing_round_trips(generator):
-    w = torch.randn(40, 96, generator=generator)
+    w = torch.randn(40, 128, generator=generator)
     codes, d, m = quantize_int4(w)
-    assert codes.dtype == torch.uint8 and int(codes.max()) <= 15 and d.shape == (40, 3)
+    assert codes.dtype == torch.uint8 and int(codes.max()) <= 15 and d.shape == (40, 4)
     assert torch.equal(unpack_codes(pack_codes(codes)), codes)
-    deq = (codes.view(40, 3, 32).float() * d[..., None] + m[..., None]).view(40, 96)
-    assert ((deq - w).abs().view(40, 3, 32) <= d[..., None] / 2 + 1e-6).all()
+    deq = (codes.view(40, 4, 32).float() * d[..., None] + m[..., None]).view(40, 128)
+    assert ((deq - w).abs().view(40, 4, 32) <= d[..., None] / 2 + 1e-6).all()
     # every group uses both ends of the code range (min -> 0, max -> 15)
-    assert (codes.view(40, 3, 32).amin(-1) == 0).all() and (codes.view(40, 3, 32).amax(-1) == 15).all()
+    assert (codes.view(40, 4, 32).amin(-1) == 0).all() and (codes.view(40, 4, 32).amax(-1) == 15).all()
 
 
 def test_packed_byte_layout():
-    """Byte j of group g holds k = 32g + j (low nibble) and k = 32g + 16 + j (high nibble)."""
-    codes = (torch.arange(64) % 16).to(torch.uint8).view(1, 64)
+    """Byte j of a pair of groups holds k = 64p + j (low nibble) and k = 64p + 32 + j (high nibble)."""
+    codes = torch.zeros(1, 128, dtype=torch.uint8)
+    codes[0, 1], codes[0, 33], codes[0, 66], codes[0, 127] = 3, 5, 7, 15
     packed = pack_codes(codes)
-    assert packed[0, 0] == (0 | (0 << 4)) and packed[0, 1] == (1 | (1 << 4)) and packed[0, 16] == 0
-    codes[0, 16] = 9
-    assert pack_codes(codes)[0, 0] == 9 << 4
+    assert packed.shape == (1, 64) and packed[0, 1] == 3 | 5 << 4 and packed[0, 34] == 7 and packed[0, 63] == 15 << 4
+    assert int(packed.count_nonzero()) == 3
+    params = make_params(torch.full((1, 4), 2.0), torch.full((1, 4), -1.0))
+    assert params.shape == (1, 2, 4) and params[0, 0, 3] == 2.0 and params[0, 1, 0] == -1.0
 
 
 def test_kernel_dequantize_equals_reference(generator):
-    _, packed, params = random_layer(48, 160, generator)
+    _, packed, params = random_layer(48, 576, generator)  # 18 groups: 8 + 8 + a tail of 2
     assert torch.equal(kernel.int4_dequantize(packed, params), dequantize_int4(packed, params))
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 17])
 def test_kernel_matches_its_reference(rows, generator):
-    _, packed, params = random_layer(72, 192, generator)
-    x = torch.randn(rows, 192, generator=generator)
+    _, packed, params = random_layer(72, 576, generator)
+    x = torch.randn(rows, 576, generator=generator)
     x[0, :32] = 0.0  # an all-zero activation group
     torch.testing.assert_close(kernel.int4_matmul(x, packed, params), kernel.int4_matmul_ref(x, packed, params),
                                rtol=1e-5, atol=1e-4)
@@ -98,19 +100,28 @@ def test_int4_linear_is_the_dequantized_matmul(rows, bias, dtype, generator):
 
 
 def test_without_the_kernel_the_layer_dequantizes(monkeypatch, generator):
-    linear = nn.Linear(64, 40)
+    linear = nn.Linear(128, 40)
     layer = Int4Linear.from_linear(linear)
-    x = torch.randn(3, 64, generator=generator)
+    x = torch.randn(3, 128, generator=generator)
     monkeypatch.setattr(kernel, "is_available", lambda: False)
     expected = x @ dequantize_int4(layer.packed, layer.params).t() + linear.bias.detach()
     torch.testing.assert_close(layer(x), expected)
 
 
-def test_quantize_weights_int4_swaps_every_linear():
-    model = nn.Sequential(nn.Embedding(64, 32), nn.Linear(32, 32), nn.Linear(32, 64, bias=False))
+def test_quantize_weights_int4_swaps_every_layer(generator):
+    """Linears with in_features % 64 == 0 become int4 (others int8), the embedding int8 rows; a
+    tied head keeps its own copy of the table's values."""
+    from quant.int8 import Int8Embedding, Int8Linear
+
+    model = nn.Sequential(nn.Embedding(64, 64), nn.Linear(64, 64), nn.Linear(64, 64, bias=False), nn.Linear(96, 8))
     model[2].weight = model[0].weight
+    table = model[0].weight.detach().clone()
     quantize_weights(model, "int4")
-    assert [type(m) for m in model] == [nn.Embedding, Int4Linear, Int4Linear]
+    assert [type(m) for m in model] == [Int8Embedding, Int4Linear, Int4Linear, Int8Linear]
+    ids = torch.tensor([3, 0, 63])
+    torch.testing.assert_close(model[0](ids), table[ids], atol=table.abs().max().item() / 127, rtol=0)
+    head = dequantize_int4(model[2].packed, model[2].params)
+    torch.testing.assert_close(head, table, atol=(table.amax() - table.amin()).item() / 15, rtol=0)
 
 
 @pytest.mark.parametrize("method", ["ngram", "self-draft"])
