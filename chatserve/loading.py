@@ -97,7 +97,7 @@ def _load(model_dir: Path, model_cfg, dtype: torch.dtype, max_model_len: int, co
             if isinstance(module, SubsetHead):
                 module.linear = transform("lm_head.linear", module.linear)
                 return module
-        return quantize_module(module, scheme) if scheme in NATIVE_SCHEMES else module
+        return quantize_module(module, scheme, is_head=name.startswith("lm_head")) if scheme in NATIVE_SCHEMES else module
 
     if scheme in NATIVE_SCHEMES:
         prepare(scheme)

@@ -43,25 +43,28 @@ class Int8Linear(nn.Module):
     """Drop-in for nn.Linear (no training): y = x @ (w_int8 * scale).T + bias, in bf16."""
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
-                 dense_weight: torch.Tensor):
+                 dense_weight: torch.Tensor | None):
         super().__init__()
         self.out_features, self.in_features = qweight.shape
         self.register_buffer("qweight", qweight.contiguous())  # [out, in] int8
         self.register_buffer("scales", scales.to(COMPUTE_DTYPE))  # [out]
         self.register_buffer("bias", None if bias is None else bias.detach().to(COMPUTE_DTYPE))
-        self.register_buffer("dense_weight", dense_weight.detach().to(COMPUTE_DTYPE))  # [out, in], prefill
+        # [out, in], prefill; None: dequantized per call (a layer that rarely sees long chunks)
+        self.register_buffer("dense_weight", None if dense_weight is None else dense_weight.detach().to(COMPUTE_DTYPE))
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> "Int8Linear":
+    def from_linear(cls, linear: nn.Linear, keep_dense: bool = True) -> "Int8Linear":
         q, scales = quantize_int8(linear.weight.data)
-        return cls(q, scales, linear.bias, linear.weight.data)
+        return cls(q, scales, linear.bias, linear.weight.data if keep_dense else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).to(COMPUTE_DTYPE)  # [M, in]
         if rows.shape[0] <= SMALL_M:
             y = torch.ops.aten._weight_int8pack_mm(rows, self.qweight, self.scales)  # [M, out]
-        else:
+        elif self.dense_weight is not None:
             y = F.linear(rows, self.dense_weight)
+        else:
+            y = F.linear(rows, (self.qweight.to(COMPUTE_DTYPE) * self.scales[:, None]))
         if self.bias is not None:
             y = y + self.bias
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
