@@ -3,7 +3,8 @@ layer, so L3 cannot hold them): time for all 112 matmuls of one forward, by acti
 
     .venv/bin/python benchmarks/int4_kernels.py --rows 1 4 8 16 64 --json benchmarks/results/int4_kernels.json
 
-Kernels: chatserve's int4 (kernels/int4_matmul.py), torch's `_weight_int4pack_mm_for_cpu` (bf16
+Kernels: chatserve's int4 (kernels/int4_matmul.py) and its dense path (dequantize, then an fp32
+GEMM: what Int4Linear does past quant.int4.SMALL_M rows), torch's `_weight_int4pack_mm_for_cpu` (bf16
 activations), torch's `_weight_int8pack_mm` (quant/int8.py's decode path), dense fp32 and bf16.
 """
 
@@ -18,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kernels.int4_matmul import int4_matmul
+from kernels.int4_matmul import int4_dense_matmul, int4_matmul
 from quant.int4 import make_params, pack_codes
 
 SHAPES = [(2048, 1536), (1536, 1536), (17920, 1536), (1536, 8960)]  # (out, in): qkv, o, gate_up, down
@@ -29,9 +30,11 @@ def build(num_layers: int, kinds: list[str]) -> dict[str, list]:
     for _ in range(num_layers):
         for n, k in SHAPES:
             codes = torch.randint(0, 16, (n, k), dtype=torch.uint8)
-            if "chatserve-int4" in kinds:
+            if "chatserve-int4" in kinds or "chatserve-int4-dense" in kinds:
                 params = make_params(torch.rand(n, k // 32) * 0.01, torch.randn(n, k // 32) * 0.01)
-                weights["chatserve-int4"].append((pack_codes(codes), params))
+                for kind in ("chatserve-int4", "chatserve-int4-dense"):
+                    if kind in kinds:
+                        weights[kind].append((pack_codes(codes), params))
             if "torch-int4pack" in kinds:
                 packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.int(), 1)
                 weights["torch-int4pack"].append((packed, torch.randn(k // 32, n, 2).to(torch.bfloat16)))
@@ -50,6 +53,8 @@ def run(kind: str, ws: list, rows: int) -> None:
     for (n, k), w in zip(SHAPES * (len(ws) // len(SHAPES)), ws):
         if kind == "chatserve-int4":
             int4_matmul(xs[k], *w)
+        elif kind == "chatserve-int4-dense":  # Int4Linear's path past SMALL_M rows
+            int4_dense_matmul(xs[k], *w)
         elif kind == "torch-int4pack":
             torch.ops.aten._weight_int4pack_mm_for_cpu(xb[k], w[0], 32, w[1])
         elif kind == "torch-int8pack":

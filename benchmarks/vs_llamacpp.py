@@ -11,7 +11,7 @@ tokens (ignore_eos). The client records TTFT (request sent -> first content chun
         --drafts none qwen2.5-coder-0.5b-instruct --json benchmarks/results/vs_llamacpp_qwen1.5b.json
 
 llama.cpp is not a dependency and never runs in CI: build its `llama-server` yourself (see
-docs/benchmarks.md). Its draft settings follow CPU-NOTES: --draft-max 8 --draft-p-min 0.5.
+docs/benchmarks.md). Its draft settings follow CPU-NOTES: --spec-draft-n-max 8 --spec-draft-p-min 0.5.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def start_server(kind: str, quant: str | None, model: str, draft: str | None, po
         cmd = [llama_server, "-m", str(gguf_of(model)), "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
                "-tb", str(threads), "-c", "4096", "-np", "1", "--no-webui"]
         if draft:
-            cmd += ["-md", str(gguf_of(draft)), "--draft-max", "8", "--draft-p-min", "0.5", "-td", str(threads)]
+            cmd += ["-md", str(gguf_of(draft)), "--spec-draft-n-max", "8", "--spec-draft-p-min", "0.5", "-td", str(threads)]
     else:
         cmd = [sys.executable, "-m", "chatserve.cli", "serve", "--model", model, "--port", str(port),
                "--threads", str(threads), "-q", quant, "--max-model-len", "4096"]

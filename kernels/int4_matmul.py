@@ -72,11 +72,30 @@ def int4_matmul(x: torch.Tensor,  # [M, K] float32
     return ext.q4_matmul(xq, xd, xs, codes, params)
 
 
-def int4_dequantize(codes: torch.Tensor, params: torch.Tensor) -> torch.Tensor:  # [N, K] float32
-    """The weight a layer stands for, through the C++ kernel (quant.int4.dequantize_int4 is the reference)."""
+def int4_dequantize(codes: torch.Tensor, params: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The weight [N, K] float32 a layer stands for, through the C++ kernel (into `out` if given;
+    quant.int4.dequantize_int4 is the reference)."""
     ext = _extension()
     assert ext is not None, "int4_dequantize: the CPU kernel is not available (check is_available())"
-    return ext.q4_dequantize(codes, params)
+    if out is None:
+        out = torch.empty(codes.shape[0], codes.shape[1] * 2)
+    return ext.q4_dequantize(codes, params, out)
+
+
+def int4_dense_matmul(x: torch.Tensor,  # [M, K] float32
+                      codes: torch.Tensor, params: torch.Tensor,
+                      chunk_rows: int = 256) -> torch.Tensor:  # [M, N] float32
+    """x @ W.T for long chunks: W is dequantized chunk_rows output rows at a time into one reused
+    buffer (a whole fresh fp32 weight per call spent most of its time in page faults), each
+    chunk multiplied by a dense fp32 GEMM. No activation quantization on this path."""
+    n, k = codes.shape[0], codes.shape[1] * 2
+    out = torch.empty(x.shape[0], n)
+    scratch = torch.empty(min(chunk_rows, n), k)
+    for start in range(0, n, chunk_rows):
+        end = min(start + chunk_rows, n)
+        w = int4_dequantize(codes[start:end], params[start:end], scratch[: end - start])
+        out[:, start:end] = torch.mm(x, w.t())
+    return out
 
 
 def quantize_rows_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -166,14 +166,14 @@ torch::Tensor q4_matmul(torch::Tensor xq, torch::Tensor xd, torch::Tensor xs, to
   return y;
 }
 
-// codes [N, K/2], params [N, 2, K/32] -> W [N, K] float32 (for long prefill chunks, where a dense
-// GEMM beats the integer kernel).
-torch::Tensor q4_dequantize(torch::Tensor codes, torch::Tensor params) {
+// codes [N, K/2], params [N, 2, K/32] -> out [N, K] float32 (for long prefill chunks, where a
+// dense GEMM beats the integer kernel; the caller reuses `out` across row chunks).
+torch::Tensor q4_dequantize(torch::Tensor codes, torch::Tensor params, torch::Tensor w) {
   TORCH_CHECK(codes.scalar_type() == torch::kUInt8 && params.scalar_type() == torch::kHalf);
   TORCH_CHECK(codes.is_contiguous() && params.is_contiguous());
   const int64_t N = codes.size(0), K = codes.size(1) * 2, G = K / kGroup;
   TORCH_CHECK(K % (2 * kGroup) == 0 && params.size(0) == N && params.size(1) == 2 && params.size(2) == G);
-  auto w = torch::empty({N, K}, torch::dtype(torch::kFloat32));
+  TORCH_CHECK(w.scalar_type() == torch::kFloat32 && w.is_contiguous() && w.size(0) == N && w.size(1) == K);
   const uint8_t* c = codes.data_ptr<uint8_t>();
   const uint16_t* pm = reinterpret_cast<const uint16_t*>(params.data_ptr<at::Half>());
   float* out = w.data_ptr<float>();

@@ -27,7 +27,7 @@ from kernels import int4_matmul as kernel
 
 GROUP_SIZE = 32
 ROW_CHUNK = 4096  # rows quantized at a time (bounds the float temporaries)
-SMALL_M = 16  # rows up to which the int4 kernel beats dequantize + dense GEMM (benchmarks/int4_kernels.py)
+SMALL_M = 32  # rows up to which the int4 kernel runs; past ~32 the dense path wins (benchmarks/int4_kernels.py)
 
 
 def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -108,15 +108,15 @@ class Int4Linear(nn.Module):
             if self.bias is not None:
                 y += self.bias
             y = y.to(x.dtype)
-        else:  # a prefill chunk: compute-bound, so a dense GEMM in the activations' dtype wins
-            y = F.linear(rows, self.dense_weight(rows.dtype), None if self.bias is None else self.bias.to(rows.dtype))
+        elif kernel.is_available():  # a prefill chunk: compute-bound, so a dense fp32 GEMM wins
+            y = kernel.int4_dense_matmul(rows.float(), self.packed, self.params)
+            if self.bias is not None:
+                y += self.bias
+            y = y.to(x.dtype)
+        else:
+            y = F.linear(rows, dequantize_int4(self.packed, self.params, rows.dtype),
+                         None if self.bias is None else self.bias.to(rows.dtype))
         return y.view(*x.shape[:-1], self.out_features)
-
-    def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
-        """W [out, in] in `dtype`, made for one call (no dense copy is kept)."""
-        if kernel.is_available():
-            return kernel.int4_dequantize(self.packed, self.params).to(dtype)
-        return dequantize_int4(self.packed, self.params, dtype)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int4 groups of {GROUP_SIZE}"

@@ -176,3 +176,10 @@ def test_int4_engine_logits_stay_close_to_fp32(tiny_llama_dir):
     out = q4.generate([ref.tokenizer.encode("Hello")], SamplingParams(max_tokens=8, temperature=0.0))[0]
     assert len(out["token_ids"]) == 8
     assert q4.block_manager.num_free_blocks == q4.block_manager.num_blocks
+
+
+def test_dense_path_is_the_dequantized_matmul_across_row_chunks(generator):
+    _, packed, params = random_layer(300, 128, generator)  # 300 rows: chunks of 128, 128 and 44
+    x = torch.randn(7, 128, generator=generator)
+    expected = x @ dequantize_int4(packed, params).t()
+    torch.testing.assert_close(kernel.int4_dense_matmul(x, packed, params, chunk_rows=128), expected)
