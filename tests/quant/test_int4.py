@@ -168,7 +168,7 @@ def test_int4_engine_logits_stay_close_to_fp32(tiny_llama_dir):
     assert any(isinstance(m, Int4Linear) for m in q4.models.target.modules())
     for length in (5, int4.SMALL_M + 9):  # the kernel path, then the dense prefill path
         prompt = ref.tokenizer.encode("The quick brown fox jumps over the lazy dog")[:length]
-        item = [BatchItem(prompt, 0, [0, 1], 1)]
+        item = [BatchItem(prompt, 0, [0, 1, 2, 3], 1)]
         a, b = ref.models.target_runner.run(item)[0], q4.models.target_runner.run(item)[0]
         # 4 bits on random Gaussian weights cost ~10% per layer (range / 15 per step); real
         # models' quality is measured by benchmarks/weight_quality.py
