@@ -86,8 +86,8 @@ def wait_ready(port: int, proc: subprocess.Popen, timeout: float = 900) -> None:
     raise TimeoutError("server did not become ready")
 
 
-def stream_turn(port: int, prompt: str, max_tokens: int) -> dict:
-    body = {"model": "m", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+def stream_turn(port: int, prompt: str, max_tokens: int, model: str) -> dict:
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
             "temperature": 0.0, "stream": True, "ignore_eos": True, "cache_prompt": False}
     times, text = [], []
     start = time.perf_counter()
@@ -115,8 +115,8 @@ def run_config(kind: str, quant: str | None, args, draft: str | None) -> dict:
         t0 = time.perf_counter()
         wait_ready(port, proc)
         ready_s = time.perf_counter() - t0
-        stream_turn(port, "Say hello.", 8)  # warm-up, unrecorded
-        rows = {name: stream_turn(port, prompt, args.max_tokens)
+        stream_turn(port, "Say hello.", 8, args.model)  # warm-up, unrecorded
+        rows = {name: stream_turn(port, prompt, args.max_tokens, args.model)
                 for name, prompt in (("chat", CHAT_PROMPT), ("code_1k", code_prompt()))}
         return {"ready_s": ready_s, "turns": rows}
     finally:

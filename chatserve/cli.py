@@ -20,9 +20,10 @@ def _engine_args(p: argparse.ArgumentParser, default_model: str, default_draft: 
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="activation and unquantized-weight dtype: auto = bfloat16 where the CPU has native "
                         "bf16 (AVX-512 BF16 / AMX), else float32 (float32 for bit-exact comparisons)")
-    p.add_argument("--quantization", "-q", default="int8", choices=["int4", "int8", "none", "bnb-int8", "bnb-nf4"],
-                   help="weight quantization after loading: int8 (default) = weight-only int8 per channel, "
-                        "2.5x fewer bytes per token than bf16 on CPU; none = weights in --dtype")
+    p.add_argument("--quantization", "-q", default="auto", choices=["auto", "int4", "int8", "none", "bnb-int8", "bnb-nf4"],
+                   help="weight quantization after loading: auto (default) = int4 where its CPU kernel builds "
+                        "(groups of 32, 0.625 bytes per weight; LM head int8), else int8 (per channel); "
+                        "none = weights in --dtype")
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     p.add_argument("--draft-kv-cache-dtype", default=None, choices=KV_CACHE_DTYPES,
                    help="the draft model's KV format (default: same as --kv-cache-dtype)")
@@ -73,8 +74,16 @@ def engine_config(args) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens,
         num_threads=args.threads,
         spec=spec,
-        quantization=None if args.quantization == "none" else args.quantization,
+        quantization=_quantization(args.quantization),
     )
+
+
+def _quantization(choice: str) -> str | None:
+    if choice == "auto":
+        from kernels import int4_matmul
+
+        return "int4" if int4_matmul.is_available() else "int8"
+    return None if choice == "none" else choice
 
 
 def cmd_generate(args) -> int:
