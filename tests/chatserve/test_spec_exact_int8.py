@@ -1,7 +1,8 @@
 """Speculation stays token-for-token equal to plain greedy decoding in the fast formats too
-(bf16 activations, int8 weights), not only in fp32: verification rows attend one at a time
-exactly like decode steps, and the packed int8 GEMV gives each row the same result whatever
-the number of rows (checked here directly)."""
+(bf16 activations with int8 weights; fp32 activations with int4 weights), not only in fp32:
+verification rows attend one at a time exactly like decode steps, and the packed int8 GEMV and
+the int4 kernel give each row the same result whatever the number of rows (checked directly here
+and in tests/quant/test_int4.py)."""
 
 import pytest
 import torch
@@ -22,9 +23,10 @@ def test_int8_gemv_rows_do_not_depend_on_the_row_count(generator):
         assert torch.equal(torch.ops.aten._weight_int8pack_mm(x[:rows], weight, scales)[:1], alone)
 
 
+@pytest.mark.parametrize("weights", [("bfloat16", "int8"), ("float32", "int4")], ids=["bf16-int8", "fp32-int4"])
 @pytest.mark.parametrize("method", ["ngram", "self-draft"])
-def test_greedy_speculation_equals_plain_in_bf16_int8(tiny_llama_dir, method):
-    fast = dict(dtype="bfloat16", quantization="int8", kv_cache_memory=8 << 20)
+def test_greedy_speculation_equals_plain_in_fast_formats(tiny_llama_dir, method, weights):
+    fast = dict(dtype=weights[0], quantization=weights[1], kv_cache_memory=8 << 20)
     plain = Engine(EngineConfig(model=str(tiny_llama_dir), **fast))
     if method == "ngram":
         spec = SpecConfig(method="ngram", num_draft_tokens=4, adaptive=False)

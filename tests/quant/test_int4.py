@@ -1,21 +1,19 @@
 """Weight-only int4 (quant/int4.py, kernels/int4_matmul.py): the packing, the C++ kernel against
 its plain-torch reference, rows that do not depend on how many rows share a call, the layer's two
-paths, and greedy speculation equal to plain decoding on the int4 engine."""
+paths and the engine on int4 weights. Greedy speculation equal to plain decoding on int4:
+tests/chatserve/test_spec_exact_int8.py."""
 
 import pytest
 import torch
 from torch import nn
 
-from chatserve.config import EngineConfig, SpecConfig
+from chatserve.config import EngineConfig
 from chatserve.engine import Engine
 from chatserve.sampling_params import SamplingParams
 from kernels import int4_matmul as kernel
 from quant import int4
 from quant.apply import quantize_weights
 from quant.int4 import Int4Linear, dequantize_int4, make_params, pack_codes, quantize_int4, unpack_codes
-
-PROMPTS = ["Hello there", "def add(a, b):", "1, 2, 3, 4, 1, 2, 3,", "abcabcabcabc", "SELECT * FROM"]
-
 
 def test_kernel_builds_here():
     """CI machines have a compiler and an AVX2 CPU: the fast path must be the one tested."""
@@ -136,26 +134,6 @@ def test_quantize_weights_int4_swaps_every_layer(generator):
     torch.testing.assert_close(head, table, atol=step.item(), rtol=0)
     x = torch.randn(40, 64)  # past SMALL_M rows: the head dequantizes for the call
     torch.testing.assert_close(model.lm_head(x), x @ head.t(), atol=0.1, rtol=0.02)
-
-
-@pytest.mark.parametrize("method", ["ngram", "self-draft"])
-def test_greedy_speculation_equals_plain_on_int4(tiny_llama_dir, method):
-    fast = dict(dtype="float32", quantization="int4", kv_cache_memory=8 << 20)
-    plain = Engine(EngineConfig(model=str(tiny_llama_dir), **fast))
-    if method == "ngram":
-        spec = SpecConfig(method="ngram", num_draft_tokens=4, adaptive=False)
-    else:
-        spec = SpecConfig(method="draft", draft_model=str(tiny_llama_dir), num_draft_tokens=4, adaptive=False)
-    engine = Engine(EngineConfig(model=str(tiny_llama_dir), spec=spec, **fast))
-    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    prompts = [plain.tokenizer.encode(p) for p in PROMPTS]
-    expected = [plain.generate([p], params)[0]["token_ids"] for p in prompts]
-    got = [engine.generate([p], params)[0] for p in prompts]
-    assert [g["token_ids"] for g in got] == expected
-    assert sum(g["stats"].num_drafted for g in got) > 0
-    if method == "self-draft":
-        assert all(g["stats"].num_accepted == g["stats"].num_drafted for g in got)
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
 def test_int4_engine_logits_stay_close_to_fp32(tiny_llama_dir):
