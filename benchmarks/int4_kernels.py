@@ -2,10 +2,15 @@
 layer, so L3 cannot hold them): time for all 112 matmuls of one forward, by activation rows M.
 
     .venv/bin/python benchmarks/int4_kernels.py --rows 1 4 8 16 64 --json benchmarks/results/int4_kernels.json
+    .venv/bin/python benchmarks/int4_kernels.py --shapes head --layers 2 --rows 1 4 9 \
+        --kinds chatserve-int8 torch-int8pack chatserve-int4 --json benchmarks/results/head_kernels.json
 
-Kernels: chatserve's int4 (kernels/int4_matmul.py) and its dense path (dequantize, then an fp32
+`--shapes head` times the LM head instead ([151936, 1536], two copies so the second is cold).
+
+Kernels: chatserve's int4 (kernels/quant_matmul.py) and its dense path (dequantize, then an fp32
 GEMM: what Int4Linear does past quant.int4.SMALL_M rows), torch's `_weight_int4pack_mm_for_cpu` (bf16
-activations), torch's `_weight_int8pack_mm` (quant/int8.py's decode path), dense fp32 and bf16.
+activations), chatserve's int8 (quant/int8.py's decode path where the C++ kernel builds), torch's
+`_weight_int8pack_mm` (its fallback), dense fp32 and bf16.
 """
 
 from __future__ import annotations
@@ -19,10 +24,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kernels.int4_matmul import int4_dense_matmul, int4_matmul
+from kernels.quant_matmul import int4_dense_matmul, int4_matmul, int8_matmul
 from quant.int4 import make_params, pack_codes
 
-SHAPES = [(2048, 1536), (1536, 1536), (17920, 1536), (1536, 8960)]  # (out, in): qkv, o, gate_up, down
+SHAPE_SETS = {
+    "layers": [(2048, 1536), (1536, 1536), (17920, 1536), (1536, 8960)],  # (out, in): qkv, o, gate_up, down
+    "head": [(151936, 1536)],  # Qwen2.5's LM head
+}
+SHAPES = SHAPE_SETS["layers"]
 
 
 def build(num_layers: int, kinds: list[str]) -> dict[str, list]:
@@ -38,6 +47,8 @@ def build(num_layers: int, kinds: list[str]) -> dict[str, list]:
             if "torch-int4pack" in kinds:
                 packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.int(), 1)
                 weights["torch-int4pack"].append((packed, torch.randn(k // 32, n, 2).to(torch.bfloat16)))
+            if "chatserve-int8" in kinds:
+                weights["chatserve-int8"].append((codes.to(torch.int8) - 8, torch.rand(n) * 0.01))
             if "torch-int8pack" in kinds:
                 weights["torch-int8pack"].append((codes.to(torch.int8), torch.rand(n).to(torch.bfloat16)))
             if "dense-fp32" in kinds:
@@ -55,6 +66,8 @@ def run(kind: str, ws: list, rows: int) -> None:
             int4_matmul(xs[k], *w)
         elif kind == "chatserve-int4-dense":  # Int4Linear's path past SMALL_M rows
             int4_dense_matmul(xs[k], *w)
+        elif kind == "chatserve-int8":
+            int8_matmul(xs[k], *w)
         elif kind == "torch-int4pack":
             torch.ops.aten._weight_int4pack_mm_for_cpu(xb[k], w[0], 32, w[1])
         elif kind == "torch-int8pack":
@@ -70,10 +83,13 @@ def main() -> None:
     p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 64])
     p.add_argument("--kinds", nargs="+", default=["chatserve-int4", "torch-int4pack", "torch-int8pack", "dense-fp32", "dense-bf16"])
     p.add_argument("--layers", type=int, default=28)
+    p.add_argument("--shapes", choices=sorted(SHAPE_SETS), default="layers")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
+    global SHAPES
+    SHAPES = SHAPE_SETS[args.shapes]
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     weights = build(args.layers, args.kinds)
@@ -93,7 +109,7 @@ def main() -> None:
         print(json.dumps(line), flush=True)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"threads": args.threads, "layers": args.layers, "results": results}, indent=1))
+        args.json.write_text(json.dumps({"threads": args.threads, "layers": args.layers, "shapes": args.shapes, "results": results}, indent=1))
 
 
 if __name__ == "__main__":

@@ -80,9 +80,9 @@ def engine_config(args) -> EngineConfig:
 
 def _quantization(choice: str) -> str | None:
     if choice == "auto":
-        from kernels import int4_matmul
+        from kernels import quant_matmul
 
-        return "int4" if int4_matmul.is_available() else "int8"
+        return "int4" if quant_matmul.is_available() else "int8"
     return None if choice == "none" else choice
 
 

@@ -1,7 +1,7 @@
 """quantize_weights(model, scheme): swap a loaded model's nn.Linear layers in place.
 
 Runs after loading, so models/ never mentions quantization. Schemes:
-- "int4": weight-only 4-bit in groups of 32 (quant/int4.py, kernels/int4_matmul.py): 0.625
+- "int4": weight-only 4-bit in groups of 32 (quant/int4.py, kernels/quant_matmul.py): 0.625
   bytes per weight read per decode step. Every linear layer, the LM head included (a tied head
   gets its own 4-bit copy), and the embedding table as int8 rows.
 - "int8": weight-only int8 per output channel, bf16 maths (quant/int8.py): the fast CPU path,
@@ -42,9 +42,9 @@ def quantize_weights(model: nn.Module, scheme: str) -> nn.Module:
 def prepare(scheme: str) -> None:
     """Build what the scheme's kernels need now (once per machine), not in the first request."""
     if scheme == "int4":
-        from kernels import int4_matmul
+        from kernels import quant_matmul
 
-        int4_matmul.is_available()
+        quant_matmul.is_available()
 
 
 def quantize_module(module: nn.Module, scheme: str, is_head: bool = False) -> nn.Module:

@@ -7,7 +7,7 @@ files map onto it without a float round trip:
 
     w[n, k] = d[n, g] * code[n, k] + m[n, g],   g = k // 32,  code in 0..15
 
-The matmul is kernels/int4_matmul.py (C++, AVX2; activations quantized to int8 per group of 32
+The matmul is kernels/quant_matmul.py (C++, AVX2; activations quantized to int8 per group of 32
 as llama.cpp does). Without it (no compiler, another CPU) the layer dequantizes its weight for
 each call: correct, and slow.
 
@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import int4_matmul as kernel
+from kernels import quant_matmul as kernel
 
 GROUP_SIZE = 32
 ROW_CHUNK = 4096  # rows quantized at a time (bounds the float temporaries)

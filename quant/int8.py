@@ -1,4 +1,8 @@
-"""Weight-only int8 for fast CPU decode: per-output-channel symmetric int8 weights, bf16 maths.
+"""Weight-only int8 for fast CPU decode: per-output-channel symmetric int8 weights.
+
+Up to SMALL_M rows the layer runs kernels/quant_matmul.py's C++ kernel where it builds
+(activations quantized to int8 per group of 32, integer dots: each row computed the same way
+whatever the row count), else torch's packed kernel below in bf16. The history:
 
 Decode is a GEMV bound by the bytes of weights read per token. torch's own
 `_weight_int8pack_mm` (AVX-512 on this CPU) streams 1 byte per weight instead of 2 (bf16) or
@@ -17,6 +21,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from kernels import quant_matmul as kernel
 
 COMPUTE_DTYPE = torch.bfloat16  # the packed kernel's fp32 path is ~100x slower here
 SMALL_M = 32  # rows up to which the packed GEMV kernel wins (measured: 1..32 rows)
@@ -47,7 +53,7 @@ class Int8Linear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = qweight.shape
         self.register_buffer("qweight", qweight.contiguous())  # [out, in] int8
-        self.register_buffer("scales", scales.to(COMPUTE_DTYPE))  # [out]
+        self.register_buffer("scales", scales.float())  # [out]
         self.register_buffer("bias", None if bias is None else bias.detach().to(COMPUTE_DTYPE))
         # [out, in], prefill; None: dequantized per call (a layer that rarely sees long chunks)
         self.register_buffer("dense_weight", None if dense_weight is None else dense_weight.detach().to(COMPUTE_DTYPE))
@@ -58,13 +64,19 @@ class Int8Linear(nn.Module):
         return cls(q, scales, linear.bias, linear.weight.data if keep_dense else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features).to(COMPUTE_DTYPE)  # [M, in]
+        rows = x.reshape(-1, self.in_features)  # [M, in]
+        if rows.shape[0] <= SMALL_M and self.in_features % kernel.GROUP_SIZE == 0 and kernel.is_available():
+            y = kernel.int8_matmul(rows.float(), self.qweight, self.scales)  # [M, out] float32
+            if self.bias is not None:
+                y += self.bias
+            return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        rows = rows.to(COMPUTE_DTYPE)
         if rows.shape[0] <= SMALL_M:
-            y = torch.ops.aten._weight_int8pack_mm(rows, self.qweight, self.scales)  # [M, out]
+            y = torch.ops.aten._weight_int8pack_mm(rows, self.qweight, self.scales.to(COMPUTE_DTYPE))  # [M, out]
         elif self.dense_weight is not None:
             y = F.linear(rows, self.dense_weight)
         else:
-            y = F.linear(rows, (self.qweight.to(COMPUTE_DTYPE) * self.scales[:, None]))
+            y = F.linear(rows, (self.qweight.to(COMPUTE_DTYPE) * self.scales.to(COMPUTE_DTYPE)[:, None]))
         if self.bias is not None:
             y = y + self.bias
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)

@@ -1,4 +1,4 @@
-"""Weight-only int4 (quant/int4.py, kernels/int4_matmul.py): the packing, the C++ kernel against
+"""Weight-only int4 (quant/int4.py, kernels/quant_matmul.py): the packing, the C++ kernel against
 its plain-torch reference, rows that do not depend on how many rows share a call, the layer's two
 paths and the engine on int4 weights. Greedy speculation equal to plain decoding on int4:
 tests/chatserve/test_spec_exact_int8.py."""
@@ -10,7 +10,7 @@ from torch import nn
 from chatserve.config import EngineConfig
 from chatserve.engine import Engine
 from chatserve.sampling_params import SamplingParams
-from kernels import int4_matmul as kernel
+from kernels import quant_matmul as kernel
 from quant import int4
 from quant.apply import quantize_weights
 from quant.int4 import Int4Linear, dequantize_int4, make_params, pack_codes, quantize_int4, unpack_codes
@@ -18,6 +18,17 @@ from quant.int4 import Int4Linear, dequantize_int4, make_params, pack_codes, qua
 def test_kernel_builds_here():
     """CI machines have a compiler and an AVX2 CPU: the fast path must be the one tested."""
     assert kernel.is_available()
+
+
+def test_kernel_runs_on_every_torch_thread():
+    """at::parallel_for is a header template around `#pragma omp parallel`: built without
+    -fopenmp it runs everything on the calling thread (2x slower here, and nothing says so)."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert kernel.parallel_threads() == 2
+    finally:
+        torch.set_num_threads(saved)
 
 
 def random_layer(n: int, k: int, generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -1,6 +1,7 @@
-"""Weight-only int8 (quant/int8.py): the packed kernel computes x @ dequantize(w).T in bf16 for
-few rows (decode, verification), prefill chunks use the kept bf16 weight, and the engine runs
-end to end on an int8 model."""
+"""Weight-only int8 (quant/int8.py): the C++ kernel against its plain-torch reference and
+independent of the row count, the layer computes x @ dequantize(w).T for few rows (decode,
+verification), prefill chunks use the kept bf16 weight, and the engine runs end to end on an
+int8 model."""
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from chatserve.batch import BatchItem
 from chatserve.config import EngineConfig
 from chatserve.engine import Engine
 from chatserve.sampling_params import SamplingParams
+from kernels import quant_matmul as kernel
 from quant.apply import quantize_weights
 from quant.int8 import SMALL_M, Int8Linear, dequantize_int8, quantize_int8
 
@@ -23,14 +25,45 @@ def test_quantize_round_trip_within_half_a_step(generator):
     assert (q.abs().amax(dim=1) == 127).all()  # each row's largest weight uses the full range
 
 
+@pytest.mark.parametrize("k", [96, 576])  # 3 groups (all tail), 18 groups (8 + 8 + a tail of 2)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 17])
+def test_kernel_matches_its_reference(k, rows, generator):
+    q, scales = quantize_int8(torch.randn(40, k, generator=generator))
+    q[0, :32] = -127  # the sign trick at the range's ends
+    q[1, :32] = 127
+    x = torch.randn(rows, k, generator=generator)
+    x[0, 32:64] = 0.0  # an all-zero activation group
+    torch.testing.assert_close(kernel.int8_matmul(x, q, scales), kernel.int8_matmul_ref(x, q, scales),
+                               rtol=1e-5, atol=1e-4)
+
+
+def test_kernel_reference_is_close_to_the_float_matmul(generator):
+    q, scales = quantize_int8(torch.randn(64, 256, generator=generator))
+    x = torch.randn(6, 256, generator=generator)
+    exact = x @ dequantize_int8(q, scales).t()
+    assert (kernel.int8_matmul_ref(x, q, scales) - exact).abs().max() < 0.01 * exact.abs().max()
+
+
+def test_kernel_rows_do_not_depend_on_the_row_count(generator):
+    q, scales = quantize_int8(torch.randn(100, 320, generator=generator))
+    x = torch.randn(SMALL_M, 320, generator=generator)
+    alone = kernel.int8_matmul(x[:1], q, scales)
+    for rows in range(2, SMALL_M + 1):
+        out = kernel.int8_matmul(x[:rows], q, scales)
+        assert torch.equal(out[:1], alone), rows
+        assert torch.equal(out[rows - 1 : rows], kernel.int8_matmul(x[rows - 1 : rows], q, scales)), rows
+
+
 @pytest.mark.parametrize("rows", [1, 5, SMALL_M, SMALL_M + 7])
 @pytest.mark.parametrize("bias", [False, True])
 def test_int8_linear_is_the_dequantized_matmul(rows, bias, generator):
     linear = nn.Linear(256, 96, bias=bias)
     layer = Int8Linear.from_linear(linear)
     x = torch.randn(rows, 256, generator=generator)
-    weight = dequantize_int8(layer.qweight, layer.scales) if rows <= SMALL_M else linear.weight.detach().bfloat16().float()
-    ref = x.bfloat16().float() @ weight.t()
+    if rows <= SMALL_M:  # the C++ kernel on float rows
+        ref = x @ dequantize_int8(layer.qweight, layer.scales).t()
+    else:  # the kept bf16 weight
+        ref = x.bfloat16().float() @ linear.weight.detach().bfloat16().float().t()
     if bias:
         ref = ref + linear.bias.detach().bfloat16().float()
     out = layer(x)

@@ -1,4 +1,5 @@
-// int4 weight x int8-quantized activation matmul for x86 CPUs with AVX2 (kernels/int4_matmul.py).
+// Weight-only quantized matmuls for x86 CPUs with AVX2 (kernels/quant_matmul.py): int4 weights
+// (below) and int8 weights (q8_matmul, further down), both against activations quantized to int8.
 //
 // Weight layout (groups of 32 as GGUF's Q4_1 block; K % 64 == 0), one row per output feature:
 //   codes  [N, K/2] uint8: groups 2p and 2p + 1 of row n share bytes [32p, 32p + 32); byte j
@@ -95,6 +96,53 @@ void tile(const uint8_t* codes, const at::Half* params, const int8_t* xq, const 
   }
 }
 
+
+// int8 weights, one scale per output row (quant/int8.py: w = q * s, |q| <= 127), against the same
+// quantized activations: y[r, n] = s_n * sum_g xd_g * dot(q_g, xq_g). Signed x signed products go
+// through vpmaddubsw as |q| x (xq with q's sign) (llama.cpp's Q8_0 trick); |q|, |xq| <= 127 keep
+// the pair sums inside int16. Same tiling and per-row independence as the int4 tile.
+template <int R>
+void tile8(const int8_t* w, const float* ws, const int8_t* xq, const float* xd, float* y,
+           int64_t K, int64_t N, int64_t r0, int64_t n0, int64_t n1) {
+  const int64_t G = K / kGroup;
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t n = n0; n < n1; ++n) {
+    const int8_t* wr = w + n * K;
+    __m256 acc[R][2];
+    float tail[R];
+    for (int r = 0; r < R; ++r) {
+      acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+      tail[r] = 0.f;
+    }
+    int64_t g = 0;
+    for (; g + 8 <= G; g += 8) {
+      __m256 sv[R];
+      for (int r = 0; r < R; ++r) sv[r] = _mm256_loadu_ps(xd + (r0 + r) * G + g);
+      for (int q = 0; q < 8; ++q) {
+        const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + (g + q) * kGroup));
+        const __m256i aw = _mm256_sign_epi8(wv, wv);
+        const __m256i iq = _mm256_set1_epi32(q);
+        for (int r = 0; r < R; ++r) {
+          const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + (r0 + r) * K + (g + q) * kGroup));
+          const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, wv)), ones));
+          acc[r][q & 1] = _mm256_fmadd_ps(dot, _mm256_permutevar8x32_ps(sv[r], iq), acc[r][q & 1]);
+        }
+      }
+    }
+    for (; g < G; ++g) {  // the last G % 8 groups
+      const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + g * kGroup));
+      const __m256i aw = _mm256_sign_epi8(wv, wv);
+      for (int r = 0; r < R; ++r) {
+        const int64_t row = r0 + r;
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + row * K + g * kGroup));
+        const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, wv)), ones));
+        acc[r][g & 1] = _mm256_fmadd_ps(dot, _mm256_set1_ps(xd[row * G + g]), acc[r][g & 1]);
+      }
+    }
+    for (int r = 0; r < R; ++r) y[(r0 + r) * N + n] = hsum(_mm256_add_ps(acc[r][0], acc[r][1])) * ws[n];
+  }
+}
+
 }  // namespace
 
 // x [M, K] float32 -> (xq [M, K] int8, xd [M, K/32] float32, xs [M, K/32] float32)
@@ -166,6 +214,37 @@ torch::Tensor q4_matmul(torch::Tensor xq, torch::Tensor xd, torch::Tensor xs, to
   return y;
 }
 
+// y [M, N] float32 = x @ (q * s).T for the quantized activations of quantize_rows; q [N, K] int8
+// with |q| <= 127, s [N] float32.
+torch::Tensor q8_matmul(torch::Tensor xq, torch::Tensor xd, torch::Tensor qweight, torch::Tensor scales) {
+  TORCH_CHECK(xq.scalar_type() == torch::kInt8 && qweight.scalar_type() == torch::kInt8);
+  TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && xd.scalar_type() == torch::kFloat32);
+  TORCH_CHECK(xq.is_contiguous() && xd.is_contiguous() && qweight.is_contiguous() && scales.is_contiguous());
+  const int64_t M = xq.size(0), K = xq.size(1), N = qweight.size(0);
+  TORCH_CHECK(K % kGroup == 0 && qweight.size(1) == K && scales.numel() == N && xd.size(1) * kGroup == K);
+  auto y = torch::empty({M, N}, xd.options());
+  const int8_t* w = qweight.data_ptr<int8_t>();
+  const float* ws = scales.data_ptr<float>();
+  const int8_t* q = xq.data_ptr<int8_t>();
+  const float* d = xd.data_ptr<float>();
+  float* out = y.data_ptr<float>();
+  const int64_t chunk = std::max<int64_t>(16, (128 * 1024) / K);  // as q4_matmul: W read once
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t nb = n0; nb < n1; nb += chunk) {
+      const int64_t ne = std::min(nb + chunk, n1);
+      int64_t r = 0;
+      for (; r + 4 <= M; r += 4) tile8<4>(w, ws, q, d, out, K, N, r, nb, ne);
+      switch (M - r) {
+        case 3: tile8<3>(w, ws, q, d, out, K, N, r, nb, ne); break;
+        case 2: tile8<2>(w, ws, q, d, out, K, N, r, nb, ne); break;
+        case 1: tile8<1>(w, ws, q, d, out, K, N, r, nb, ne); break;
+        default: break;
+      }
+    }
+  });
+  return y;
+}
+
 // codes [N, K/2], params [N, 2, K/32] -> out [N, K] float32 (for long prefill chunks, where a
 // dense GEMM beats the integer kernel; the caller reuses `out` across row chunks).
 torch::Tensor q4_dequantize(torch::Tensor codes, torch::Tensor params, torch::Tensor w) {
@@ -200,8 +279,17 @@ torch::Tensor q4_dequantize(torch::Tensor codes, torch::Tensor params, torch::Te
   return w;
 }
 
+// How many threads at::parallel_for ran `items` items on (a check that the build has OpenMP).
+int64_t parallel_threads(int64_t items) {
+  std::vector<int> seen(at::get_num_threads(), 0);
+  at::parallel_for(0, items, 1, [&](int64_t, int64_t) { seen[at::get_thread_num()] = 1; });
+  return std::count(seen.begin(), seen.end(), 1);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("parallel_threads", &parallel_threads, "threads at::parallel_for uses here");
   m.def("quantize_rows", &quantize_rows, "per-row, per-32 int8 quantization of activations");
   m.def("q4_dequantize", &q4_dequantize, "int4 (groups of 32) weight -> float32");
   m.def("q4_matmul", &q4_matmul, "int4 (groups of 32) weight x int8 activation matmul");
+  m.def("q8_matmul", &q8_matmul, "int8 (per output row) weight x int8 activation matmul");
 }

@@ -1,4 +1,10 @@
-"""int4 weight matmul on the CPU: a small C++ kernel (AVX2), built on first use, plus references.
+"""Quantized-weight matmuls on the CPU: small C++ kernels (AVX2), built on first use, plus references.
+
+int4 (quant/int4.py) and int8 (quant/int8.py) weights against activations quantized to int8 per
+row and group of 32; both read their weight once per call and compute each output row the same
+way whatever the row count.
+
+int4:
 
 Layout (quant/int4.py): codes [N, K/2] uint8, two 4-bit codes per byte, groups 2p and 2p + 1 of
 a row in bytes [32p, 32p + 32) with byte j = code(64p + j) | code(64p + 32 + j) << 4; params
@@ -29,7 +35,7 @@ import torch
 from kernels.cpu_features import cpu_flags
 
 GROUP_SIZE = 32
-_SOURCE = Path(__file__).with_name("int4_matmul_cpu.cpp")
+_SOURCE = Path(__file__).with_name("quant_matmul_cpu.cpp")
 _CPU_FLAGS = ("avx2", "fma", "f16c")
 
 
@@ -44,8 +50,12 @@ def _extension():
         from torch.utils.cpp_extension import load
 
         print("chatserve: loading the int4 CPU kernel (built once per machine, ~1 min)", file=sys.stderr, flush=True)
-        return load(name="chatserve_int4_matmul", sources=[str(_SOURCE)],
-                    extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c"], verbose=False)
+        # -fopenmp: at::parallel_for is a header template around `#pragma omp parallel`; without
+        # the flag the pragma is dropped and every kernel runs on one thread. The soname
+        # libgomp.so.1 resolves to the copy torch already loaded: one OpenMP runtime, one team.
+        return load(name="chatserve_quant_matmul", sources=[str(_SOURCE)],
+                    extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                    verbose=False)
     except Exception as error:  # no compiler / ninja: the slow path still works
         print(f"chatserve: the int4 CPU kernel could not be built ({type(error).__name__}: "
               f"{str(error).splitlines()[0] if str(error) else ''}); int4 layers dequantize per call",
@@ -55,6 +65,14 @@ def _extension():
 
 def is_available() -> bool:
     return _extension() is not None
+
+
+def parallel_threads() -> int:
+    """How many threads the kernels' at::parallel_for runs on (torch.get_num_threads() when the
+    build has OpenMP; 1 when it silently dropped the pragma, as the first build did)."""
+    ext = _extension()
+    assert ext is not None, "parallel_threads: the CPU kernel is not available"
+    return ext.parallel_threads(64 * torch.get_num_threads())
 
 
 def int4_matmul(x: torch.Tensor,  # [M, K] float32
@@ -70,6 +88,31 @@ def int4_matmul(x: torch.Tensor,  # [M, K] float32
     assert params.dtype == torch.float16 and params.shape == (codes.shape[0], 2, x.shape[1] // GROUP_SIZE)
     xq, xd, xs = ext.quantize_rows(x.contiguous())
     return ext.q4_matmul(xq, xd, xs, codes, params)
+
+
+def int8_matmul(x: torch.Tensor,  # [M, K] float32, K % 32 == 0
+                qweight: torch.Tensor,  # [N, K] int8, |q| <= 127
+                scales: torch.Tensor,  # [N] float32
+                ) -> torch.Tensor:  # [M, N] float32
+    """x @ (qweight * scales[:, None]).T through the C++ kernel: activations quantized as for
+    int4 (per row and group of 32), signed integer dots, one float multiply-add per group."""
+    ext = _extension()
+    assert ext is not None, "int8_matmul: the CPU kernel is not available (check is_available())"
+    assert x.dim() == 2 and x.dtype == torch.float32 and x.shape[1] % GROUP_SIZE == 0, (x.shape, x.dtype)
+    assert qweight.dtype == torch.int8 and qweight.shape[1] == x.shape[1], (qweight.shape, x.shape)
+    assert scales.dtype == torch.float32 and scales.shape == (qweight.shape[0],)
+    xq, xd, _ = ext.quantize_rows(x.contiguous())
+    return ext.q8_matmul(xq, xd, qweight, scales)
+
+
+def int8_matmul_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """int8_matmul's maths in plain torch (float64 sums); differs only by summation order."""
+    xq, xd, _ = quantize_rows_ref(x)
+    m, k = xq.shape
+    n = qweight.shape[0]
+    dots = torch.einsum("mgj,ngj->mng", xq.double().view(m, k // GROUP_SIZE, GROUP_SIZE),
+                        qweight.double().view(n, k // GROUP_SIZE, GROUP_SIZE))  # [M, N, G]
+    return ((dots * xd.double()[:, None, :]).sum(-1) * scales.double()[None, :]).float()
 
 
 def int4_dequantize(codes: torch.Tensor, params: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
