@@ -11,6 +11,11 @@ tests/kernels/bench_attention_cpu.py in the module docstring there):
   before P . V. That reads 4x fewer cache bytes, so int8 beats fp32 from ~1k tokens on.
 Chunks of q_len >= PREFILL_Q_LEN use SDPA, whose tiles bound the memory the [Hkv, rows, S]
 score matrix of the bmm path would take (speed was measured on par).
+
+With a float32 query and cache and the C++ kernels built, every sequence with fewer than
+PREFILL_Q_LEN rows goes instead through kernels/decode_ops.paged_attention_rows in one call:
+one query row per (row, kv head), reading the blocks in place (no gather, no transposed copy).
+Each row sees exactly its causal context, so a verification row is computed as its decode step.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from kernels import decode_ops
 from quant.kv import kv_to_float
 
 # From this many query rows on, use SDPA (bounded memory) instead of materialized scores.
@@ -37,11 +43,37 @@ def paged_attention_cpu(query, k_cache, v_cache, block_tables, seq_lens, cu_q_le
     whole batch no longer fits in cache, while one sequence's context does.
     """
     out = torch.empty_like(query)  # [num_tokens, num_heads, head_dim]
+    if k_scale is None and k_cache.dtype == torch.float32 and decode_ops.usable(query, query.shape[-1]):
+        return _rows_in_cpp(out, query, k_cache, v_cache, block_tables, seq_lens, cu_q_lens, scale)
     for b, seq_len in enumerate(seq_lens):
         q_start, q_end = cu_q_lens[b], cu_q_lens[b + 1]
         keys, values, k_mults, v_mults = _gather(
             k_cache, v_cache, k_scale, v_scale, block_tables[b], seq_len)
         _attend(out[q_start:q_end], query[q_start:q_end], keys, values, k_mults, v_mults, scale)
+    return out
+
+
+def _rows_in_cpp(out, query, k_cache, v_cache, block_tables, seq_lens, cu_q_lens, scale) -> torch.Tensor:
+    """Sequences with q_len < PREFILL_Q_LEN: all their rows in one C++ call; longer chunks: SDPA."""
+    seqs, contexts, rows = [], [], []
+    for b, seq_len in enumerate(seq_lens):
+        q_start, q_end = cu_q_lens[b], cu_q_lens[b + 1]
+        q_len = q_end - q_start
+        if q_len >= PREFILL_Q_LEN:
+            keys, values, _, _ = _gather(k_cache, v_cache, None, None, block_tables[b], seq_len)
+            _attend(out[q_start:q_end], query[q_start:q_end], keys, values, None, None, scale)
+            continue
+        seqs += [b] * q_len
+        contexts += range(seq_len - q_len + 1, seq_len + 1)
+        rows += range(q_start, q_end)
+    if not rows:
+        return out
+    if len(rows) == query.shape[0]:  # every row (the usual decode / verification step)
+        return decode_ops.paged_attention_rows(query.contiguous(), k_cache, v_cache, block_tables, seqs, contexts,
+                                               scale, out=out)
+    index = torch.tensor(rows)
+    out[index] = decode_ops.paged_attention_rows(query[index].contiguous(), k_cache, v_cache, block_tables, seqs,
+                                                 contexts, scale)
     return out
 
 

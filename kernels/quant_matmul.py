@@ -25,42 +25,15 @@ quant/int4.py then dequantizes per call (correct, slow).
 
 from __future__ import annotations
 
-import functools
-import os
-import sys
-from pathlib import Path
-
 import torch
 
-from kernels.cpu_features import cpu_flags
+from kernels import cpu_ext
 
 GROUP_SIZE = 32
-_SOURCE = Path(__file__).with_name("quant_matmul_cpu.cpp")
-_CPU_FLAGS = ("avx2", "fma", "f16c")
 
 
-@functools.lru_cache(maxsize=1)
 def _extension():
-    """The compiled module, or None (no compiler, no ninja, or a CPU without AVX2/FMA/F16C)."""
-    if os.environ.get("CHATSERVE_NO_CPU_KERNELS"):
-        return None
-    if not set(_CPU_FLAGS) <= cpu_flags():
-        return None
-    try:
-        from torch.utils.cpp_extension import load
-
-        print("chatserve: loading the int4 CPU kernel (built once per machine, ~1 min)", file=sys.stderr, flush=True)
-        # -fopenmp: at::parallel_for is a header template around `#pragma omp parallel`; without
-        # the flag the pragma is dropped and every kernel runs on one thread. The soname
-        # libgomp.so.1 resolves to the copy torch already loaded: one OpenMP runtime, one team.
-        return load(name="chatserve_quant_matmul", sources=[str(_SOURCE)],
-                    extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"], extra_ldflags=["-fopenmp"],
-                    verbose=False)
-    except Exception as error:  # no compiler / ninja: the slow path still works
-        print(f"chatserve: the int4 CPU kernel could not be built ({type(error).__name__}: "
-              f"{str(error).splitlines()[0] if str(error) else ''}); int4 layers dequantize per call",
-              file=sys.stderr)
-        return None
+    return cpu_ext.extension()
 
 
 def is_available() -> bool:
@@ -103,6 +76,14 @@ def int8_matmul(x: torch.Tensor,  # [M, K] float32, K % 32 == 0
     assert scales.dtype == torch.float32 and scales.shape == (qweight.shape[0],)
     xq, xd, _ = ext.quantize_rows(x.contiguous())
     return ext.q8_matmul(xq, xd, qweight, scales)
+
+
+def f32_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ weight [N, K].T in float32 (K % 8 == 0), each row computed the same way whatever
+    M is (MKL's GEMM/GEMV do not promise that). For few rows: it reads W once per call."""
+    ext = _extension()
+    assert ext is not None, "f32_matmul: the CPU kernel is not available (check is_available())"
+    return ext.f32_matmul(x.contiguous(), weight.contiguous())
 
 
 def int8_matmul_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

@@ -14,20 +14,15 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include "cpu_simd.h"
 #include <algorithm>
 #include <cmath>
 
 namespace {
 
-constexpr int kGroup = 32;
+using chatserve::hsum;
 
-inline float hsum(__m256 v) {
-  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-  lo = _mm_add_ps(lo, hi);
-  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-  lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
-  return _mm_cvtss_f32(lo);
-}
+constexpr int kGroup = 32;
 
 // int32 lanes of code . xq for one group (u8 x s8 pairs -> i16, |.| <= 2 * 15 * 127), as float.
 inline __m256 group_dot(__m256i codes, const int8_t* xq, __m256i ones) {
@@ -143,6 +138,34 @@ void tile8(const int8_t* w, const float* ws, const int8_t* xq, const float* xd, 
   }
 }
 
+
+// float32 weights [N, K] (K % 8 == 0): each output a dot product in a fixed order (8-wide chunks,
+// even and odd chunks in two accumulators), so a row's result never depends on the row count,
+// which MKL's sgemm / sgemv switch does not promise (a decode row and the same row verified among
+// others differed in the last bits, enough to flip a greedy near-tie).
+template <int R>
+void tile_f32(const float* w, const float* x, float* y, int64_t K, int64_t N, int64_t r0, int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const float* wr = w + n * K;
+    __m256 acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+      const __m256 w0 = _mm256_loadu_ps(wr + k), w1 = _mm256_loadu_ps(wr + k + 8);
+      for (int r = 0; r < R; ++r) {
+        const float* xr = x + (r0 + r) * K + k;
+        acc[r][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xr), acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xr + 8), acc[r][1]);
+      }
+    }
+    if (k < K) {  // one last chunk of 8
+      const __m256 w0 = _mm256_loadu_ps(wr + k);
+      for (int r = 0; r < R; ++r) acc[r][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + (r0 + r) * K + k), acc[r][0]);
+    }
+    for (int r = 0; r < R; ++r) y[(r0 + r) * N + n] = hsum(_mm256_add_ps(acc[r][0], acc[r][1]));
+  }
+}
+
 }  // namespace
 
 // x [M, K] float32 -> (xq [M, K] int8, xd [M, K/32] float32, xs [M, K/32] float32)
@@ -245,6 +268,33 @@ torch::Tensor q8_matmul(torch::Tensor xq, torch::Tensor xd, torch::Tensor qweigh
   return y;
 }
 
+// y [M, N] float32 = x [M, K] @ w [N, K].T, rows independent of M (see tile_f32).
+torch::Tensor f32_matmul(torch::Tensor x, torch::Tensor w) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && w.scalar_type() == torch::kFloat32);
+  TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && x.dim() == 2 && w.dim() == 2);
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(K % 8 == 0 && w.size(1) == K);
+  auto y = torch::empty({M, N}, x.options());
+  const float* wp = w.data_ptr<float>();
+  const float* xp = x.data_ptr<float>();
+  float* out = y.data_ptr<float>();
+  const int64_t chunk = std::max<int64_t>(4, (128 * 1024) / (4 * K));  // as q4_matmul: W read once
+  at::parallel_for(0, N, 4, [&](int64_t n0, int64_t n1) {
+    for (int64_t nb = n0; nb < n1; nb += chunk) {
+      const int64_t ne = std::min(nb + chunk, n1);
+      int64_t r = 0;
+      for (; r + 4 <= M; r += 4) tile_f32<4>(wp, xp, out, K, N, r, nb, ne);
+      switch (M - r) {
+        case 3: tile_f32<3>(wp, xp, out, K, N, r, nb, ne); break;
+        case 2: tile_f32<2>(wp, xp, out, K, N, r, nb, ne); break;
+        case 1: tile_f32<1>(wp, xp, out, K, N, r, nb, ne); break;
+        default: break;
+      }
+    }
+  });
+  return y;
+}
+
 // codes [N, K/2], params [N, 2, K/32] -> out [N, K] float32 (for long prefill chunks, where a
 // dense GEMM beats the integer kernel; the caller reuses `out` across row chunks).
 torch::Tensor q4_dequantize(torch::Tensor codes, torch::Tensor params, torch::Tensor w) {
@@ -284,12 +334,4 @@ int64_t parallel_threads(int64_t items) {
   std::vector<int> seen(at::get_num_threads(), 0);
   at::parallel_for(0, items, 1, [&](int64_t, int64_t) { seen[at::get_thread_num()] = 1; });
   return std::count(seen.begin(), seen.end(), 1);
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("parallel_threads", &parallel_threads, "threads at::parallel_for uses here");
-  m.def("quantize_rows", &quantize_rows, "per-row, per-32 int8 quantization of activations");
-  m.def("q4_dequantize", &q4_dequantize, "int4 (groups of 32) weight -> float32");
-  m.def("q4_matmul", &q4_matmul, "int4 (groups of 32) weight x int8 activation matmul");
-  m.def("q8_matmul", &q8_matmul, "int8 (per output row) weight x int8 activation matmul");
 }

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from chatserve.batch import AttnMetadata
-from chatserve.models.layers import MLP, Attention, RMSNorm, Rotary
+from chatserve.models.layers import MLP, Attention, Linear, RMSNorm, Rotary
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -26,9 +26,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, positions, x, attn: AttnMetadata, kv_cache):
-        x = x + self.self_attn(positions, self.input_layernorm(x), attn, kv_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, positions, x, attn: AttnMetadata, kv_cache, residual=None):
+        """-> (x, delta): the layer's output is x + delta, which the next layer adds as it
+        normalizes (one pass instead of two; the final norm takes the last delta). x is
+        updated in place."""
+        attn_out = self.self_attn(positions, self.input_layernorm(x, residual), attn, kv_cache)
+        return x, self.mlp(self.post_attention_layernorm(x, attn_out))
 
 
 class DecoderLM(nn.Module):
@@ -48,15 +51,16 @@ class DecoderLM(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, qkv_bias) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
     def forward(self, input_ids, positions, attn: AttnMetadata, kv_caches) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [T, hidden]
+        delta = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(positions, x, attn, kv_cache)
-        return x
+            x, delta = layer(positions, x, attn, kv_cache, delta)
+        return x + delta
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] (only the rows that need logits) -> [N, vocab] float32."""

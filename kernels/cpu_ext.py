@@ -1,0 +1,50 @@
+"""The C++ CPU kernels (AVX2): one extension built from kernels/*_cpu.cpp by torch.utils.cpp_extension
+on first use (~1-2 min, cached per machine in ~/.cache/torch_extensions), or None.
+
+None where it cannot be built (no compiler or ninja), on a CPU without AVX2/FMA/F16C, or when
+CHATSERVE_NO_CPU_KERNELS is set; every caller then takes its plain-torch path (correct, slower).
+Users: kernels/quant_matmul.py (int4 / int8 weight matmuls), kernels/decode_ops.py (the decode
+step's norms, RoPE, KV store, attention, SiLU).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from pathlib import Path
+
+from kernels.cpu_features import cpu_flags
+
+_DIR = Path(__file__).parent
+SOURCES = ("quant_matmul_cpu.cpp", "decode_ops_cpu.cpp", "cpu_ext_bindings.cpp")
+CPU_FLAGS = ("avx2", "fma", "f16c")
+
+
+@functools.lru_cache(maxsize=1)
+def extension():
+    """The compiled module, or None (see the module docstring)."""
+    if os.environ.get("CHATSERVE_NO_CPU_KERNELS"):
+        return None
+    if not set(CPU_FLAGS) <= cpu_flags():
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        print("chatserve: loading the C++ CPU kernels (built once per machine, ~1-2 min)", file=sys.stderr, flush=True)
+        # -fopenmp: at::parallel_for is a header template around `#pragma omp parallel`; without
+        # the flag the pragma is dropped and every kernel runs on one thread. The soname
+        # libgomp.so.1 resolves to the copy torch already loaded: one OpenMP runtime, one team.
+        return load(name="chatserve_cpu", sources=[str(_DIR / s) for s in SOURCES],
+                    extra_include_paths=[str(_DIR)],
+                    extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                    verbose=False)
+    except Exception as error:  # no compiler / ninja: the slow paths still work
+        print(f"chatserve: the C++ CPU kernels could not be built ({type(error).__name__}: "
+              f"{str(error).splitlines()[0] if str(error) else ''}); using the plain-torch paths",
+              file=sys.stderr)
+        return None
+
+
+def is_available() -> bool:
+    return extension() is not None

@@ -1,0 +1,30 @@
+// Python bindings of the C++ CPU kernels (kernels/cpu_ext.py builds this with the *_cpu.cpp files).
+#include <torch/extension.h>
+
+std::vector<torch::Tensor> quantize_rows(torch::Tensor x);
+torch::Tensor q4_matmul(torch::Tensor xq, torch::Tensor xd, torch::Tensor xs, torch::Tensor codes, torch::Tensor params);
+torch::Tensor q8_matmul(torch::Tensor xq, torch::Tensor xd, torch::Tensor qweight, torch::Tensor scales);
+torch::Tensor q4_dequantize(torch::Tensor codes, torch::Tensor params, torch::Tensor w);
+int64_t parallel_threads(int64_t items);
+torch::Tensor f32_matmul(torch::Tensor x, torch::Tensor w);
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps, c10::optional<torch::Tensor> residual);
+torch::Tensor silu_mul(torch::Tensor gate_up);
+void rope_(torch::Tensor x, int64_t heads, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin);
+void store_kv(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots);
+void paged_attention_rows(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                          torch::Tensor block_tables, torch::Tensor seq, torch::Tensor ctx, double scale);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("parallel_threads", &parallel_threads, "threads at::parallel_for uses here");
+  m.def("quantize_rows", &quantize_rows, "per-row, per-32 int8 quantization of activations");
+  m.def("q4_dequantize", &q4_dequantize, "int4 (groups of 32) weight -> float32");
+  m.def("q4_matmul", &q4_matmul, "int4 (groups of 32) weight x int8 activation matmul");
+  m.def("f32_matmul", &f32_matmul, "float32 matmul for few rows, each row independent of the row count");
+  m.def("q8_matmul", &q8_matmul, "int8 (per output row) weight x int8 activation matmul");
+  m.def("rms_norm", &rms_norm, "RMSNorm of float32 rows (optionally adding a residual in place first)",
+        pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("eps"), pybind11::arg("residual") = pybind11::none());
+  m.def("silu_mul", &silu_mul, "silu(gate) * up");
+  m.def("rope_", &rope_, "rotate-half RoPE in place");
+  m.def("store_kv", &store_kv, "write K/V rows into float32 paged caches");
+  m.def("paged_attention_rows", &paged_attention_rows, "one-query-row paged attention over a float32 cache");
+}

@@ -1,0 +1,87 @@
+"""The decode step's small operations in C++ (kernels/decode_ops_cpu.cpp), with plain-torch references.
+
+A batch-1 decode step of Qwen2.5-1.5B spent ~30 ms of ~87 outside its weight matmuls, in ~20
+small torch ops per layer, each costing microseconds of dispatch and an OpenMP region for a few
+kilobytes of work: RMSNorm alone took ~95 us a call (benchmarks/decode_step.py --profile). Here
+each is one call: RMSNorm (optionally adding the residual first), rotate-half RoPE in place,
+the KV store, SiLU(gate) * up, and one-query-row paged attention that reads the cache blocks in
+place instead of gathering the context into a new tensor per layer.
+
+All of them are float32 only (`usable`): other dtypes, quantized KV caches and CUDA tensors take
+the torch paths in models/layers.py and kernels/attention_cpu.py, which are also the references
+the tests hold these against. Each op computes a row the same way whatever the row count, so
+verification rows equal decode rows bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels import cpu_ext
+
+
+def usable(x: torch.Tensor, *dims: int) -> bool:
+    """Whether the C++ ops take this activation: float32, on the CPU, with the extension built,
+    and the given sizes (hidden, head dim, intermediate) multiples of 16 (whole AVX2 vectors)."""
+    return (x.dtype == torch.float32 and not x.is_cuda and all(d % 16 == 0 for d in dims)
+            and cpu_ext.is_available())
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> torch.Tensor:
+    """F.rms_norm over the last dim in float32; with `residual`, x += residual (in place) first."""
+    return cpu_ext.extension().rms_norm(x, weight, eps, residual)
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None) -> torch.Tensor:
+    if residual is not None:
+        x += residual
+    return F.rms_norm(x, weight.shape, weight, eps)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[..., 2I] = [gate | up] -> silu(gate) * up [..., I]."""
+    return cpu_ext.extension().silu_mul(gate_up)
+
+
+def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def rope_(x: torch.Tensor, heads: int, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate-half RoPE in place on heads [0, heads) of x [T, N, D] (x[t] may be strided, heads
+    contiguous); cos, sin [max_positions, D/2], positions [T] int64."""
+    cpu_ext.extension().rope_(x, heads, positions, cos, sin)
+
+
+def rope_ref(x: torch.Tensor, heads: int, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    half = x.shape[-1] // 2
+    a, b = x[:, :heads, :half], x[:, :heads, half:]
+    c, s = cos[positions][:, None, :], sin[positions][:, None, :]
+    a_new, b_new = a * c - b * s, b * c + a * s
+    a.copy_(a_new)
+    b.copy_(b_new)
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """key, value [T, Hkv, D] into float32 caches [num_blocks, block_size, Hkv, D] at slots
+    (block * block_size + offset; < 0 skipped). kernels/kv_store.kv_store_ref is the reference."""
+    cpu_ext.extension().store_kv(key, value, k_cache, v_cache, slot_mapping)
+
+
+def paged_attention_rows(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         block_tables: torch.Tensor, seqs: list[int], contexts: list[int], scale: float,
+                         out: torch.Tensor | None = None) -> torch.Tensor:
+    """out[t] = attention of query row t [H, D] over the first contexts[t] tokens of sequence
+    seqs[t]'s blocks (block_tables row) in float32 caches; query, out [T, H, D].
+    kernels/attention.paged_attention_ref is the reference (with one row per causal position)."""
+    if out is None:
+        out = torch.empty_like(query)
+    cpu_ext.extension().paged_attention_rows(out, query, k_cache, v_cache, block_tables,
+                                             torch.tensor(seqs, dtype=torch.int64),
+                                             torch.tensor(contexts, dtype=torch.int64), scale)
+    return out

@@ -1,0 +1,246 @@
+// The small operations around a decode step's weight matmuls, in float32 (kernels/decode_ops.py
+// holds the launchers and the plain-torch references they are tested against).
+//
+// Each op computes one row (token) the same way whatever the number of rows in the call, so a
+// verification row equals the decode row for the same position bit for bit, as the matmul
+// kernels do.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <algorithm>
+#include <cmath>
+#include <vector>
+#include "cpu_simd.h"
+
+using chatserve::exp256;
+using chatserve::hmax;
+using chatserve::hsum;
+
+namespace {
+
+void check_f32(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == torch::kFloat32 && t.is_contiguous(), name, ": float32, contiguous");
+}
+
+}  // namespace
+
+// out [T, D] = x * rsqrt(mean(x^2) + eps) * w, as F.rms_norm in float32. With `residual`
+// (same shape), x += residual first, in place: the decoder's "add, then normalize".
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps, c10::optional<torch::Tensor> residual) {
+  check_f32(x, "rms_norm x");
+  check_f32(w, "rms_norm w");
+  const int64_t D = x.size(-1), T = x.numel() / D;
+  TORCH_CHECK(D % 8 == 0 && w.numel() == D);
+  float* xp = x.data_ptr<float>();
+  const float* rp = nullptr;
+  if (residual.has_value()) {
+    check_f32(*residual, "rms_norm residual");
+    TORCH_CHECK(residual->numel() == x.numel());
+    rp = residual->data_ptr<float>();
+  }
+  auto out = torch::empty_like(x);
+  float* op = out.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      float* row = xp + t * D;
+      __m256 ss = _mm256_setzero_ps();
+      for (int64_t j = 0; j < D; j += 8) {
+        __m256 v = _mm256_loadu_ps(row + j);
+        if (rp) {
+          v = _mm256_add_ps(v, _mm256_loadu_ps(rp + t * D + j));
+          _mm256_storeu_ps(row + j, v);
+        }
+        ss = _mm256_fmadd_ps(v, v, ss);
+      }
+      const __m256 inv = _mm256_set1_ps(1.f / std::sqrt(hsum(ss) / static_cast<float>(D) + static_cast<float>(eps)));
+      for (int64_t j = 0; j < D; j += 8)
+        _mm256_storeu_ps(op + t * D + j, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(row + j), inv), _mm256_loadu_ps(wp + j)));
+    }
+  });
+  return out;
+}
+
+// out [T, I] = silu(gate) * up for gate_up [T, 2I] = [gate | up].
+torch::Tensor silu_mul(torch::Tensor gate_up) {
+  check_f32(gate_up, "silu_mul");
+  const int64_t I = gate_up.size(-1) / 2, T = gate_up.numel() / (2 * I);
+  TORCH_CHECK(I % 8 == 0);
+  auto sizes = gate_up.sizes().vec();
+  sizes.back() = I;
+  auto out = torch::empty(sizes, gate_up.options());
+  const float* gp = gate_up.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const __m256 one = _mm256_set1_ps(1.f), neg = _mm256_set1_ps(-0.f);
+  at::parallel_for(0, T * (I / 8), 256, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t t = i / (I / 8), j = (i % (I / 8)) * 8;
+      const __m256 g = _mm256_loadu_ps(gp + t * 2 * I + j), u = _mm256_loadu_ps(gp + t * 2 * I + I + j);
+      const __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, exp256(_mm256_xor_ps(g, neg))));
+      _mm256_storeu_ps(op + t * I + j, _mm256_mul_ps(_mm256_mul_ps(g, sig), u));
+    }
+  });
+  return out;
+}
+
+// Rotate-half RoPE in place on the first `heads` heads of x [T, N, D] (query and key heads of a
+// fused qkv output; x may be a row-strided view): with x = [a | b] per head and c, s the
+// position's cos, sin [D/2]: [a c - b s | b c + a s]. cos, sin [P, D/2] float32.
+void rope_(torch::Tensor x, int64_t heads, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2));
+  check_f32(cos, "rope cos");
+  check_f32(sin, "rope sin");
+  TORCH_CHECK(positions.scalar_type() == torch::kInt64 && positions.numel() == x.size(0));
+  const int64_t T = x.size(0), D = x.size(2), H2 = D / 2, row_stride = x.stride(0);
+  TORCH_CHECK(H2 % 8 == 0 && cos.size(1) == H2 && heads <= x.size(1));
+  float* xp = x.data_ptr<float>();
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  at::parallel_for(0, T * heads, 64, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t t = i / heads, h = i % heads;
+      float* a = xp + t * row_stride + h * D;
+      float* b = a + H2;
+      const float* c = cp + pos[t] * H2;
+      const float* s = sp + pos[t] * H2;
+      for (int64_t j = 0; j < H2; j += 8) {
+        const __m256 va = _mm256_loadu_ps(a + j), vb = _mm256_loadu_ps(b + j);
+        const __m256 vc = _mm256_loadu_ps(c + j), vs = _mm256_loadu_ps(s + j);
+        _mm256_storeu_ps(a + j, _mm256_fmsub_ps(va, vc, _mm256_mul_ps(vb, vs)));
+        _mm256_storeu_ps(b + j, _mm256_fmadd_ps(vb, vc, _mm256_mul_ps(va, vs)));
+      }
+    }
+  });
+}
+
+// Write key, value [T, Hkv, D] (row-strided views allowed) into the float32 paged caches
+// [NB, BS, Hkv, D] at slots [T] (block * BS + offset); a slot < 0 is skipped.
+void store_kv(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots) {
+  TORCH_CHECK(key.scalar_type() == torch::kFloat32 && value.scalar_type() == torch::kFloat32);
+  TORCH_CHECK(key.stride(2) == 1 && key.stride(1) == key.size(2) && value.stride(2) == 1 && value.stride(1) == value.size(2));
+  check_f32(k_cache, "store_kv k_cache");
+  check_f32(v_cache, "store_kv v_cache");
+  TORCH_CHECK(slots.scalar_type() == torch::kInt64 && slots.numel() == key.size(0));
+  const int64_t T = key.size(0), row = key.size(1) * key.size(2);
+  TORCH_CHECK(k_cache.size(2) * k_cache.size(3) == row);
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) {
+    if (sl[t] < 0) continue;
+    TORCH_CHECK(sl[t] < num_slots, "store_kv: slot out of range");
+    std::copy_n(key.data_ptr<float>() + t * key.stride(0), row, k_cache.data_ptr<float>() + sl[t] * row);
+    std::copy_n(value.data_ptr<float>() + t * value.stride(0), row, v_cache.data_ptr<float>() + sl[t] * row);
+  }
+}
+
+// One query row per (row, kv head) work item over a float32 paged cache, no gather:
+//   out[t, h] = softmax_j(scale * q[t, h] . K[j, h / G]) . V[j, h / G],  j < ctx[t]
+// for the G = H / Hkv query heads that share kv head h / G. Row t belongs to sequence seq[t]
+// (its block table) and sees its first ctx[t] tokens. q, out [T, H, D]; caches [NB, BS, Hkv, D];
+// block_tables [B, max_blocks] int32.
+void paged_attention_rows(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                          torch::Tensor block_tables, torch::Tensor seq, torch::Tensor ctx, double scale) {
+  check_f32(out, "attention out");
+  check_f32(q, "attention q");
+  check_f32(k_cache, "attention k_cache");
+  check_f32(v_cache, "attention v_cache");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && block_tables.is_contiguous());
+  TORCH_CHECK(seq.scalar_type() == torch::kInt64 && ctx.scalar_type() == torch::kInt64);
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t BS = k_cache.size(1), Hkv = k_cache.size(2), G = H / Hkv, MB = block_tables.size(1);
+  TORCH_CHECK(k_cache.size(3) == D && H % Hkv == 0 && D % 16 == 0 && out.sizes() == q.sizes());
+  const int64_t num_blocks = k_cache.size(0);
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k_cache.data_ptr<float>();
+  const float* vp = v_cache.data_ptr<float>();
+  const int32_t* bt = block_tables.data_ptr<int32_t>();
+  const int64_t* sq = seq.data_ptr<int64_t>();
+  const int64_t* cx = ctx.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  const float fscale = static_cast<float>(scale);
+  for (int64_t t = 0; t < T; ++t) {  // checked here: nothing may throw inside the parallel region
+    TORCH_CHECK(sq[t] >= 0 && sq[t] < block_tables.size(0), "attention: bad sequence index");
+    TORCH_CHECK(cx[t] >= 1 && (cx[t] + BS - 1) / BS <= MB, "attention: context beyond the block table");
+    for (int64_t b = 0; b < (cx[t] + BS - 1) / BS; ++b)
+      TORCH_CHECK(bt[sq[t] * MB + b] >= 0 && bt[sq[t] * MB + b] < num_blocks, "attention: bad block id");
+  }
+  at::parallel_for(0, T * Hkv, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> scores;
+    std::vector<int64_t> kv_rows;  // offset of token j's row (this kv head) in either cache
+    for (int64_t item = i0; item < i1; ++item) {
+      const int64_t t = item / Hkv, kh = item % Hkv, S = cx[t];
+      const int32_t* table = bt + sq[t] * MB;
+      scores.resize(G * S);
+      kv_rows.resize(S);
+      for (int64_t j = 0; j < S; ++j) kv_rows[j] = ((static_cast<int64_t>(table[j / BS]) * BS + j % BS) * Hkv + kh) * D;
+      // Scores: one pass over the keys, every head of the group per key.
+      for (int64_t j = 0; j < S; ++j) {
+        const float* k = kp + kv_rows[j];
+        for (int64_t g = 0; g < G; ++g) {
+          const float* qh = qp + (t * H + kh * G + g) * D;
+          __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+          for (int64_t d = 0; d < D; d += 16) {
+            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d), _mm256_loadu_ps(k + d), a0);
+            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d + 8), _mm256_loadu_ps(k + d + 8), a1);
+          }
+          scores[g * S + j] = hsum(_mm256_add_ps(a0, a1)) * fscale;
+        }
+      }
+      // Softmax per head (unnormalized here; 1 / sum is applied to the output).
+      std::vector<float> inv_sum(G);
+      for (int64_t g = 0; g < G; ++g) {
+        float* sc = scores.data() + g * S;
+        __m256 mv = _mm256_set1_ps(-INFINITY);
+        int64_t j = 0;
+        for (; j + 8 <= S; j += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(sc + j));
+        float m = hmax(mv);
+        for (; j < S; ++j) m = std::max(m, sc[j]);
+        const __m256 mb = _mm256_set1_ps(m);
+        __m256 sv = _mm256_setzero_ps();
+        j = 0;
+        for (; j + 8 <= S; j += 8) {
+          const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sc + j), mb));
+          _mm256_storeu_ps(sc + j, e);
+          sv = _mm256_add_ps(sv, e);
+        }
+        float sum = hsum(sv);
+        if (j < S) {  // the tail through the same vector exp, padded
+          alignas(32) float buf[8];
+          std::fill_n(buf, 8, -INFINITY);
+          std::copy(sc + j, sc + S, buf);
+          alignas(32) float e[8];
+          _mm256_store_ps(e, exp256(_mm256_sub_ps(_mm256_load_ps(buf), mb)));
+          for (int64_t r = 0; r < S - j; ++r) {
+            sc[j + r] = e[r];
+            sum += e[r];
+          }
+        }
+        inv_sum[g] = 1.f / sum;
+      }
+      // Output: 16 columns at a time, up to 4 heads per pass, V read once per pass.
+      for (int64_t d = 0; d < D; d += 16) {
+        for (int64_t g0 = 0; g0 < G; g0 += 4) {
+          const int64_t gn = std::min<int64_t>(4, G - g0);
+          __m256 acc[4][2];
+          for (int g = 0; g < 4; ++g) acc[g][0] = acc[g][1] = _mm256_setzero_ps();
+          for (int64_t j = 0; j < S; ++j) {
+            const float* v = vp + kv_rows[j] + d;
+            const __m256 v0 = _mm256_loadu_ps(v), v1 = _mm256_loadu_ps(v + 8);
+            for (int g = 0; g < gn; ++g) {
+              const __m256 p = _mm256_set1_ps(scores[(g0 + g) * S + j]);
+              acc[g][0] = _mm256_fmadd_ps(p, v0, acc[g][0]);
+              acc[g][1] = _mm256_fmadd_ps(p, v1, acc[g][1]);
+            }
+          }
+          for (int g = 0; g < gn; ++g) {
+            float* o = op + (t * H + kh * G + g0 + g) * D + d;
+            const __m256 inv = _mm256_set1_ps(inv_sum[g0 + g]);
+            _mm256_storeu_ps(o, _mm256_mul_ps(acc[g][0], inv));
+            _mm256_storeu_ps(o + 8, _mm256_mul_ps(acc[g][1], inv));
+          }
+        }
+      }
+    }
+  });
+}

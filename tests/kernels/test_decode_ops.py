@@ -1,0 +1,159 @@
+"""The decode step's C++ ops (kernels/decode_ops.py) against their plain-torch references, rows that
+do not depend on how many rows share a call, and the model paths that use them against the torch
+paths they replace (the same model with the C++ kernels switched off)."""
+
+import pytest
+import torch
+
+from kernels import cpu_ext, decode_ops
+from kernels.attention import paged_attention_ref
+from kernels.attention_cpu import PREFILL_Q_LEN
+from kernels.kv_store import kv_store_ref
+from tests.kernels.paged_case import make_paged_case
+
+
+def test_the_extension_builds_here():
+    """CI machines have a compiler and an AVX2 CPU: the fast paths must be the ones tested."""
+    assert cpu_ext.is_available() and decode_ops.usable(torch.zeros(1))
+    assert not decode_ops.usable(torch.zeros(1, dtype=torch.bfloat16))
+    assert not decode_ops.usable(torch.zeros(1), 64, 72)  # a size that is no whole number of vectors
+
+
+@pytest.mark.parametrize("rows", [1, 3, 40])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm(rows, with_residual, generator):
+    x = torch.randn(rows, 576, generator=generator) * 3
+    w = torch.randn(576, generator=generator)
+    residual = torch.randn(rows, 576, generator=generator) if with_residual else None
+    x_ref = x.clone()
+    ref = decode_ops.rms_norm_ref(x_ref, w, 1e-5, residual)
+    out = decode_ops.rms_norm(x, w, 1e-5, residual)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(x, x_ref, rtol=0, atol=0)  # the residual was added in place (or not at all)
+
+
+def test_silu_mul(generator):
+    gate_up = torch.randn(5, 2 * 96, generator=generator) * 6  # exp over a wide range
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -20.0])
+    torch.testing.assert_close(decode_ops.silu_mul(gate_up), decode_ops.silu_mul_ref(gate_up), rtol=1e-6, atol=1e-6)
+
+
+def test_rope_rotates_only_the_given_heads_in_place(generator):
+    t, heads, n, d = 4, 5, 7, 64
+    qkv = torch.randn(t, n, d, generator=generator)
+    angles = torch.rand(50, d // 2, generator=generator) * 6
+    cos, sin = angles.cos(), angles.sin()
+    positions = torch.tensor([0, 7, 49, 3])
+    ref = qkv.clone()
+    decode_ops.rope_ref(ref, heads, positions, cos, sin)
+    decode_ops.rope_(qkv, heads, positions, cos, sin)
+    torch.testing.assert_close(qkv, ref, rtol=1e-6, atol=1e-6)
+    assert not torch.equal(qkv[:, :heads], torch.zeros(0)) and torch.equal(qkv[:, heads:], ref[:, heads:])
+
+
+def test_store_kv_matches_the_reference_and_skips_negative_slots(generator):
+    k_cache = torch.zeros(6, 4, 2, 64)
+    v_cache = torch.zeros(6, 4, 2, 64)
+    fused = torch.randn(5, 2 + 2 + 2, 64, generator=generator)  # strided K and V views, as the model passes
+    key, value = fused[:, 2:4], fused[:, 4:6]
+    slots = torch.tensor([3, 21, -1, 0, 17])
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    kv_store_ref(key, value, k_ref, v_ref, slots)
+    decode_ops.store_kv(key, value, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        decode_ops.store_kv(key, value, k_cache, v_cache, torch.tensor([0, 1, 2, 3, 24]))
+
+
+# (seq_lens, q_lens, block_size), (num_heads, num_kv_heads, head_dim)
+CASES = [
+    (([1, 17, 40], [1, 1, 1], 8), (6, 2, 128)),  # decodes; a partial block; four blocks
+    (([23, 16], [5, 5], 8), (4, 4, 64)),  # verification rows across a block boundary
+    (([30, 6, 70], [1, 6, 20], 16), (9, 3, 64)),  # a decode, a whole prompt, a chunk; SmolLM2's GQA
+    (([300], [1], 16), (14, 2, 64)),  # a longer context; the 0.5B's group of 7 (two passes of heads)
+    (([100, 80], [PREFILL_Q_LEN + 6, 3], 16), (6, 2, 64)),  # a long chunk (SDPA) beside C++ rows
+]
+
+
+@pytest.mark.parametrize("batch,shape", CASES)
+def test_paged_attention_rows_match_the_reference(batch, shape, generator):
+    seq_lens, q_lens, block_size = batch
+    case = make_paged_case(seq_lens, q_lens, *shape, block_size, torch.float32, "auto", generator)
+    from kernels.attention import paged_attention
+
+    out = paged_attention(*case.args())  # float32: the C++ rows (and SDPA for the long chunk)
+    torch.testing.assert_close(out, paged_attention_ref(*case.args()), rtol=1e-4, atol=2e-5)
+
+
+def test_a_row_does_not_depend_on_the_rows_beside_it(generator):
+    """A verification row equals the decode step at its position, bit for bit."""
+    case = make_paged_case([40], [9], 6, 2, 128, 8, torch.float32, "auto", generator)
+    together = decode_ops.paged_attention_rows(case.query, case.k_cache, case.v_cache, case.block_tables,
+                                               [0] * 9, list(range(32, 41)), case.scale)
+    for i in range(9):
+        alone = decode_ops.paged_attention_rows(case.query[i : i + 1].contiguous(), case.k_cache, case.v_cache,
+                                                case.block_tables, [0], [32 + i], case.scale)
+        assert torch.equal(together[i : i + 1], alone), i
+
+
+def test_paged_attention_rows_reject_a_context_beyond_the_table(generator):
+    case = make_paged_case([17], [1], 4, 2, 64, 8, torch.float32, "auto", generator)
+    with pytest.raises(RuntimeError, match="beyond the block table|bad block id"):
+        decode_ops.paged_attention_rows(case.query, case.k_cache, case.v_cache, case.block_tables, [0], [40],
+                                        case.scale)
+
+
+def test_model_with_the_cpp_ops_matches_the_torch_paths(tiny_llama_dir, monkeypatch):
+    """The whole forward (norms, RoPE, KV store, attention, SiLU) on a tiny model: the logits of
+    every prompt row, then of decode and verification steps, through the C++ ops against the same
+    model on the torch paths; and the same greedy tokens end to end."""
+    from chatserve.batch import BatchItem
+    from chatserve.config import EngineConfig
+    from chatserve.engine import Engine
+    from chatserve.sampling_params import SamplingParams
+
+    def run() -> tuple[list[torch.Tensor], list[int]]:
+        engine = Engine(EngineConfig(model=str(tiny_llama_dir), kv_cache_memory=8 << 20))
+        runner = engine.models.target_runner
+        ids = engine.tokenizer.encode("The quick brown fox jumps over the lazy dog, again and again")
+        blocks = list(range(8))
+        logits = [runner.run([BatchItem(ids, 0, blocks, len(ids))])[0]]
+        logits.append(runner.run([BatchItem([5], len(ids), blocks, 1)])[0])  # a decode step
+        logits.append(runner.run([BatchItem([6, 7, 8], len(ids) + 1, blocks, 3)])[0])  # verification rows
+        out = engine.generate([ids], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0]
+        return logits, out["token_ids"]
+
+    fast_logits, fast_ids = run()
+    monkeypatch.setattr(decode_ops, "usable", lambda x, *dims: False)
+    slow_logits, slow_ids = run()
+    for fast, slow in zip(fast_logits, slow_logits):
+        torch.testing.assert_close(fast, slow, rtol=1e-4, atol=1e-4)
+    assert fast_ids == slow_ids
+
+
+@pytest.mark.parametrize("k", [64, 72, 1536])  # 16-wide chunks only; a last chunk of 8; a real width
+def test_f32_matmul_is_close_to_f_linear_and_its_rows_do_not_depend_on_the_row_count(k, generator):
+    """MKL's sgemm and sgemv round a row differently (rows of F.linear(x[:m]) change with m);
+    this kernel must not: it is what keeps dense-float32 greedy speculation lossless."""
+    from chatserve.models.layers import SMALL_M
+    from kernels.quant_matmul import f32_matmul
+
+    w = torch.randn(50, k, generator=generator)
+    x = torch.randn(SMALL_M, k, generator=generator)
+    torch.testing.assert_close(f32_matmul(x, w), torch.nn.functional.linear(x, w), rtol=1e-5, atol=1e-4)
+    alone = [f32_matmul(x[i : i + 1], w) for i in range(SMALL_M)]
+    for m in (2, 3, 5, 9, SMALL_M):
+        out = f32_matmul(x[:m], w)
+        assert all(torch.equal(out[i : i + 1], alone[i]) for i in range(m)), m
+
+
+def test_model_linear_takes_the_kernel_for_few_float32_rows(generator):
+    from chatserve.models.layers import SMALL_M, Linear
+    from kernels.quant_matmul import f32_matmul
+
+    layer = Linear(64, 24, bias=True)
+    x = torch.randn(2, 3, 64, generator=generator)
+    expected = f32_matmul(x.view(-1, 64), layer.weight.detach()) + layer.bias.detach()
+    assert torch.equal(layer(x).view(-1, 24), expected)
+    many = torch.randn(SMALL_M + 1, 64, generator=generator)  # past SMALL_M: F.linear
+    assert torch.equal(layer(many), torch.nn.functional.linear(many, layer.weight, layer.bias))
