@@ -27,7 +27,7 @@ from kernels import quant_matmul as kernel
 
 GROUP_SIZE = 32
 ROW_CHUNK = 4096  # rows quantized at a time (bounds the float temporaries)
-SMALL_M = 32  # rows up to which the int4 kernel runs; past ~32 the dense path wins (benchmarks/int4_kernels.py)
+SMALL_M = 128  # rows up to which the int4 kernel runs; past ~128 the dense path wins (benchmarks/int4_kernels.py, int4_kernels_openmp.json)
 
 
 def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
