@@ -11,9 +11,14 @@ from chatserve.config import KV_CACHE_DTYPES, EngineConfig, ServerConfig, SpecCo
 
 
 def _engine_args(p: argparse.ArgumentParser, default_model: str, default_draft: str | None) -> None:
+    from chatserve.spec_methods import SPEC_METHODS
+
+    methods = ", ".join(f"{name} = {cls.label}" for name, cls in SPEC_METHODS.items())
     p.add_argument("--model", default=default_model, help="catalog name, local HF directory, .gguf file or hub id")
     p.add_argument("--draft-model", default=default_draft, help="draft model for speculation (same tokenizer)")
-    p.add_argument("--draft", choices=["model", "ngram"], default=None, help="'ngram' = prompt lookup, no draft model")
+    p.add_argument("--draft", choices=[*SPEC_METHODS, "model"], default=None,
+                   help=f"the default speculation method ({methods}; 'model' = 'draft'); requests may ask "
+                        f"for another one")
     p.add_argument("--no-spec", action="store_true", help="disable speculative decoding")
     p.add_argument("--num-draft-tokens", type=int, default=4, help="maximum draft length k")
     p.add_argument("--no-adaptive", action="store_true", help="always draft k tokens (no adaptive k)")
@@ -50,12 +55,14 @@ def _bytes(text: str) -> int:
 
 
 def engine_config(args) -> EngineConfig:
+    from chatserve.spec_methods import SPEC_METHODS
+
     spec = None
-    if not args.no_spec and (args.draft == "ngram" or args.draft_model):
-        method = "ngram" if args.draft == "ngram" else "draft"
+    method = "draft" if args.draft == "model" else args.draft or ("draft" if args.draft_model else None)
+    if not args.no_spec and method:
         spec = SpecConfig(
             method=method,
-            draft_model=args.draft_model if method == "draft" else None,
+            draft_model=args.draft_model if SPEC_METHODS[method].keeps_kv else None,
             num_draft_tokens=args.num_draft_tokens,
             adaptive=not args.no_adaptive,
             draft_kv_cache_dtype=args.draft_kv_cache_dtype,

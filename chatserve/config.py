@@ -10,7 +10,9 @@ KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3", "fp8_e5m2")
 
 @dataclass(frozen=True)
 class SpecConfig:
-    """Speculative decoding: `method` is "draft" (a small model) or "ngram" (prompt lookup)."""
+    """Speculative decoding. `method` is the default of requests that name none, one of
+    chatserve.spec_methods.SPEC_METHODS ("draft": a small model; "ngram": prompt lookup; ...).
+    A `draft_model`, when given, is loaded whatever the method, so requests may ask for it."""
 
     method: str = "draft"
     draft_model: str | None = None
@@ -22,10 +24,12 @@ class SpecConfig:
     draft_vocab_size: int = 65536  # draft over the most frequent ids only (spec/draft_vocab.py); 0 = all
 
     def __post_init__(self) -> None:
-        if self.method not in ("draft", "ngram"):
-            raise ValueError(f"spec.method: must be 'draft' or 'ngram', got {self.method!r}")
-        if self.method == "draft" and not self.draft_model:
-            raise ValueError("spec.draft_model: required when spec.method is 'draft'")
+        from chatserve.spec_methods import SPEC_METHODS  # the registry's classes import this module
+
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"spec.method: one of {', '.join(map(repr, SPEC_METHODS))}, got {self.method!r}")
+        if SPEC_METHODS[self.method].keeps_kv and not self.draft_model:
+            raise ValueError(f"spec.draft_model: required when spec.method is {self.method!r}")
         if not 1 <= self.num_draft_tokens <= 16:
             raise ValueError(f"spec.num_draft_tokens: must be in [1, 16], got {self.num_draft_tokens}")
         if not 1 <= self.ngram_min <= self.ngram_max:

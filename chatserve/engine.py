@@ -95,7 +95,7 @@ class Engine:
     @property
     def spec_methods(self) -> tuple[str, ...]:
         """The SamplingParams.spec_method values this engine runs; the first is its default."""
-        return self.spec.methods if self.spec else ()
+        return tuple(self.spec.methods) if self.spec else ()
 
     def check_params(self, params: SamplingParams) -> None:
         """Raise ValueError for a spec_method this engine cannot run (no draft model, or no
@@ -117,12 +117,11 @@ class Engine:
         return Delta(request_id, "", [], "abort", req.stats)
 
     def set_speculation(self, spec: SpecConfig | None) -> None:
-        """Switch speculation (off / n-gram / the loaded draft model) between runs. Needs an
-        idle engine; the prefix cache is dropped since draft KV may not cover cached blocks."""
+        """Switch speculation (off / another default method) between runs. Needs an idle engine;
+        raises ValueError when spec.method cannot run with the loaded models (a draft model's
+        method without one). The prefix cache is dropped so that compared runs start cold."""
         if self.has_unfinished():
             raise RuntimeError("set_speculation: requests are still running")
-        if spec is not None and spec.method == "draft" and self.models.draft_runner is None:
-            raise ValueError("set_speculation: no draft model was loaded with this engine")
         self.spec = SpecRunner.create(spec, self.models, self.config.max_num_seqs) if spec else None
         self.block_manager.reset_prefix_cache()
 
@@ -138,7 +137,7 @@ class Engine:
         if not scheduled:
             return []
         if self.spec:
-            self.spec.propose([s for s in scheduled if s.num_draft_tokens > 0])
+            self.spec.propose(scheduled)
         items = [self._batch_item(s) for s in scheduled]
         logits, cu_logits = self.models.target_runner.run(items)  # [num_logits, vocab]
         now = time.perf_counter()
@@ -170,11 +169,11 @@ class Engine:
             return None
         drafts = req.draft_token_ids
         if drafts:
-            new_tokens, num_accepted = self.sampler.verify(req, rows, drafts, self.spec.draft_probs(req))
+            new_tokens, num_accepted = self.sampler.verify(req, rows, drafts, req.draft_probs)
             self.spec.record(req, len(drafts), num_accepted)
         else:
             new_tokens = self.sampler.sample(req, rows[-1:])
-        req.draft_token_ids = []
+        req.draft_token_ids, req.draft_probs = [], None
         # Valid target KV: everything fed except the rejected drafts.
         req.num_computed_tokens = len_before + len(new_tokens) - 1
         if req.stats.first_token_time is None:
@@ -199,7 +198,7 @@ class Engine:
         req.num_computed_tokens = min(req.num_computed_tokens, len(req.token_ids) - 1)
         req.num_draft_computed_tokens = min(req.num_draft_computed_tokens, req.num_computed_tokens)
         self.block_manager.truncate(req.table, len(req.token_ids))
-        self.block_manager.commit(req.table, req.token_ids, self._num_committed(req), has_draft_kv=req.use_draft_model)
+        self.block_manager.commit(req.table, req.token_ids, self._num_committed(req), has_draft_kv=req.keeps_draft_kv)
         req.stats.num_generated = req.num_output_tokens
         if reason:
             text_parts.append(req.detok.flush())
@@ -222,7 +221,7 @@ class Engine:
         target for draft-model requests; other requests (n-gram, speculation off) never run
         the draft model, so the target's count stands and their blocks are committed
         without the draft-KV mark (see block_manager's module docstring)."""
-        if req.use_draft_model:
+        if req.keeps_draft_kv:
             return min(req.num_computed_tokens, req.num_draft_computed_tokens)
         return req.num_computed_tokens
 

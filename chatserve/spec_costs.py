@@ -80,23 +80,23 @@ def row_grid(max_rows: int, max_k: int) -> list[int]:
     return sorted(r for r in grid if r <= max(max_rows, 1))
 
 
-def assumed_spec_costs(max_rows: int, use_draft_model: bool) -> SpecCosts:
+def assumed_spec_costs(max_rows: int, has_draft_model: bool) -> SpecCosts:
     """A linear model (the ASSUMED_* constants) on every row count up to max_rows."""
     rows = range(1, max(max_rows, 1) + 1)
     target = {r: 1.0 + ASSUMED_ROW_COST * (r - 1) for r in rows}
-    draft = {r: ASSUMED_DRAFT_COST + ASSUMED_DRAFT_ROW_COST * (r - 1) for r in rows} if use_draft_model else {}
+    draft = {r: ASSUMED_DRAFT_COST + ASSUMED_DRAFT_ROW_COST * (r - 1) for r in rows} if has_draft_model else {}
     return SpecCosts(target, draft)
 
 
 @torch.inference_mode()
-def measure_spec_costs(models, max_k: int, max_num_seqs: int, use_draft_model: bool,
-                       reps: int = 2) -> SpecCosts | None:
+def measure_spec_costs(models, max_k: int, max_num_seqs: int, reps: int = 2) -> SpecCosts | None:
     """None when the pool cannot spare the scratch blocks (then assumed_spec_costs apply).
-    Without a draft model (n-gram proposals) only the target is timed."""
+    Without a draft model (models.draft_runner None) only the target is timed."""
     max_rows = min(MAX_ROWS, max_num_seqs * (max_k + 1))
     bm = models.block_manager
     table = BlockTable()
-    catch_up_rows = CATCH_UP_ROWS if use_draft_model else ()
+    has_draft_model = models.draft_runner is not None
+    catch_up_rows = CATCH_UP_ROWS if has_draft_model else ()
     if not bm.allocate(table, CONTEXT + max((max_rows, *catch_up_rows))):
         catch_up_rows = ()  # a small pool: price catch-ups from the decode grid instead
         if not bm.allocate(table, CONTEXT + max_rows):
@@ -114,7 +114,7 @@ def measure_spec_costs(models, max_k: int, max_num_seqs: int, use_draft_model: b
 
         target = {rows: best_time(models.target_runner, rows) for rows in row_grid(max_rows, max_k)}
         draft = {}
-        if use_draft_model:
+        if has_draft_model:
             draft = {rows: best_time(models.draft_runner, rows) for rows in row_grid(max_num_seqs, 3)}
             draft |= {rows: best_time(models.draft_runner, rows, num_logits=1) for rows in catch_up_rows}
     finally:

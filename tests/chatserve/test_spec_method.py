@@ -141,7 +141,7 @@ def test_unavailable_method_is_a_clear_error(tiny_llama_dir):
     no_spec = make_engine(tiny_llama_dir, method=None)
     with pytest.raises(ValueError, match="spec_method: this engine runs without speculation"):
         no_spec.add_request(ids, NGRAM)
-    with pytest.raises(ValueError, match="spec_method: must be 'draft' or 'ngram'"):
+    with pytest.raises(ValueError, match="spec_method: must be one of 'draft', 'ngram'"):
         SamplingParams(spec_method="eagle")
     for engine in (ngram_engine, no_spec):
         assert_pool_empty(engine)
