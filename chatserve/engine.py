@@ -166,6 +166,7 @@ class Engine:
         len_before = len(req.token_ids)
         if not s.is_decode:
             req.num_computed_tokens += s.num_new_tokens  # a mid-prompt chunk: nothing to emit
+            self.block_manager.commit(req.table, req.token_ids, req.num_computed_tokens)
             return None
         drafts = req.draft_token_ids
         if drafts:
@@ -198,7 +199,9 @@ class Engine:
         req.num_computed_tokens = min(req.num_computed_tokens, len(req.token_ids) - 1)
         req.num_draft_computed_tokens = min(req.num_draft_computed_tokens, req.num_computed_tokens)
         self.block_manager.truncate(req.table, len(req.token_ids))
-        self.block_manager.commit(req.table, req.token_ids, self._num_committed(req), has_draft_kv=req.keeps_draft_kv)
+        # Two commit horizons: the target's KV makes blocks shareable, the draft's marks them.
+        self.block_manager.commit(req.table, req.token_ids, req.num_computed_tokens)
+        self.block_manager.mark_draft_kv(req.table, req.num_draft_computed_tokens)
         req.stats.num_generated = req.num_output_tokens
         if reason:
             text_parts.append(req.detok.flush())
@@ -215,15 +218,6 @@ class Engine:
         if req.num_output_tokens >= p.max_tokens or len(req.token_ids) >= self.max_model_len:
             return "length"
         return None
-
-    def _num_committed(self, req: Request) -> int:
-        """Tokens whose KV is valid in every cache the request writes: the draft lags the
-        target for draft-model requests; other requests (n-gram, speculation off) never run
-        the draft model, so the target's count stands and their blocks are committed
-        without the draft-KV mark (see block_manager's module docstring)."""
-        if req.keeps_draft_kv:
-            return min(req.num_computed_tokens, req.num_draft_computed_tokens)
-        return req.num_computed_tokens
 
     # -- conveniences ---------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[dict]:

@@ -4,8 +4,8 @@ Regions of `token_ids` (prompt + generated, all committed, never drafts):
 
     [0, num_computed_tokens)              KV in the target cache
     [num_computed_tokens, len(token_ids)) still to feed to the target (prefill or last token)
-    [0, num_draft_computed_tokens)        KV in the draft model's cache (lags by the tokens it has
-                                          not seen); meaningful only when a method keeps draft KV
+    [0, num_draft_computed_tokens)        KV in the draft model's cache: the prefix-cache blocks that
+                                          carry the draft-KV mark, then what the draft has seen
 """
 
 from __future__ import annotations
@@ -74,11 +74,6 @@ class Request:
     def is_prefilling(self) -> bool:
         """True while more than the last token is still to be fed to the target."""
         return len(self.token_ids) - self.num_computed_tokens > 1
-
-    @property
-    def keeps_draft_kv(self) -> bool:
-        """Its method runs the draft model, which keeps KV for its tokens."""
-        return self.spec is not None and self.spec.method.keeps_kv
 
     @property
     def is_finished(self) -> bool:

@@ -61,8 +61,9 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             if not req.table.block_ids:
-                cached = self.bm.match_prefix(req.table, req.token_ids, need_draft_kv=req.keeps_draft_kv)
-                req.num_computed_tokens = req.num_draft_computed_tokens = cached
+                cached = self.bm.match_prefix(req.table, req.token_ids)
+                req.num_computed_tokens = cached
+                req.num_draft_computed_tokens = self.bm.draft_kv_prefix(req.table)
                 if req.stats.first_scheduled_time is None:
                     req.stats.cached_tokens = cached
             n = min(len(req.token_ids) - req.num_computed_tokens, budget)
