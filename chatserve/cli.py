@@ -7,7 +7,7 @@ import json
 import sys
 import time
 
-from chatserve.config import KV_CACHE_DTYPES, EngineConfig, ServerConfig, SpecConfig
+from chatserve.config import DRAFT_CATCH_UPS, KV_CACHE_DTYPES, EngineConfig, ServerConfig, SpecConfig
 
 
 def _engine_args(p: argparse.ArgumentParser, default_model: str, default_draft: str | None) -> None:
@@ -22,6 +22,9 @@ def _engine_args(p: argparse.ArgumentParser, default_model: str, default_draft: 
     p.add_argument("--no-spec", action="store_true", help="disable speculative decoding")
     p.add_argument("--num-draft-tokens", type=int, default=4, help="maximum draft length k")
     p.add_argument("--no-adaptive", action="store_true", help="always draft k tokens (no adaptive k)")
+    p.add_argument("--draft-catch-up", default="decode", choices=DRAFT_CATCH_UPS,
+                   help="when a draft model catches up on tokens it has not seen: in bounded chunks inside "
+                        "decode steps (default), beside the target's prefill chunks, or all at once")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="activation and unquantized-weight dtype: auto = bfloat16 where the CPU has native "
                         "bf16 (AVX-512 BF16 / AMX), else float32 (float32 for bit-exact comparisons)")
@@ -66,6 +69,7 @@ def engine_config(args) -> EngineConfig:
             num_draft_tokens=args.num_draft_tokens,
             adaptive=not args.no_adaptive,
             draft_kv_cache_dtype=args.draft_kv_cache_dtype,
+            draft_catch_up=args.draft_catch_up,
         )
     from kernels.cpu_features import default_dtype
 

@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 
 KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3", "fp8_e5m2")
+DRAFT_CATCH_UPS = ("decode", "prefill", "whole")
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,11 @@ class SpecConfig:
     adaptive: bool = True
     draft_kv_cache_dtype: str | None = None  # None = the target's kv_cache_dtype
     draft_vocab_size: int = 65536  # draft over the most frequent ids only (spec/draft_vocab.py); 0 = all
+    # When a draft model sees tokens it has not seen (a new prompt, a new turn's tail): "decode" =
+    # in bounded chunks inside decode steps, while the request drafts by other methods;
+    # "prefill" = beside the target's prefill chunks, in the same steps; "whole" = all at once
+    # before its first draft (a stall as long as the catch-up). docs/benchmarks.md measures them.
+    draft_catch_up: str = "decode"
 
     def __post_init__(self) -> None:
         from chatserve.spec_methods import SPEC_METHODS  # the registry's classes import this module
@@ -34,6 +40,8 @@ class SpecConfig:
             raise ValueError(f"spec.num_draft_tokens: must be in [1, 16], got {self.num_draft_tokens}")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError("spec.ngram_min/ngram_max: need 1 <= ngram_min <= ngram_max")
+        if self.draft_catch_up not in DRAFT_CATCH_UPS:
+            raise ValueError(f"spec.draft_catch_up: one of {DRAFT_CATCH_UPS}, got {self.draft_catch_up!r}")
         if self.draft_kv_cache_dtype is not None and self.draft_kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"spec.draft_kv_cache_dtype: one of {KV_CACHE_DTYPES}, got {self.draft_kv_cache_dtype!r}")
 

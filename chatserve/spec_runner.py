@@ -18,6 +18,11 @@ from chatserve.spec_methods import SPEC_METHODS, Offer, SpecMethod, SpecState
 from spec.adaptive import AdaptiveDraftLength, allocate_drafts
 from spec.stats import SpecStats
 
+# With draft_catch_up "decode": a catch-up chunk may add this share to the time of a step
+# (docs/benchmarks.md, "Long conversations"), and without measured costs it is this many tokens.
+CATCH_UP_SHARE = 0.5
+CATCH_UP_CHUNK = 64
+
 
 class SpecRunner:
     def __init__(self, config: SpecConfig, models, sampler: Sampler, max_num_seqs: int = 16):
@@ -31,7 +36,7 @@ class SpecRunner:
                 self.methods[cls.name] = method
         if config.method not in self.methods:
             raise ValueError(f"spec.method: {config.method!r} cannot run with the loaded models")
-        self.stats = SpecStats()
+        self.stats = SpecStats()  # engine-wide
         self.costs = None
         if config.adaptive:
             self.costs = measure_spec_costs(models, config.num_draft_tokens, max_num_seqs)
@@ -44,57 +49,74 @@ class SpecRunner:
 
     def init_request(self, req: Request) -> None:
         """Resolve req's method (Engine.check_params has checked it). A request with
-        num_draft_tokens=0 never drafts: it gets no speculation state at all."""
+        num_draft_tokens=0 never drafts: it gets no speculation state at all. A draft-model
+        request may also take the free proposals of mixable methods (when they beat the draft's)."""
         if req.params.num_draft_tokens == 0:
             return
         method = self.methods[req.params.spec_method or self.config.method]
-        req.spec = SpecState((method,))
+        mixed = tuple(m for m in self.methods.values() if method.keeps_kv and m.mixable and m is not method)
+        req.spec = SpecState((method, *mixed))
         req.stats.spec_method = method.name
 
     def plan(self, running: list[Request], prefill_rows: int = 0) -> None:
         """Set req.num_lookahead_tokens (this step's k) for every running request that will
-        decode next step, and req.spec.offer (the method that drafts for it).
+        decode next step, req.spec.offer (the method that drafts for it) and
+        req.spec.num_catch_up_tokens (its draft model's catch-up this step, if any).
 
         The adaptive requests' k are chosen together (allocate_drafts): each offers what its
-        method can draft with its acceptance estimate, and the batch gets the drafts that
-        maximize expected tokens per second of the whole step. A request that fixed
+        best method can draft with that method's acceptance estimate, and the batch gets the
+        drafts that maximize expected tokens per second of the whole step. A request that fixed
         num_draft_tokens, or any request when adaptive speculation is off, drafts its fixed k.
 
         prefill_rows (prompt tokens this step also feeds the target) change what draft rows
         cost: the rows past them, not past the decodes alone (SpecCosts.step_target).
-        A draft model that has not seen a request's latest tokens must catch up on them first:
-        that forward is a setup cost, amortized over the steps the request may still take
-        (_catch_up_seconds), so short replies do not each buy a whole draft prefill for a probe.
+        A draft model drafts only once it has seen all but a step's worth of a request's tokens
+        (_catch_up_budget); until then it catches up in chunks that keep the step short, when
+        the drafts it will make are worth the catch-up (_is_worth_catching_up), and the request
+        drafts by its other methods meanwhile.
         """
-        priced: list[tuple[Request, Offer | None]] = []
         for req in running:
             req.num_lookahead_tokens = 0
-            if req.spec is None:
+            if req.spec is not None:
+                req.spec.offer, req.spec.num_catch_up_tokens = None, 0
+        decodes = [r for r in running if r.spec is not None and not r.is_prefilling]
+        budget = self._catch_up_budget(len(decodes))
+        priced: list[tuple[Request, list[Offer | None]]] = []
+        for req in decodes:
+            if req.num_output_tokens == 0:
                 continue
-            req.spec.offer = None
-            if req.is_prefilling or req.num_output_tokens == 0:
-                continue
-            # Never overshoot max_tokens or the context: k drafts emit up to k + 1 tokens.
-            room = max(min(req.params.max_tokens - req.num_output_tokens - 1,
-                           self.max_model_len - len(req.token_ids) - 1), 0)
-            asked = req.params.num_draft_tokens
-            if self.costs is None or asked is not None:
-                k = self.config.num_draft_tokens if asked is None else min(asked, self.config.num_draft_tokens)
-                offer = self._offer(req, min(k, room))
-                req.spec.offer = offer
-                req.num_lookahead_tokens = offer.cap if offer else 0
-                continue
-            priced.append((req, self._offer(req, room)))
+            offers = self._offers(req, budget)
+            self._plan_catch_up(req, budget, len(decodes))
+            if self._is_adaptive(req):
+                priced.append((req, offers))
+            else:
+                req.spec.offer = _best(offers)
+                req.num_lookahead_tokens = req.spec.offer.cap if req.spec.offer else 0
         if priced:
             self._allocate(priced, prefill_rows)
 
-    def _offer(self, req: Request, room: int) -> Offer | None:
-        """The offer of req's method, capped by its controller when adaptive."""
-        method = req.spec.method
-        if self.costs is None or req.params.num_draft_tokens is not None:
-            return method.offer(req, room, method.accept_rate.rate)
-        cap, accept_rate = self._controller(req, method).offer(probe_accept_rate=method.accept_rate.rate)
-        return method.offer(req, min(cap, room), accept_rate)
+    def _is_adaptive(self, req: Request) -> bool:
+        return self.costs is not None and req.params.num_draft_tokens is None
+
+    def _offers(self, req: Request, budget: int) -> list[Offer | None]:
+        """One offer per method of req (None: nothing to offer, or a draft model still behind
+        by more than `budget` tokens), capped by each method's controller when adaptive."""
+        # Never overshoot max_tokens or the context: k drafts emit up to k + 1 tokens.
+        room = max(min(req.params.max_tokens - req.num_output_tokens - 1,
+                       self.max_model_len - len(req.token_ids) - 1), 0)
+        asked = req.params.num_draft_tokens
+        max_k = self.config.num_draft_tokens if asked is None else min(asked, self.config.num_draft_tokens)
+        offers = []
+        for method in req.spec.methods:
+            if method.keeps_kv and len(req.token_ids) - req.num_draft_computed_tokens > budget:
+                offers.append(None)
+                continue
+            cap, accept_rate = min(max_k, room), method.accept_rate.rate
+            if self._is_adaptive(req):
+                cap, accept_rate = self._controller(req, method).offer(probe_accept_rate=accept_rate)
+                cap = min(cap, room)
+            offers.append(method.offer(req, cap, accept_rate) if cap else None)
+        return offers
 
     def _controller(self, req: Request, method: SpecMethod) -> AdaptiveDraftLength:
         controllers = req.spec.controllers
@@ -103,17 +125,18 @@ class SpecRunner:
                                                            initial_accept_rate=method.accept_rate.rate)
         return controllers[method.name]
 
-    def _allocate(self, priced: list[tuple[Request, Offer | None]], prefill_rows: int) -> None:
-        offers = [o for _, o in priced]
+    def _allocate(self, priced: list[tuple[Request, list[Offer | None]]], prefill_rows: int) -> None:
+        offers = [_best(o) for _, o in priced]
         runs_model = [o is not None and o.method.keeps_kv for o in offers]
-        setup = [self._catch_up_seconds(r, o) for r, o in priced] if any(runs_model) else None
+        setup = [self._catch_up_seconds(r, o) for (r, _), o in zip(priced, offers)] if any(runs_model) else None
         target = self.costs.step_target(len(priced), prefill_rows)
         ks = allocate_drafts([o.gains if o else [] for o in offers], target,
                              self.costs.draft if any(runs_model) else None, runs_model, setup)
-        for (req, offer), k in zip(priced, ks):
+        for (req, _), offer, k in zip(priced, offers, ks):
             req.spec.offer = offer if k else None
             req.num_lookahead_tokens = k
-            self._controller(req, req.spec.method).allocated(k)
+            for method in req.spec.methods:
+                self._controller(req, method).allocated(k if offer is not None and offer.method is method else 0)
 
     def _catch_up_seconds(self, req: Request, offer: Offer | None) -> float:
         """The extra draft time of req's first drafting step (the tokens its draft has not
@@ -123,17 +146,69 @@ class SpecRunner:
             return 0.0
         room = max(req.params.max_tokens - req.num_output_tokens, 1)
         steps = max(room / (1 + sum(offer.gains)), 1.0)
-        return (self.costs.draft(offer.num_catch_up_tokens) - self.costs.draft(1)) / steps
+        return (self.costs.catch_up(offer.num_catch_up_tokens) - self.costs.draft(1)) / steps
+
+    # -- the draft model's catch-up -------------------------------------------------------
+    def _catch_up_budget(self, num_decodes: int) -> int:
+        """Tokens a draft model may catch up on in one step: all of them for "whole"; else the
+        largest measured chunk that adds at most CATCH_UP_SHARE to a step of these decodes, or
+        when even the smallest chunk adds more, the largest that costs about what it does (a
+        small draft's forward reads its weights whatever the rows: on the 0.5B, 32 and 64 rows
+        both take 92 ms, so 64-token chunks catch up twice as fast for the same stall)."""
+        if self.config.draft_catch_up == "whole":
+            return 1 << 30
+        if self.costs is None or not self.costs.catch_up_seconds:
+            return CATCH_UP_CHUNK
+        smallest = min(self.costs.catch_up_seconds)
+        seconds = max(CATCH_UP_SHARE * self.costs.target(max(num_decodes, 1)), 1.1 * self.costs.catch_up(smallest))
+        return self.costs.max_catch_up_rows(seconds)
+
+    def _plan_catch_up(self, req: Request, budget: int, num_decodes: int) -> None:
+        method, unseen = req.spec.kv_method, len(req.token_ids) - req.num_draft_computed_tokens
+        if method and unseen > budget and self._is_worth_catching_up(req, method, unseen, budget, num_decodes):
+            req.spec.num_catch_up_tokens = budget
+
+    def _is_worth_catching_up(self, req: Request, method: SpecMethod, unseen: int, chunk: int,
+                              num_decodes: int) -> bool:
+        """Whether the drafts req may still make save more than catching up on `unseen` tokens
+        in chunks costs. A step of b decodes takes T0 = target(b); drafting k more rows for req
+        takes T = target(b + k) + k draft steps and adds sum(alpha^j) tokens, worth that many
+        tokens at the plain rate T0 / b; over the steps left in max_tokens (room / tokens per
+        step). Without measured costs (fixed k) a draft request always catches up."""
+        if not self._is_adaptive(req):
+            return True
+        alpha = self._controller(req, method).accept_rate
+        b, plain = max(num_decodes, 1), self.costs.target(max(num_decodes, 1))
+        room = max(req.params.max_tokens - req.num_output_tokens, 1)
+        saved = 0.0
+        for k in range(1, self.config.num_draft_tokens + 1):
+            extra = sum(alpha ** j for j in range(1, k + 1))
+            per_step = extra * plain / b - (self.costs.target(b + k) + k * self.costs.draft(1) - plain)
+            saved = max(saved, per_step * room / (1 + extra))
+        return saved > -(-unseen // chunk) * self.costs.catch_up(chunk)
 
     def propose(self, scheduled: list[ScheduledSeq]) -> None:
         """Fill req.draft_token_ids (<= the lookahead slots reserved) for the scheduled decodes,
-        one propose() call per method."""
-        by_method: dict[str, list[ScheduledSeq]] = {}
+        one propose() call per method; draft-model catch-ups ride along with k = 0 (beside
+        prefill chunks too, with draft_catch_up "prefill")."""
+        work: dict[str, tuple[list[Request], list[int]]] = {}
         for s in scheduled:
+            spec = s.req.spec
+            if spec is None:
+                continue
             if s.num_lookahead_tokens:
-                by_method.setdefault(s.req.spec.offer.method.name, []).append(s)
-        for name, seqs in by_method.items():
-            self.methods[name].propose([s.req for s in seqs], [s.num_lookahead_tokens for s in seqs])
+                reqs, ks = work.setdefault(spec.offer.method.name, ([], []))
+                reqs.append(s.req)
+                ks.append(s.num_lookahead_tokens)
+            if not s.is_decode and self.config.draft_catch_up == "prefill":
+                spec.num_catch_up_tokens = s.req.num_computed_tokens + s.num_new_tokens - s.req.num_draft_computed_tokens
+            method = spec.kv_method
+            if spec.num_catch_up_tokens > 0 and method and not (spec.offer and spec.offer.method is method):
+                reqs, ks = work.setdefault(method.name, ([], []))
+                reqs.append(s.req)
+                ks.append(0)
+        for name, (reqs, ks) in work.items():
+            self.methods[name].propose(reqs, ks)
 
     def record(self, req: Request, num_drafted: int, num_accepted: int) -> None:
         """A verification's outcome: the first num_accepted of num_drafted drafts were accepted."""
@@ -143,3 +218,14 @@ class SpecRunner:
         method.accept_rate.update(num_drafted, num_accepted)
         if method.name in req.spec.controllers:
             req.spec.controllers[method.name].update(num_drafted, num_accepted)
+
+
+def _best(offers: list[Offer | None]) -> Offer | None:
+    """The offer to price: a free proposal when it is expected to yield at least as much as the
+    draft model's (same verification rows, no draft steps), else the draft model's."""
+    free = [o for o in offers if o is not None and not o.method.keeps_kv]
+    model = [o for o in offers if o is not None and o.method.keeps_kv]
+    best_free = max(free, key=lambda o: sum(o.gains), default=None)
+    if model and (best_free is None or sum(best_free.gains) < sum(model[0].gains)):
+        return model[0]
+    return best_free

@@ -40,16 +40,23 @@ class Offer:
 @dataclass(eq=False)
 class SpecState:
     """One request's speculation, kept on the request between the calls of a step: its
-    methods (its own first), one acceptance controller per method it drafted with (adaptive
-    only), and the offer plan() chose this step."""
+    methods (its own first, then the free ones it may mix in), one acceptance controller per
+    method it drafted with (adaptive only), the offer plan() chose this step, and how many
+    unseen tokens its draft model catches up on this step without drafting."""
 
     methods: tuple[SpecMethod, ...]
     controllers: dict[str, object] = field(default_factory=dict)  # name -> spec.adaptive.AdaptiveDraftLength
     offer: Offer | None = None
+    num_catch_up_tokens: int = 0
 
     @property
     def method(self) -> SpecMethod:
         return self.methods[0]
+
+    @property
+    def kv_method(self) -> SpecMethod | None:
+        """Its method that runs the draft model, if any."""
+        return next((m for m in self.methods if m.keeps_kv), None)
 
 
 class SpecMethod(Protocol):
@@ -58,6 +65,7 @@ class SpecMethod(Protocol):
     name: ClassVar[str]  # the SamplingParams.spec_method value
     label: ClassVar[str]  # how a UI names it
     keeps_kv: ClassVar[bool]  # runs the draft model, which keeps KV in the pool (blocks carry its mark)
+    mixable: ClassVar[bool]  # free proposals a draft-model request may take when they beat its own
     accept_rate: AcceptanceEMA  # engine-wide, per method: the prior of new requests and probes
 
     @classmethod

@@ -2,6 +2,7 @@
 lives in the same block ids (its own tensors), in slots the scheduler reserved as lookahead,
 so drafting never allocates. Before its first draft for a request it must see every token
 it has not seen yet (the catch-up); req.num_draft_computed_tokens counts what it has seen.
+SpecRunner decides when and in what chunks it catches up (SpecConfig.draft_catch_up).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from spec.sampling import exponential_noise, sample_from_probs
 class DraftModelMethod:
     name = "draft"
     label = "draft model"
+    mixable = False
     keeps_kv = True
 
     def __init__(self, runner, sampler):
@@ -38,18 +40,25 @@ class DraftModelMethod:
 
     def propose(self, reqs: list[Request], ks: list[int]) -> None:
         """Catch the draft up on the tokens it has not seen, then draft k tokens one by one;
-        every request's step s is one forward over the requests still drafting."""
-        items = [BatchItem(r.token_ids[r.num_draft_computed_tokens :], r.num_draft_computed_tokens, r.table.block_ids, 1)
-                 for r in reqs]
+        every request's step s is one forward over the requests still drafting. A request
+        with k = 0 only catches up, on its next req.spec.num_catch_up_tokens tokens, in the
+        first of those forwards (one pass over the weights for both kinds)."""
+        items = []
+        for req, k in zip(reqs, ks):
+            start = req.num_draft_computed_tokens
+            end = len(req.token_ids) if k else start + req.spec.num_catch_up_tokens
+            items.append(BatchItem(req.token_ids[start:end], start, req.table.block_ids, 1 if k else 0))
         probs: list[list[torch.Tensor]] = [[] for _ in reqs]
         active = list(range(len(reqs)))
         while active:
-            logits, _ = self.runner.run(items)  # [len(active), vocab]
+            logits, cu_logits = self.runner.run(items)  # [drafting rows, vocab]
             next_active, next_items = [], []
             for row, i in enumerate(active):
                 req = reqs[i]
                 req.num_draft_computed_tokens = items[row].start_pos + len(items[row].token_ids)
-                token, token_probs = self._draft_one(req, logits[row : row + 1])
+                if not ks[i]:
+                    continue
+                token, token_probs = self._draft_one(req, logits[cu_logits[row] : cu_logits[row] + 1])
                 req.draft_token_ids.append(token)
                 if token_probs is not None:
                     probs[i].append(token_probs)

@@ -12,6 +12,7 @@ from spec.ngram import NgramProposer
 class NgramMethod:
     name = "ngram"
     label = "n-gram"
+    mixable = False
     keeps_kv = False
 
     def __init__(self, config: SpecConfig):

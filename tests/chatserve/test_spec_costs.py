@@ -49,7 +49,8 @@ def test_costs_are_measured_and_the_pool_is_left_as_it_was(tiny_llama_dir, tiny_
     assert bm.num_free_blocks == bm.num_blocks  # the engine's own calibration gave its blocks back
     costs = measure_spec_costs(engine.models, 4, 4)
     assert sorted(costs.target_seconds) == [1, 2, 3, 4, 5, 8, 12, 16, 20][: len(costs.target_seconds)]
-    assert max(costs.target_seconds) == 20 and sorted(costs.draft_seconds) == [1, 2, 3, 4, 64, 128, 256]
+    assert max(costs.target_seconds) == 20 and sorted(costs.draft_seconds) == [1, 2, 3, 4]
+    assert sorted(costs.catch_up_seconds) == [16, 32, 64, 128, 256]
     assert all(t > 0 for t in costs.target_seconds.values())
     assert bm.num_free_blocks == bm.num_blocks
     bm.check_invariants()

@@ -1,0 +1,120 @@
+"""Speculation over long conversations (issue #13): greedy output equal across methods and
+turns, and the draft model's catch-up in bounded chunks (the stream never stops for it)."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from chatserve.config import EngineConfig, SpecConfig
+from chatserve.engine import Engine
+from chatserve.sampling_params import SamplingParams
+from chatserve.spec_costs import SpecCosts
+from tests.chatserve.test_engine import assert_pool_empty
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+# In units of a one-row target step: the default pair's shape (5% a row, a draft step 10%).
+FIXED_COSTS = SpecCosts({r: 1.0 + 0.05 * (r - 1) for r in range(1, 65)}, {r: 0.1 for r in range(1, 17)},
+                        {16: 0.3, 32: 0.5, 64: 1.0, 128: 2.0, 256: 4.0})
+
+
+def make_engine(model_dir, draft_dir=None, method=None, adaptive=False, catch_up="decode", **kw):
+    spec = None
+    if method:
+        spec = SpecConfig(method=method, draft_model=str(draft_dir) if draft_dir else None, num_draft_tokens=4,
+                          adaptive=adaptive, draft_catch_up=catch_up)
+    kw.setdefault("kv_cache_memory", 8 << 20)
+    return Engine(EngineConfig(model=str(model_dir), spec=spec, **kw))
+
+
+def record_draft_forwards(engine) -> list[int]:
+    """Rows of every draft forward, in order (the list fills as the engine runs)."""
+    rows, run = [], engine.models.draft_runner.run
+
+    def recording_run(items):
+        rows.append(sum(len(it.token_ids) for it in items))
+        return run(items)
+
+    engine.models.draft_runner.run = recording_run
+    return rows
+
+
+@pytest.fixture(scope="module")
+def conversation(tiny_llama_dir):
+    """Three turns of one conversation (prompt, greedy reply) with speculation off."""
+    engine = make_engine(tiny_llama_dir)
+    tok = engine.tokenizer
+    history = tok.encode("def f(x):\n    return x + 1\n" * 6)
+    turns = []
+    for question in (" Again:", " And once more:", " Last:"):
+        prompt = history + tok.encode(question)
+        reply = engine.generate([prompt], GREEDY)[0]["token_ids"]
+        turns.append((prompt, reply))
+        history = prompt + reply
+    return turns
+
+
+@pytest.mark.parametrize("method,adaptive", [("ngram", False), ("draft", False), ("draft", True)])
+def test_greedy_output_is_equal_across_methods_and_turns(tiny_llama_dir, tiny_draft_dir, conversation, method,
+                                                         adaptive):
+    engine = make_engine(tiny_llama_dir, tiny_draft_dir if method == "draft" else None, method, adaptive)
+    if adaptive:  # priced with fixed costs: a busy machine makes the tiny models' measured ones noise
+        engine.spec.costs = FIXED_COSTS
+    drafted = 0
+    for turn, (prompt, expected) in enumerate(conversation):
+        out = engine.generate([prompt], GREEDY)[0]
+        assert out["token_ids"] == expected
+        if turn:  # the previous turn's prompt and reply are in the prefix cache
+            assert out["stats"].cached_tokens >= len(conversation[turn - 1][0]) // 16 * 16
+        drafted += out["stats"].num_drafted
+    assert drafted > 0
+    assert_pool_empty(engine)
+
+
+@pytest.mark.parametrize("catch_up", ["decode", "prefill", "whole"])
+def test_a_long_prompt_is_caught_up_as_configured_and_output_is_unchanged(tiny_llama_dir, catch_up):
+    """Self-draft (every draft accepted) on a 600-token prompt: "decode" catches the draft up in
+    chunks of at most CATCH_UP_CHUNK rows inside decode steps, "prefill" beside the target's
+    prefill chunks, "whole" in one forward before its first draft."""
+    from chatserve.spec_runner import CATCH_UP_CHUNK
+
+    plain = make_engine(tiny_llama_dir)
+    prompt = [(11 * i) % 250 + 3 for i in range(600)]
+    params = dataclasses.replace(GREEDY, max_tokens=40)
+    expected = plain.generate([prompt], params)[0]["token_ids"]
+    engine = make_engine(tiny_llama_dir, tiny_llama_dir, "draft", catch_up=catch_up, max_num_batched_tokens=128)
+    rows = record_draft_forwards(engine)
+    rid = engine.add_request(prompt, params)
+    emitted, forwards_before_first_token = [], None
+    while engine.has_unfinished():
+        deltas = engine.step()
+        if deltas and forwards_before_first_token is None:
+            forwards_before_first_token = len(rows)
+        emitted += [d.token_ids for d in deltas if d.request_id == rid]
+    assert sum(emitted, []) == expected
+    assert all(emitted), "a step emitted nothing"
+    if catch_up == "decode":
+        assert forwards_before_first_token == 0 and max(rows) <= CATCH_UP_CHUNK
+    elif catch_up == "prefill":
+        assert forwards_before_first_token >= 4  # one beside each 128-token prefill chunk
+        assert max(rows) <= 128
+    else:
+        assert forwards_before_first_token == 0 and max(rows) >= 600
+    assert_pool_empty(engine)
+
+
+@pytest.mark.parametrize("max_tokens,catches_up", [(8, False), (200, True)])
+def test_the_draft_catches_up_only_when_its_drafts_will_pay(tiny_llama_dir, max_tokens, catches_up):
+    """Priced with fixed costs (in units of a one-row target step): catching up on 600 tokens in
+    32-token chunks costs ~9.5; at acceptance 0.8 drafting saves ~1.8 a step, which 8 tokens
+    cannot repay and 200 can."""
+    engine = make_engine(tiny_llama_dir, tiny_llama_dir, "draft", adaptive=True)
+    engine.spec.costs = FIXED_COSTS
+    rows = record_draft_forwards(engine)
+    prompt = [(13 * i) % 250 + 3 for i in range(600)]
+    out = engine.generate([prompt], dataclasses.replace(GREEDY, max_tokens=max_tokens))[0]
+    assert len(out["token_ids"]) == max_tokens
+    assert bool(rows) == catches_up
+    if catches_up:
+        assert max(rows) <= 32 and out["stats"].num_drafted > 0
+    assert_pool_empty(engine)
