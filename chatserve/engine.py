@@ -205,6 +205,8 @@ class Engine:
         req.stats.num_generated = req.num_output_tokens
         if reason:
             text_parts.append(req.detok.flush())
+            if self.spec:
+                self.spec.finish(req)
             self.scheduler.finish(req, reason)
             self.requests.pop(req.request_id, None)
             req.stats.finish_time = now

@@ -36,12 +36,20 @@ class SpecRunner:
                 self.methods[cls.name] = method
         if config.method not in self.methods:
             raise ValueError(f"spec.method: {config.method!r} cannot run with the loaded models")
-        self.stats = SpecStats()  # engine-wide
+        self.stats_by_method = {name: SpecStats() for name in self.methods}  # engine-wide, per method
         self.costs = None
         if config.adaptive:
             self.costs = measure_spec_costs(models, config.num_draft_tokens, max_num_seqs)
             if self.costs is None:  # no scratch room in the pool: a linear model instead
                 self.costs = assumed_spec_costs(MAX_ROWS, models.draft_runner is not None)
+
+    @property
+    def stats(self) -> SpecStats:
+        """Engine-wide counts, all methods together."""
+        total = SpecStats()
+        for stats in self.stats_by_method.values():
+            total.merge(stats)
+        return total
 
     @classmethod
     def create(cls, config: SpecConfig, models, max_num_seqs: int = 16) -> "SpecRunner":
@@ -210,11 +218,15 @@ class SpecRunner:
         for name, (reqs, ks) in work.items():
             self.methods[name].propose(reqs, ks)
 
+    def finish(self, req: Request) -> None:
+        for method in self.methods.values():
+            method.finish(req)
+
     def record(self, req: Request, num_drafted: int, num_accepted: int) -> None:
         """A verification's outcome: the first num_accepted of num_drafted drafts were accepted."""
         method = req.spec.offer.method
         req.stats.spec.update(num_drafted, num_accepted)
-        self.stats.update(num_drafted, num_accepted)
+        self.stats_by_method[method.name].update(num_drafted, num_accepted)
         method.accept_rate.update(num_drafted, num_accepted)
         if method.name in req.spec.controllers:
             req.spec.controllers[method.name].update(num_drafted, num_accepted)

@@ -82,3 +82,7 @@ class SpecMethod(Protocol):
         """Set req.draft_token_ids (at most ks[i]) and req.draft_probs ([k, vocab], or None for
         one-hot drafts) for the requests this step drafts with this method."""
         ...
+
+    def finish(self, req: Request) -> None:
+        """req finished (not aborted): a method that learns from replies may keep its output."""
+        ...

@@ -77,3 +77,6 @@ class DraftModelMethod:
         probs = self.sampler.probs(req, logits)
         noise = exponential_noise(1, probs.shape[1], [req.generator])
         return int(sample_from_probs(probs, noise)[0]), probs
+
+    def finish(self, req: Request) -> None:
+        pass

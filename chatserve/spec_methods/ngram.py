@@ -31,3 +31,6 @@ class NgramMethod:
     def propose(self, reqs: list[Request], ks: list[int]) -> None:
         for req, k in zip(reqs, ks):
             req.draft_token_ids = req.spec.offer.token_ids[:k]
+
+    def finish(self, req: Request) -> None:
+        pass

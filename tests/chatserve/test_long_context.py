@@ -1,7 +1,10 @@
 """Speculation over long conversations (issue #13): greedy output equal across methods and
-turns, and the draft model's catch-up in bounded chunks (the stream never stops for it)."""
+turns, suffix decoding lossless at T > 0 (chi-square), the draft model's catch-up in bounded
+chunks (the stream never stops for it), and the pool whole after suffix proposals, mixing and
+aborts."""
 
 import dataclasses
+import random
 
 import pytest
 import torch
@@ -54,7 +57,8 @@ def conversation(tiny_llama_dir):
     return turns
 
 
-@pytest.mark.parametrize("method,adaptive", [("ngram", False), ("draft", False), ("draft", True)])
+@pytest.mark.parametrize("method,adaptive", [("ngram", False), ("suffix", False), ("draft", False), ("suffix", True),
+                                             ("draft", True)])
 def test_greedy_output_is_equal_across_methods_and_turns(tiny_llama_dir, tiny_draft_dir, conversation, method,
                                                          adaptive):
     engine = make_engine(tiny_llama_dir, tiny_draft_dir if method == "draft" else None, method, adaptive)
@@ -117,4 +121,87 @@ def test_the_draft_catches_up_only_when_its_drafts_will_pay(tiny_llama_dir, max_
     assert bool(rows) == catches_up
     if catches_up:
         assert max(rows) <= 32 and out["stats"].num_drafted > 0
+    assert_pool_empty(engine)
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny ops on one thread: with two, a busy machine stalls each op for milliseconds."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_suffix_proposals_keep_sampling_exact(one_thread):
+    """T > 0: suffix proposals (one-hot drafts) verified by the engine's sampler. The target's
+    logits after the prompt and after each draft are fixed; x, the proposal's first token, is
+    the target's third likeliest. Over 4000 seeded requests the first emitted token must follow
+    the target's distribution (chi-square), and after an accepted x the next one its
+    distribution after x; x is accepted as often as the target gives it."""
+    from chatserve.request import Request
+    from chatserve.sampler import Sampler
+    from chatserve.spec_methods import SpecState
+    from chatserve.spec_methods.suffix import SuffixMethod
+
+    vocab, temperature, n = 16, 0.8, 4000
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(3)) * 2  # [k + 1, vocab]
+    target = torch.softmax(logits.double() / temperature, -1)  # [k + 1, vocab]
+    x, y = int(target[0].argsort(descending=True)[2]), int(target[1].argmax())
+    prompt = [1, 2, 3, 4, 5]
+    method = SuffixMethod(SpecConfig(method="suffix"))
+    method.corpus.add(prompt + [x, y])  # an earlier reply that went on with [x, y]
+    sampler = Sampler(eos_token_ids=())
+    firsts, after_x = [], []
+    for seed in range(n):
+        req = Request(f"r{seed}", prompt, SamplingParams(temperature=temperature, seed=seed))
+        req.spec = SpecState((method,))
+        req.spec.offer = method.offer(req, 2, method.accept_rate.rate)
+        assert req.spec.offer.token_ids == [x, y]
+        method.propose([req], [2])
+        tokens, num_accepted = sampler.verify(req, logits, req.draft_token_ids, req.draft_probs)
+        firsts.append(tokens[0])
+        if num_accepted >= 1:
+            after_x.append(tokens[1])
+    for samples, probs in ((firsts, target[0]), (after_x, target[1])):
+        counts = torch.bincount(torch.tensor(samples), minlength=vocab).double()
+        expected = probs * len(samples)
+        big = expected >= 5  # pool the rare tokens into one bin
+        observed = torch.cat([counts[big], counts[~big].sum().view(1)])
+        wanted = torch.cat([expected[big], expected[~big].sum().view(1)])
+        stat = ((observed - wanted) ** 2 / wanted).sum()
+        p_value = torch.special.gammaincc(torch.tensor((len(observed) - 1) / 2.0), stat / 2).item()
+        assert p_value > 1e-6, (p_value, stat)
+    accepted = len(after_x) / n
+    assert abs(accepted - target[0, x]) < 4 * (target[0, x] * (1 - target[0, x]) / n) ** 0.5
+
+
+def test_pool_stays_whole_with_suffix_proposals_mixing_preemption_and_aborts(tiny_llama_dir, tiny_draft_dir):
+    """Draft requests that also take suffix proposals, suffix, n-gram and plain requests, greedy
+    and sampled, in a pool small enough to preempt, with random aborts: the block manager's
+    invariants hold after every step and every block comes back."""
+    probe = make_engine(tiny_llama_dir, tiny_draft_dir, "draft")
+    per_block = sum(r.kv_cache.num_bytes // probe.block_manager.num_blocks
+                    for r in (probe.models.target_runner, probe.models.draft_runner))
+    engine = make_engine(tiny_llama_dir, tiny_draft_dir, "draft", kv_cache_memory=24 * per_block)
+    tok, rng = engine.tokenizer, random.Random(0)
+    base = [SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True),
+            SamplingParams(max_tokens=48, temperature=0.8, seed=1, ignore_eos=True)]
+    methods = [{"spec_method": "draft"}, {"spec_method": "suffix"}, {"spec_method": "ngram"}, {"num_draft_tokens": 0}]
+    live = set()
+    for i in range(12):
+        prompt = tok.encode(f"item {i % 3}: a b c a b c " * (2 + i % 4))
+        live.add(engine.add_request(prompt, dataclasses.replace(base[i % 2], **methods[i % 4])))
+    while engine.has_unfinished():
+        for d in engine.step():
+            if d.finished:
+                live.discard(d.request_id)
+        engine.block_manager.check_invariants([r.table for r in engine.requests.values()])
+        if live and rng.random() < 0.08:
+            victim = rng.choice(sorted(live))
+            engine.abort(victim)
+            live.discard(victim)
+            engine.block_manager.check_invariants([r.table for r in engine.requests.values()])
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.spec.stats_by_method["suffix"].num_draft_tokens > 0
     assert_pool_empty(engine)

@@ -82,11 +82,11 @@ def test_preemption_with_mixed_methods_keeps_outputs(tiny_llama_dir, tiny_draft_
 def test_default_method_is_the_engines(tiny_llama_dir, tiny_draft_dir, plain):
     prompts, expected = plain
     engine = make_engine(tiny_llama_dir, tiny_draft_dir)
-    assert engine.spec_methods == ("draft", "ngram")
+    assert engine.spec_methods == ("draft", "ngram", "suffix")
     out = engine.generate(prompts[:1], GREEDY)[0]
     assert out["token_ids"] == expected[0] and out["stats"].spec_method == "draft"
     ngram_engine = make_engine(tiny_llama_dir, method="ngram")
-    assert ngram_engine.spec_methods == ("ngram",)
+    assert ngram_engine.spec_methods == ("ngram", "suffix")
     out = ngram_engine.generate(prompts[:1], NGRAM)[0]
     assert out["token_ids"] == expected[0] and out["stats"].spec_method == "ngram"
 
@@ -190,3 +190,4 @@ def test_unavailable_method_is_a_clear_error(tiny_llama_dir):
         SamplingParams(spec_method="eagle")
     for engine in (ngram_engine, no_spec):
         assert_pool_empty(engine)
+

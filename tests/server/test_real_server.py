@@ -253,7 +253,7 @@ def test_spec_method_per_turn_draft_and_ngram(server):
 
     messages = [{"role": "user", "content": "1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3"}]
     with connect(server.replace("http", "ws") + "/ws") as ws:
-        assert json.loads(ws.recv())["spec_methods"] == ["draft", "ngram"]
+        assert json.loads(ws.recv())["spec_methods"] == ["draft", "ngram", "suffix"]
         ngram_text, ngram = run_messages(ws, messages, max_tokens=32, spec_method="ngram")
         draft_text, draft = run_messages(ws, messages, max_tokens=32, spec_method="draft")
         again_text, again = run_messages(ws, messages, max_tokens=32, spec_method="ngram")
