@@ -191,3 +191,15 @@ def test_unavailable_method_is_a_clear_error(tiny_llama_dir):
     for engine in (ngram_engine, no_spec):
         assert_pool_empty(engine)
 
+
+def test_an_explicitly_named_draft_with_another_tokenizer_is_an_error(tiny_llama_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    from tests.tiny_models import make_tiny_model
+
+    other = make_tiny_model(tmp_path, "llama", seed=3, num_layers=1)
+    tok = AutoTokenizer.from_pretrained(str(other))
+    tok.add_special_tokens({"additional_special_tokens": ["<|tool|>"]})
+    tok.save_pretrained(str(other))
+    with pytest.raises(ValueError, match="draft model's tokenizer differs"):
+        make_engine(tiny_llama_dir, other)
