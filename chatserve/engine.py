@@ -166,7 +166,7 @@ class Engine:
         len_before = len(req.token_ids)
         if not s.is_decode:
             req.num_computed_tokens += s.num_new_tokens  # a mid-prompt chunk: nothing to emit
-            self.block_manager.commit(req.table, req.token_ids, req.num_computed_tokens)
+            self._commit(req)
             return None
         drafts = req.draft_token_ids
         if drafts:
@@ -199,9 +199,7 @@ class Engine:
         req.num_computed_tokens = min(req.num_computed_tokens, len(req.token_ids) - 1)
         req.num_draft_computed_tokens = min(req.num_draft_computed_tokens, req.num_computed_tokens)
         self.block_manager.truncate(req.table, len(req.token_ids))
-        # Two commit horizons: the target's KV makes blocks shareable, the draft's marks them.
-        self.block_manager.commit(req.table, req.token_ids, req.num_computed_tokens)
-        self.block_manager.mark_draft_kv(req.table, req.num_draft_computed_tokens)
+        self._commit(req)
         req.stats.num_generated = req.num_output_tokens
         if reason:
             text_parts.append(req.detok.flush())
@@ -212,6 +210,12 @@ class Engine:
             req.stats.finish_time = now
             return Delta(req.request_id, "".join(text_parts), emitted, reason, req.stats)
         return Delta(req.request_id, "".join(text_parts), emitted)
+
+    def _commit(self, req: Request) -> None:
+        """Two commit horizons: the target's KV makes blocks shareable (hashed), the draft's
+        marks those it has computed too; after every chunk, so a long prompt is shared early."""
+        self.block_manager.commit(req.table, req.token_ids, req.num_computed_tokens)
+        self.block_manager.mark_draft_kv(req.table, min(req.num_draft_computed_tokens, req.num_computed_tokens))
 
     def _finish_reason(self, req: Request, tok: int) -> str | None:
         p = req.params
