@@ -181,7 +181,7 @@ def main() -> int:
                 for concurrency in args.concurrency:
                     wait_idle(server.url)
                     spec = LoadSpec(url=server.url, endpoint="ws", settings={"max_tokens": max_tokens, "temperature": 0.0},
-                                    sessions=sessions(workload, args.sessions, f"{name} c{concurrency}"),
+                                    sessions=sessions(workload, args.sessions, f"{name} {workload} c{concurrency}"),
                                     concurrency=concurrency)
                     result = run_load(spec, desc=f"{name} {workload} c={concurrency}")
                     rows = [turn_row(r) for r in result.records]
