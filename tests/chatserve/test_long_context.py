@@ -205,3 +205,74 @@ def test_pool_stays_whole_with_suffix_proposals_mixing_preemption_and_aborts(tin
     assert engine.scheduler.num_preemptions > 0
     assert engine.spec.stats_by_method["suffix"].num_draft_tokens > 0
     assert_pool_empty(engine)
+
+
+@pytest.mark.parametrize("first", range(4))
+def test_greedy_output_is_equal_when_the_method_changes_every_turn(tiny_llama_dir, tiny_draft_dir, conversation,
+                                                                 first):
+    """One engine, one conversation, each turn by another method (off, draft, suffix, n-gram,
+    in four rotations): every turn equals the spec-off reply and reuses every full block of the
+    previous turn's prompt, whichever method computed them."""
+    engine = make_engine(tiny_llama_dir, tiny_draft_dir, "draft")
+    names = ["off", "draft", "suffix", "ngram"]
+    methods = names[first:] + names[:first]
+    for turn, ((prompt, expected), name) in enumerate(zip(conversation, methods)):
+        extra = {"num_draft_tokens": 0} if name == "off" else {"spec_method": name}
+        out = engine.generate([prompt], dataclasses.replace(GREEDY, **extra))[0]
+        assert out["token_ids"] == expected, (turn, name)
+        assert out["stats"].spec_method == (None if name == "off" else name)
+        if turn:
+            assert out["stats"].cached_tokens >= len(conversation[turn - 1][0]) // 16 * 16
+    assert engine.spec.stats.num_draft_tokens > 0
+    assert_pool_empty(engine)
+
+
+@pytest.mark.parametrize("method", ["suffix", "draft"])
+def test_sampled_tokens_follow_the_target_through_suffix_proposals(tiny_llama_dir, tiny_draft_dir, one_thread,
+                                                                   method):
+    """T = 0.3 through the engine: 3000 seeded requests of one prompt, 3 tokens each. The first
+    comes from the prefill; the second from verifying a one-token proposal. The suffix corpus
+    holds, for every possible first token t1, the prompt's tail + t1 + the likeliest token after
+    it, so every request gets a suffix proposal, most of them accepted. "draft" requests weigh it
+    against their draft model's (sampled, with its own probabilities) and take one or the other.
+    The second token must follow the target's marginal sum_t1 P(t1) P(t2 | t1), computed by
+    transformers (chi-square), and for suffix requests each proposal must be accepted as often as
+    the target gives it. (At T = 1 the tiny model's proposals would be accepted 1.6% of the time:
+    0.3 sharpens it to 36%.)"""
+    from transformers import AutoModelForCausalLM
+
+    temperature, n = 0.3, 3000
+    engine = make_engine(tiny_llama_dir, tiny_draft_dir if method == "draft" else None, method)
+    prompt = engine.tokenizer.encode("Suffix proposals at a temperature:")
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32).eval()
+    vocab = engine.models.vocab_size
+    with torch.no_grad():
+        first_probs = torch.softmax(hf(torch.tensor([prompt])).logits[0, -1].double() / temperature, -1)  # [vocab]
+        seconds = torch.tensor([prompt + [t] for t in range(vocab)])  # [vocab, len(prompt) + 1]
+        second_probs = torch.softmax(hf(seconds).logits[:, -1].double() / temperature, -1)  # [vocab, vocab]
+    likeliest = second_probs.argmax(-1).tolist()  # [vocab]: the proposal after each t1
+    corpus = engine.spec.methods["suffix"].corpus
+    for t in range(vocab):
+        corpus.add(prompt[-3:] + [t, likeliest[t]])
+    params = [SamplingParams(max_tokens=3, temperature=temperature, seed=seed, ignore_eos=True) for seed in range(n)]
+    outs = engine.generate([prompt] * n, params)
+
+    assert all(len(o["token_ids"]) == 3 and o["stats"].num_drafted == 1 for o in outs)  # one proposal each
+    counts = torch.bincount(torch.tensor([o["token_ids"][1] for o in outs]), minlength=vocab).double()
+    expected = (first_probs @ second_probs) * n  # [vocab]
+    big = expected >= 5  # pool the rare tokens into one bin
+    observed = torch.cat([counts[big], counts[~big].sum().view(1)])
+    wanted = torch.cat([expected[big], expected[~big].sum().view(1)])
+    stat = ((observed - wanted) ** 2 / wanted).sum()
+    p_value = torch.special.gammaincc(torch.tensor((len(observed) - 1) / 2.0), stat / 2).item()
+    assert p_value > 1e-6, (p_value, stat)
+    by_method = engine.spec.stats_by_method
+    assert by_method["suffix"].num_draft_tokens > 0
+    if method == "suffix":
+        accept = float((first_probs * second_probs.gather(1, torch.tensor(likeliest).view(-1, 1))[:, 0]).sum())
+        accepted = sum(o["stats"].num_accepted for o in outs) / n
+        assert 0.2 < accept < 0.95  # both branches of verification are exercised
+        assert abs(accepted - accept) < 4 * (accept * (1 - accept) / n) ** 0.5
+    else:
+        assert by_method["draft"].num_draft_tokens > 0  # both kinds of proposal were verified
+    assert_pool_empty(engine)
