@@ -73,7 +73,7 @@ def test_propose_takes_an_array_and_is_quick_at_4k():
     for _ in range(60):
         corpus.add(rng.integers(0, 32_000, size=1_000).tolist())
     proposer = SuffixProposer()
-    start = time.perf_counter()
+    start = time.process_time()  # CPU time: a paused or crowded process does not fail the test
     draft = proposer.propose(ctx, 8, corpus)
     assert draft.token_ids == ctx[1010:1018].tolist() and draft.match_len == 10
-    assert time.perf_counter() - start < 0.05
+    assert time.process_time() - start < 0.05
