@@ -97,13 +97,16 @@ def test_an_engine_without_room_to_measure_drafts_on_assumed_costs(tiny_llama_di
 @pytest.mark.parametrize("method", ["draft", "ngram"])
 def test_adaptive_batches_are_lossless_and_leave_the_pool_empty(tiny_llama_dir, tiny_draft_dir, method):
     """The measured-cost path (allocate_drafts over the batch): 6 requests at once, greedy output equal
-    to speculation off, some drafts made, every block back in the pool."""
+    to speculation off, some drafts made, every block back in the pool. Draft-model requests may take
+    suffix proposals instead of their draft's (whichever promises more at the measured costs), so the
+    estimates checked are those of the methods that drafted."""
     from chatserve.sampling_params import SamplingParams
     from tests.chatserve.test_engine import assert_pool_empty
 
     spec = SpecConfig(method=method, draft_model=str(tiny_draft_dir) if method == "draft" else None, num_draft_tokens=4)
     engine = Engine(EngineConfig(model=str(tiny_llama_dir), kv_cache_memory=8 << 20, spec=spec, max_num_seqs=6))
     assert engine.spec.costs is not None
+    priors = {name: m.accept_rate.rate for name, m in engine.spec.methods.items()}
     prompts = [[1 + i, 5, 9, 5, 9, 5, 9, 2 + i] * 3 for i in range(6)]  # repeats: n-gram finds matches
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     on = engine.generate(prompts, params)
@@ -111,13 +114,15 @@ def test_adaptive_batches_are_lossless_and_leave_the_pool_empty(tiny_llama_dir, 
     engine.set_speculation(None)
     off = engine.generate(prompts, params)
     assert [o["token_ids"] for o in on] == [o["token_ids"] for o in off]
-    drafted = sum(o["stats"].num_drafted for o in on)
-    accepted = sum(o["stats"].num_accepted for o in on)
-    assert drafted > 0
+    assert sum(o["stats"].num_drafted for o in on) > 0
     assert_pool_empty(engine)
-    # The engine-wide estimate (new requests' prior) moved from its prior toward what happened.
-    prior = {"draft": 0.8, "ngram": 0.5}[method]
-    rate = spec_runner.methods[method].accept_rate.rate
-    assert rate != prior
-    if abs(accepted / drafted - prior) > 0.2:  # k depends on measured timings; near the prior the EMA may lag
-        assert (rate < prior) == (accepted / drafted < prior)
+    # The engine-wide estimate (new requests' prior) of each method that drafted moved from its
+    # prior toward what happened.
+    used = {name: stats for name, stats in spec_runner.stats_by_method.items() if stats.num_draft_tokens}
+    assert set(used) <= {method, "suffix"}
+    for name, stats in used.items():
+        prior, rate = priors[name], spec_runner.methods[name].accept_rate.rate
+        observed = stats.num_accepted_tokens / stats.num_draft_tokens
+        assert rate != prior
+        if abs(observed - prior) > 0.2:  # k depends on measured timings; near the prior the EMA may lag
+            assert (rate < prior) == (observed < prior)
