@@ -26,7 +26,7 @@ from chatserve.config import EngineConfig  # noqa: E402
 from chatserve.engine import Engine  # noqa: E402
 from chatserve.sampling_params import SamplingParams  # noqa: E402
 from chatserve.spec_costs import SpecCosts, measure_spec_costs  # noqa: E402
-from spec.adaptive import AcceptanceEMA, AdaptiveDraftLength, allocate_drafts  # noqa: E402
+from spec.adaptive import AcceptanceEMA, AdaptiveDraftLength, allocate_drafts, geometric_gains  # noqa: E402
 from spec.ngram import NgramProposer  # noqa: E402
 
 PROMPTS = json.loads((Path(__file__).resolve().parent.parent / "chatserve/data/prompts.json").read_text())
@@ -47,7 +47,7 @@ class Controlled:
     def propose(self, context: list[int]) -> list[int]:
         cap, accept_rate = self.ctl.offer(probe_accept_rate=self.engine_wide.rate)
         tokens = self.proposer.propose_one(context, cap)
-        k = allocate_drafts([accept_rate], [len(tokens)], self.costs.target)[0] if tokens else 0
+        k = allocate_drafts([geometric_gains(accept_rate, len(tokens))], self.costs.target)[0] if tokens else 0
         self.ctl.allocated(k)
         return tokens[:k]
 
@@ -78,7 +78,7 @@ class PerMatchLength:
             if tokens:
                 self.last_n = n
                 cap, accept_rate = self.ctls[n].offer()
-                k = allocate_drafts([accept_rate], [min(cap, len(tokens))], self.costs.target)[0]
+                k = allocate_drafts([geometric_gains(accept_rate, min(cap, len(tokens)))], self.costs.target)[0]
                 self.ctls[n].allocated(k)
                 return tokens[:k]
         return []
@@ -135,7 +135,7 @@ def main() -> None:
     prompts = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS[args.workload]]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     replies = [engine.generate([p], params)[0]["token_ids"] for p in prompts]
-    costs = measure_spec_costs(engine.models, MAX_K, 1, False, reps=3)
+    costs = measure_spec_costs(engine.models, MAX_K, 1, reps=3)
     verify = [costs.target(k + 1) / costs.target(1) for k in range(MAX_K + 1)]
     verify_cost = lambda k: verify[k] if k else 1.0  # noqa: E731
     print(f"{args.model}, {args.workload} x {len(prompts)}, {sum(map(len, replies))} reply tokens")

@@ -9,17 +9,17 @@ Block states:
     cached free   ref_count == 0, hashed: reusable by hash, evicted LRU when the pool runs dry
     free          ref_count == 0, not hashed
 
-Draft KV coverage. With a draft model loaded, requests choose their speculation method, and
-only those that use the draft model write draft KV. A hashed block is therefore marked
-`has_draft_kv` when the request that committed it had draft KV for all of its tokens. The
-rule that keeps sharing correct: a request that will run the draft model attaches only
-marked blocks (`match_prefix(..., need_draft_kv=True)` stops at the first unmarked one); a
-request that never runs it may attach any hashed block, since every hashed block holds valid
-target KV. A mark stays true while the hash lives: every holder of a full hashed block writes
-KV only past it, and the mark goes with the hash (eviction, takeover), before the block can be
-handed out fresh. When a draft request commits a block whose hash already names an unmarked block,
-its own (marked) block takes over the hash, so the prefix becomes shareable by draft requests
-too; the old block keeps its contents for whoever holds it and is freed, not cached, later.
+Two commit horizons. A block is committed (hashed, shareable) as soon as the target's KV for
+its tokens is valid, whatever the request's speculation method. Whether the draft model's KV
+is valid too is a mark on the block (`draft_kv_blocks`), set by `mark_draft_kv` when a draft
+has computed the whole block, never a condition for committing it. Every request attaches
+every hashed block of its prefix; a request that runs the draft model brings the draft up to
+date from the first unmarked block (`draft_kv_prefix`). Draft KV written into a hashed block
+is a function of the block's tokens and its prefix (the hash), so any holder writing it writes
+the same values; a mark therefore stays true while the hash lives and goes with it (eviction,
+takeover). When a request marks a block whose hash names another, unmarked block, its own block
+takes over the hash, so draft requests find the draft KV; the old block keeps its contents for
+whoever holds it and is freed, not cached, later.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ class BlockTable:
 
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # one per leading full, committed block
+    num_draft_checked: int = 0  # leading blocks mark_draft_kv has handled (marked, or marked elsewhere)
 
 
 def hash_block(parent_hash: bytes | None, token_ids: Sequence[int]) -> bytes:
@@ -69,13 +70,13 @@ class BlockManager:
         return max(0, -(-num_tokens // self.block_size) - len(table.block_ids))
 
     # -- prefix cache ---------------------------------------------------------------------
-    def match_prefix(self, table: BlockTable, token_ids: Sequence[int], need_draft_kv: bool = False) -> int:
+    def match_prefix(self, table: BlockTable, token_ids: Sequence[int]) -> int:
         """Attach the longest cached run of full blocks of `token_ids` to an empty table.
 
-        Returns the number of tokens whose KV is already in the pool (for the draft model as
-        well when `need_draft_kv`: then the run ends at the first block without draft KV).
-        At least one token is always left to compute (the model must produce logits for the
-        last one), so a prompt that is all full cached blocks gives back its last block.
+        Returns the number of tokens whose target KV is already in the pool (draft_kv_prefix
+        says how many of them have draft KV too). At least one token is always left to compute
+        (the model must produce logits for the last one), so a prompt that is all full cached
+        blocks gives back its last block.
         """
         assert not table.block_ids
         if not self.enable_prefix_caching:
@@ -86,7 +87,7 @@ class BlockManager:
         for i in range(max_blocks):
             h = hash_block(parent, token_ids[i * bs : (i + 1) * bs])
             block_id = self.hash_to_block.get(h)
-            if block_id is None or (need_draft_kv and block_id not in self.draft_kv_blocks):
+            if block_id is None:
                 break
             self._ref(block_id)
             table.block_ids.append(block_id)
@@ -97,11 +98,17 @@ class BlockManager:
         self.num_prefix_hits += num_cached
         return num_cached
 
-    def commit(self, table: BlockTable, token_ids: Sequence[int], num_committed: int,
-               has_draft_kv: bool = False) -> None:
-        """Hash the full blocks among the first `num_committed` tokens (verified, KV computed
-        by every model the request runs) so later requests can share them. `has_draft_kv`:
-        the draft model's KV is valid for those tokens too. Never call it with draft tokens."""
+    def draft_kv_prefix(self, table: BlockTable) -> int:
+        """Tokens at the start of `table` whose draft-model KV is in the pool: its leading run
+        of marked blocks."""
+        num_blocks = 0
+        while num_blocks < len(table.block_hashes) and table.block_ids[num_blocks] in self.draft_kv_blocks:
+            num_blocks += 1
+        return num_blocks * self.block_size
+
+    def commit(self, table: BlockTable, token_ids: Sequence[int], num_committed: int) -> None:
+        """Hash the full blocks among the first `num_committed` tokens (verified, target KV
+        computed) so later requests can share them. Never call it with draft tokens."""
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
@@ -110,17 +117,28 @@ class BlockManager:
             h = hash_block(parent, token_ids[i * bs : (i + 1) * bs])
             table.block_hashes.append(h)
             block_id = table.block_ids[i]
-            if block_id in self.block_to_hash:
-                continue
-            old_id = self.hash_to_block.get(h)
-            if old_id is not None and (not has_draft_kv or old_id in self.draft_kv_blocks):
-                continue  # the registered block is as good as ours
-            if old_id is not None:
-                self._unhash(old_id)  # ours also has draft KV: take over the hash
-            self.hash_to_block[h] = block_id
-            self.block_to_hash[block_id] = h
-            if has_draft_kv:
+            if block_id not in self.block_to_hash and h not in self.hash_to_block:
+                self.hash_to_block[h] = block_id
+                self.block_to_hash[block_id] = h
+
+    def mark_draft_kv(self, table: BlockTable, num_tokens: int) -> None:
+        """The draft model's KV is valid for the first `num_tokens` tokens of `table`: mark its
+        committed blocks among them (taking over a hash whose block has no mark)."""
+        if not self.enable_prefix_caching:
+            return
+        for i in range(table.num_draft_checked, min(num_tokens // self.block_size, len(table.block_hashes))):
+            block_id, h = table.block_ids[i], table.block_hashes[i]
+            registered = self.hash_to_block.get(h)
+            if registered not in (None, block_id) and registered not in self.draft_kv_blocks:
+                self._unhash(registered)  # ours has draft KV too: take over the hash
+                registered = None
+            if registered is None:
+                self.hash_to_block[h] = block_id
+                self.block_to_hash[block_id] = h
+                registered = block_id
+            if registered == block_id:
                 self.draft_kv_blocks.add(block_id)
+            table.num_draft_checked = i + 1
 
     # -- allocate / truncate / free -------------------------------------------------------
     def allocate(self, table: BlockTable, num_tokens: int) -> bool:
@@ -148,6 +166,7 @@ class BlockManager:
         while table.block_ids:
             self._unref(table.block_ids.pop())
         table.block_hashes.clear()
+        table.num_draft_checked = 0
 
     # -- internals ------------------------------------------------------------------------
     def _take_free_block(self) -> int:

@@ -53,6 +53,12 @@ class CatalogEntry:
     gguf_file: str
     gguf_sha256: str
     extra_eos_tokens: tuple[str, ...] = ()  # besides the GGUF's eos: the hub's generation_config
+    tokenizer: str = ""  # models with the same tokenizer name tokenize alike (one can draft for another)
+
+    @property
+    def num_params(self) -> float:
+        """params ("135M", "1.5B") as a number."""
+        return float(self.params[:-1]) * {"M": 1e6, "B": 1e9}[self.params[-1]]
 
     @property
     def source(self) -> str:
@@ -92,6 +98,16 @@ CATALOG: dict[str, CatalogEntry] = load_catalog(Path(__file__).resolve().parent 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
 SMALL_MODEL = "smollm2-135m-instruct"
+
+
+def default_draft(target: str) -> str | None:
+    """The catalog draft model for `target`: the smallest catalog model with its tokenizer that
+    is smaller than it. None for a target outside the catalog or without a smaller sibling."""
+    entry = CATALOG.get(target)
+    if entry is None or not entry.tokenizer:
+        return None
+    smaller = [e for e in CATALOG.values() if e.tokenizer == entry.tokenizer and e.num_params < entry.num_params]
+    return min(smaller, key=lambda e: e.num_params).name if smaller else None
 
 
 class ModelNotFoundError(LookupError):

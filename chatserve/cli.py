@@ -7,16 +7,28 @@ import json
 import sys
 import time
 
-from chatserve.config import KV_CACHE_DTYPES, EngineConfig, ServerConfig, SpecConfig
+from chatserve.config import DRAFT_CATCH_UPS, KV_CACHE_DTYPES, EngineConfig, ServerConfig, SpecConfig
 
 
-def _engine_args(p: argparse.ArgumentParser, default_model: str, default_draft: str | None) -> None:
+def _engine_args(p: argparse.ArgumentParser, default_model: str, speculate_by_default: bool) -> None:
+    from chatserve.spec_methods import SPEC_METHODS
+
+    methods = ", ".join(f"{name} = {cls.label}" for name, cls in SPEC_METHODS.items())
     p.add_argument("--model", default=default_model, help="catalog name, local HF directory, .gguf file or hub id")
-    p.add_argument("--draft-model", default=default_draft, help="draft model for speculation (same tokenizer)")
-    p.add_argument("--draft", choices=["model", "ngram"], default=None, help="'ngram' = prompt lookup, no draft model")
+    p.add_argument("--draft-model", default=None,
+                   help="draft model for speculation (same tokenizer)" + (
+                       "; default: the catalog's draft for the model's tokenizer, if there is one" if speculate_by_default else ""))
+    p.add_argument("--draft", choices=[*SPEC_METHODS, "model"], default=None,
+                   help=f"the default speculation method ({methods}; 'model' = 'draft'); requests may ask "
+                        f"for another one" + ("; default: draft with a fitting draft model, else suffix"
+                                              if speculate_by_default else ""))
+    p.set_defaults(speculate_by_default=speculate_by_default)
     p.add_argument("--no-spec", action="store_true", help="disable speculative decoding")
     p.add_argument("--num-draft-tokens", type=int, default=4, help="maximum draft length k")
     p.add_argument("--no-adaptive", action="store_true", help="always draft k tokens (no adaptive k)")
+    p.add_argument("--draft-catch-up", default="decode", choices=DRAFT_CATCH_UPS,
+                   help="when a draft model catches up on tokens it has not seen: in bounded chunks inside "
+                        "decode steps (default), beside the target's prefill chunks, or all at once")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="activation and unquantized-weight dtype: auto = bfloat16 where the CPU has native "
                         "bf16 (AVX-512 BF16 / AMX), else float32 (float32 for bit-exact comparisons)")
@@ -49,16 +61,41 @@ def _bytes(text: str) -> int:
     return int(text)
 
 
+def speculation(args) -> tuple[str | None, str | None, str]:
+    """(method, draft model, why) from the arguments. A named draft model is used as named (an
+    incompatible one fails at load); `serve` without one takes the catalog's draft for the
+    model's tokenizer, else drafts by suffix decoding, which needs no model."""
+    from chatserve.catalog import default_draft
+
+    if args.no_spec:
+        return None, None, "speculation off (--no-spec)"
+    method = "draft" if args.draft == "model" else args.draft
+    if args.draft_model:
+        return method or "draft", args.draft_model, "as named"
+    if method not in (None, "draft"):
+        return method, None, "as named"
+    if method is None and not args.speculate_by_default:
+        return None, None, "speculation off"
+    chosen = default_draft(args.model)
+    if chosen:
+        return "draft", chosen, f"the catalog's draft model for {args.model}'s tokenizer"
+    if method == "draft":
+        raise ValueError(f"--draft draft: no catalog draft model shares {args.model}'s tokenizer; "
+                         f"name one with --draft-model")
+    return "suffix", None, f"no catalog draft model shares {args.model}'s tokenizer; suffix decoding needs none"
+
+
 def engine_config(args) -> EngineConfig:
+    method, draft_model, _ = speculation(args)
     spec = None
-    if not args.no_spec and (args.draft == "ngram" or args.draft_model):
-        method = "ngram" if args.draft == "ngram" else "draft"
+    if method:
         spec = SpecConfig(
             method=method,
-            draft_model=args.draft_model if method == "draft" else None,
+            draft_model=draft_model,
             num_draft_tokens=args.num_draft_tokens,
             adaptive=not args.no_adaptive,
             draft_kv_cache_dtype=args.draft_kv_cache_dtype,
+            draft_catch_up=args.draft_catch_up,
         )
     from kernels.cpu_features import default_dtype
 
@@ -137,12 +174,14 @@ def cmd_serve(args) -> int:
     config = engine_config(args)
     start = time.perf_counter()
     draft = None if not config.spec else (config.spec.draft_model or config.spec.method)
-    print(f"loading {config.model} (draft: {draft})...", file=sys.stderr, flush=True)
+    print(f"loading {config.model} (draft: {draft}: {speculation(args)[2]})...", file=sys.stderr, flush=True)
     engine = Engine(config)
     mem = {k: v / 2**30 for k, v in engine.memory_stats().items()}
-    print(f"loaded {config.model} (draft: {draft}) in {time.perf_counter() - start:.1f} s; weights "
-          f"{config.quantization or config.dtype}: {mem['weights_bytes']:.2f} GiB, resident {mem['rss_bytes']:.2f} GiB "
-          f"(peak {mem['peak_rss_bytes']:.2f}), KV pool {mem['kv_pool_bytes']:.2f} GiB reserved", file=sys.stderr)
+    methods = ", ".join(engine.spec_methods) or "none"
+    print(f"loaded {config.model} (draft: {draft}; methods: {methods}) in {time.perf_counter() - start:.1f} s; "
+          f"weights {config.quantization or config.dtype}: {mem['weights_bytes']:.2f} GiB, resident "
+          f"{mem['rss_bytes']:.2f} GiB (peak {mem['peak_rss_bytes']:.2f}), KV pool {mem['kv_pool_bytes']:.2f} GiB "
+          f"reserved", file=sys.stderr)
     server_config = ServerConfig(
         host=args.host,
         port=args.port,
@@ -173,13 +212,13 @@ def cmd_pull(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from chatserve.catalog import DEFAULT_DRAFT, DEFAULT_TARGET, SMALL_MODEL
+    from chatserve.catalog import DEFAULT_TARGET, SMALL_MODEL
 
     parser = argparse.ArgumentParser(prog="chatserve", description="Low-latency speculative LLM chat server")
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate text for one prompt")
-    _engine_args(g, SMALL_MODEL, None)
+    _engine_args(g, SMALL_MODEL, speculate_by_default=False)
     g.add_argument("prompt")
     g.add_argument("--chat", action="store_true", help="wrap the prompt as one user message in the chat template")
     g.add_argument("--max-tokens", type=int, default=128)
@@ -193,7 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_generate)
 
     s = sub.add_parser("serve", help="start the websocket / OpenAI-compatible chat server")
-    _engine_args(s, DEFAULT_TARGET, DEFAULT_DRAFT)
+    _engine_args(s, DEFAULT_TARGET, speculate_by_default=True)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", default=None)

@@ -6,11 +6,14 @@ import dataclasses
 from dataclasses import dataclass
 
 KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3", "fp8_e5m2")
+DRAFT_CATCH_UPS = ("decode", "prefill", "whole")
 
 
 @dataclass(frozen=True)
 class SpecConfig:
-    """Speculative decoding: `method` is "draft" (a small model) or "ngram" (prompt lookup)."""
+    """Speculative decoding. `method` is the default of requests that name none, one of
+    chatserve.spec_methods.SPEC_METHODS ("draft": a small model; "ngram": prompt lookup; ...).
+    A `draft_model`, when given, is loaded whatever the method, so requests may ask for it."""
 
     method: str = "draft"
     draft_model: str | None = None
@@ -20,16 +23,25 @@ class SpecConfig:
     adaptive: bool = True
     draft_kv_cache_dtype: str | None = None  # None = the target's kv_cache_dtype
     draft_vocab_size: int = 65536  # draft over the most frequent ids only (spec/draft_vocab.py); 0 = all
+    # When a draft model sees tokens it has not seen (a new prompt, a new turn's tail): "decode" =
+    # in bounded chunks inside decode steps, while the request drafts by other methods;
+    # "prefill" = beside the target's prefill chunks, in the same steps; "whole" = all at once
+    # before its first draft (a stall as long as the catch-up). docs/benchmarks.md measures them.
+    draft_catch_up: str = "decode"
 
     def __post_init__(self) -> None:
-        if self.method not in ("draft", "ngram"):
-            raise ValueError(f"spec.method: must be 'draft' or 'ngram', got {self.method!r}")
-        if self.method == "draft" and not self.draft_model:
-            raise ValueError("spec.draft_model: required when spec.method is 'draft'")
+        from chatserve.spec_methods import SPEC_METHODS  # the registry's classes import this module
+
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"spec.method: one of {', '.join(map(repr, SPEC_METHODS))}, got {self.method!r}")
+        if SPEC_METHODS[self.method].keeps_kv and not self.draft_model:
+            raise ValueError(f"spec.draft_model: required when spec.method is {self.method!r}")
         if not 1 <= self.num_draft_tokens <= 16:
             raise ValueError(f"spec.num_draft_tokens: must be in [1, 16], got {self.num_draft_tokens}")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError("spec.ngram_min/ngram_max: need 1 <= ngram_min <= ngram_max")
+        if self.draft_catch_up not in DRAFT_CATCH_UPS:
+            raise ValueError(f"spec.draft_catch_up: one of {DRAFT_CATCH_UPS}, got {self.draft_catch_up!r}")
         if self.draft_kv_cache_dtype is not None and self.draft_kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"spec.draft_kv_cache_dtype: one of {KV_CACHE_DTYPES}, got {self.draft_kv_cache_dtype!r}")
 

@@ -95,7 +95,7 @@ class Engine:
     @property
     def spec_methods(self) -> tuple[str, ...]:
         """The SamplingParams.spec_method values this engine runs; the first is its default."""
-        return self.spec.methods if self.spec else ()
+        return tuple(self.spec.methods) if self.spec else ()
 
     def check_params(self, params: SamplingParams) -> None:
         """Raise ValueError for a spec_method this engine cannot run (no draft model, or no
@@ -117,12 +117,11 @@ class Engine:
         return Delta(request_id, "", [], "abort", req.stats)
 
     def set_speculation(self, spec: SpecConfig | None) -> None:
-        """Switch speculation (off / n-gram / the loaded draft model) between runs. Needs an
-        idle engine; the prefix cache is dropped since draft KV may not cover cached blocks."""
+        """Switch speculation (off / another default method) between runs. Needs an idle engine;
+        raises ValueError when spec.method cannot run with the loaded models (a draft model's
+        method without one). The prefix cache is dropped so that compared runs start cold."""
         if self.has_unfinished():
             raise RuntimeError("set_speculation: requests are still running")
-        if spec is not None and spec.method == "draft" and self.models.draft_runner is None:
-            raise ValueError("set_speculation: no draft model was loaded with this engine")
         self.spec = SpecRunner.create(spec, self.models, self.config.max_num_seqs) if spec else None
         self.block_manager.reset_prefix_cache()
 
@@ -138,7 +137,7 @@ class Engine:
         if not scheduled:
             return []
         if self.spec:
-            self.spec.propose([s for s in scheduled if s.num_draft_tokens > 0])
+            self.spec.propose(scheduled)
         items = [self._batch_item(s) for s in scheduled]
         logits, cu_logits = self.models.target_runner.run(items)  # [num_logits, vocab]
         now = time.perf_counter()
@@ -167,14 +166,15 @@ class Engine:
         len_before = len(req.token_ids)
         if not s.is_decode:
             req.num_computed_tokens += s.num_new_tokens  # a mid-prompt chunk: nothing to emit
+            self._commit(req)
             return None
         drafts = req.draft_token_ids
         if drafts:
-            new_tokens, num_accepted = self.sampler.verify(req, rows, drafts, self.spec.draft_probs(req))
+            new_tokens, num_accepted = self.sampler.verify(req, rows, drafts, req.draft_probs)
             self.spec.record(req, len(drafts), num_accepted)
         else:
             new_tokens = self.sampler.sample(req, rows[-1:])
-        req.draft_token_ids = []
+        req.draft_token_ids, req.draft_probs = [], None
         # Valid target KV: everything fed except the rejected drafts.
         req.num_computed_tokens = len_before + len(new_tokens) - 1
         if req.stats.first_token_time is None:
@@ -199,15 +199,23 @@ class Engine:
         req.num_computed_tokens = min(req.num_computed_tokens, len(req.token_ids) - 1)
         req.num_draft_computed_tokens = min(req.num_draft_computed_tokens, req.num_computed_tokens)
         self.block_manager.truncate(req.table, len(req.token_ids))
-        self.block_manager.commit(req.table, req.token_ids, self._num_committed(req), has_draft_kv=req.use_draft_model)
+        self._commit(req)
         req.stats.num_generated = req.num_output_tokens
         if reason:
             text_parts.append(req.detok.flush())
+            if self.spec:
+                self.spec.finish(req)
             self.scheduler.finish(req, reason)
             self.requests.pop(req.request_id, None)
             req.stats.finish_time = now
             return Delta(req.request_id, "".join(text_parts), emitted, reason, req.stats)
         return Delta(req.request_id, "".join(text_parts), emitted)
+
+    def _commit(self, req: Request) -> None:
+        """Two commit horizons: the target's KV makes blocks shareable (hashed), the draft's
+        marks those it has computed too; after every chunk, so a long prompt is shared early."""
+        self.block_manager.commit(req.table, req.token_ids, req.num_computed_tokens)
+        self.block_manager.mark_draft_kv(req.table, min(req.num_draft_computed_tokens, req.num_computed_tokens))
 
     def _finish_reason(self, req: Request, tok: int) -> str | None:
         p = req.params
@@ -216,15 +224,6 @@ class Engine:
         if req.num_output_tokens >= p.max_tokens or len(req.token_ids) >= self.max_model_len:
             return "length"
         return None
-
-    def _num_committed(self, req: Request) -> int:
-        """Tokens whose KV is valid in every cache the request writes: the draft lags the
-        target for draft-model requests; other requests (n-gram, speculation off) never run
-        the draft model, so the target's count stands and their blocks are committed
-        without the draft-KV mark (see block_manager's module docstring)."""
-        if req.use_draft_model:
-            return min(req.num_computed_tokens, req.num_draft_computed_tokens)
-        return req.num_computed_tokens
 
     # -- conveniences ---------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[dict]:

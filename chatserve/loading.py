@@ -57,7 +57,7 @@ def load_models(config: EngineConfig) -> LoadedModels:
     tokenizer = Tokenizer(target_dir)
     target = _quantized(_load(target_dir, target_cfg, dtype, max_model_len, config), config)
     draft = None
-    if config.spec and config.spec.method == "draft":
+    if config.spec and config.spec.draft_model:
         draft_dir = resolve(config.spec.draft_model)
         draft_cfg = read_config(draft_dir)
         check_same_vocab(tokenizer, Tokenizer(draft_dir), target_cfg, draft_cfg)

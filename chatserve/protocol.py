@@ -9,7 +9,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from chatserve.sampling_params import SPEC_METHODS, RequestStats, SamplingParams
+from chatserve.sampling_params import RequestStats, SamplingParams
+from chatserve.spec_methods import SPEC_METHODS
 
 # Error codes sent in websocket `error` messages and as OpenAI `error.code`.
 BAD_JSON = "bad_json"
@@ -179,15 +180,17 @@ def parse_settings(params) -> dict:
         raise ProtocolError(INVALID_PARAMS, f"unknown setting(s) {unknown}; known: {list(SETTINGS_KEYS)}")
     if "speculation" in params and not isinstance(params["speculation"], bool):
         raise ProtocolError(INVALID_PARAMS, "speculation: must be true or false", param="speculation")
-    if params.get("spec_method") not in (None, *SPEC_METHODS):
-        raise ProtocolError(INVALID_PARAMS, f"spec_method: must be \"draft\", \"ngram\" or null (the server's "
+    if params.get("spec_method") is not None and (not isinstance(params["spec_method"], str)
+                                                  or params["spec_method"] not in SPEC_METHODS):
+        names = ", ".join(f'"{name}"' for name in SPEC_METHODS)
+        raise ProtocolError(INVALID_PARAMS, f"spec_method: must be one of {names} or null (the server's "
                             f"default), got {params['spec_method']!r}", param="spec_method")
     return dict(params)
 
 
 def check_spec_method(params: SamplingParams, available: tuple[str, ...]) -> None:
     """The engine must run the asked-for method: "draft" needs a draft model, and a server
-    started without speculation runs neither. `available` is the engine's spec_methods."""
+    started without speculation runs none. `available` is the engine's spec_methods."""
     method = params.spec_method
     if method is None or method in available:
         return
@@ -229,7 +232,7 @@ class DoneStats:
     accepted: int | None = None
     acceptance_rate: float | None = None
     mean_accepted_length: float | None = None
-    spec_method: str | None = None  # who drafted: "draft" or "ngram"; None = no speculation
+    spec_method: str | None = None  # the request's method (a SPEC_METHODS name); None = no speculation
 
     @classmethod
     def from_request_stats(cls, stats: RequestStats) -> "DoneStats":
@@ -245,8 +248,11 @@ class DoneStats:
 
 def ready_message(model: str, draft: str | None, max_model_len: int, max_tokens_limit: int, settings: dict,
                   spec_methods: tuple[str, ...] = ()) -> dict:
-    """`spec_methods`: the spec_method values this server runs, its default first ([] = no speculation)."""
+    """`spec_methods`: the spec_method values this server runs, its default first ([] = no speculation);
+    `spec_method_labels` names them for people."""
+    labels = {name: SPEC_METHODS[name].label for name in spec_methods if name in SPEC_METHODS}
     return {"type": "ready", "model": model, "draft": draft, "spec_methods": list(spec_methods),
+            "spec_method_labels": labels,
             "max_model_len": max_model_len, "max_tokens_limit": max_tokens_limit, "settings": settings}
 
 

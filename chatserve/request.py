@@ -4,8 +4,8 @@ Regions of `token_ids` (prompt + generated, all committed, never drafts):
 
     [0, num_computed_tokens)              KV in the target cache
     [num_computed_tokens, len(token_ids)) still to feed to the target (prefill or last token)
-    [0, num_draft_computed_tokens)        KV in the draft cache (lags by the tokens it has not seen);
-                                          meaningful only when use_draft_model
+    [0, num_draft_computed_tokens)        KV in the draft model's cache: the prefix-cache blocks that
+                                          carry the draft-KV mark, then what the draft has seen
 """
 
 from __future__ import annotations
@@ -13,11 +13,15 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from chatserve.block_manager import BlockTable
 from chatserve.sampling_params import RequestStats, SamplingParams
+
+if TYPE_CHECKING:
+    from chatserve.spec_methods import SpecState
 
 
 class Status(enum.Enum):
@@ -39,10 +43,10 @@ class Request:
     finish_reason: str | None = None
     stats: RequestStats = field(default_factory=RequestStats)
     generator: torch.Generator | None = None
-    num_draft_tokens: int = 0  # k chosen for this step by the scheduler
+    spec: SpecState | None = None  # its speculation (SpecRunner); None = never drafts
+    num_lookahead_tokens: int = 0  # drafts planned for this step: the scheduler reserves their slots
     draft_token_ids: list[int] = field(default_factory=list)  # proposals under verification
-    spec_controller: object | None = None  # spec.adaptive.AdaptiveDraftLength, set by the engine
-    use_draft_model: bool = False  # set by the engine: drafts come from the draft model, which keeps KV
+    draft_probs: torch.Tensor | None = None  # [len(draft_token_ids), vocab], None = one-hot drafts
     detok: object | None = None  # chatserve.tokenizer.IncrementalDetokenizer
 
     def __post_init__(self) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-SPEC_METHODS = ("draft", "ngram")
+from spec.stats import SpecStats
 
 
 @dataclass(frozen=True)
@@ -28,8 +28,8 @@ class SamplingParams:
     ignore_eos: bool = False
     # Speculation per request: None = engine default; 0 disables drafting for this request.
     num_draft_tokens: int | None = None
-    # Who drafts: "draft" (the draft model, if the engine loaded one) or "ngram" (prompt
-    # lookup); None = the engine's own method.
+    # Who drafts: a name in chatserve.spec_methods.SPEC_METHODS ("draft": the draft model, if
+    # the engine loaded one; "ngram": prompt lookup; ...); None = the engine's own method.
     spec_method: str | None = None
 
     def __post_init__(self) -> None:
@@ -56,9 +56,12 @@ class SamplingParams:
             raise ValueError(f"ignore_eos: must be a boolean, got {self.ignore_eos!r}")
         if self.num_draft_tokens is not None:
             _check_int("num_draft_tokens", self.num_draft_tokens, low=0, high=16)
-        if self.spec_method not in (None, *SPEC_METHODS):
-            raise ValueError(f"spec_method: must be 'draft' or 'ngram' (or null for the engine's default), "
-                             f"got {self.spec_method!r}")
+        if self.spec_method is not None:
+            from chatserve.spec_methods import SPEC_METHODS  # the registry imports this module
+
+            if self.spec_method not in SPEC_METHODS:
+                raise ValueError(f"spec_method: must be one of {', '.join(map(repr, SPEC_METHODS))} (or null for "
+                                 f"the engine's default), got {self.spec_method!r}")
 
     @property
     def is_greedy(self) -> bool:
@@ -89,11 +92,8 @@ class RequestStats:
     prompt_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
     num_generated: int = 0
-    num_drafted: int = 0
-    num_accepted: int = 0
-    num_spec_steps: int = 0  # verification steps that had at least one draft token
-    spec_method: str | None = None  # "draft" / "ngram" as resolved by the engine; None = no speculation
-    accepted_by_position: list[int] = field(default_factory=list)  # [k]: accepted at draft position i
+    spec: SpecStats = field(default_factory=SpecStats)  # this request's drafts and acceptance
+    spec_method: str | None = None  # the method as resolved by the engine; None = no speculation
     arrival_time: float = 0.0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -117,6 +117,24 @@ class RequestStats:
         if self.first_token_time is None or self.finish_time is None or self.num_generated < 2:
             return None
         return (self.finish_time - self.first_token_time) * 1000.0 / (self.num_generated - 1)
+
+    @property
+    def num_drafted(self) -> int:
+        return self.spec.num_draft_tokens
+
+    @property
+    def num_accepted(self) -> int:
+        return self.spec.num_accepted_tokens
+
+    @property
+    def num_spec_steps(self) -> int:
+        """Verification steps that had at least one draft token."""
+        return self.spec.num_spec_steps
+
+    @property
+    def accepted_by_position(self) -> list[int]:
+        """[k]: steps in which the draft at position i was accepted."""
+        return self.spec.accepted_by_position
 
     @property
     def acceptance_rate(self) -> float | None:

@@ -21,7 +21,7 @@ from chatserve.request import Request, Status
 class ScheduledSeq:
     req: Request
     num_new_tokens: int  # tokens fed to the target: a prefill chunk, or 1 when decoding
-    num_draft_tokens: int = 0  # lookahead slots reserved for drafts (decode only)
+    num_lookahead_tokens: int = 0  # slots reserved for drafts past the last token (decode only)
 
     @property
     def is_decode(self) -> bool:
@@ -53,7 +53,7 @@ class Scheduler:
                 continue  # preempted earlier in this loop, or out of budget
             remaining = len(req.token_ids) - req.num_computed_tokens
             n = min(remaining, budget)
-            k = min(req.num_draft_tokens, budget - n) if n == remaining == 1 else 0
+            k = min(req.num_lookahead_tokens, budget - n) if n == remaining == 1 else 0
             if not self._allocate_or_preempt(req, req.num_computed_tokens + n + k, scheduled):
                 continue
             scheduled.append(ScheduledSeq(req, n, k))
@@ -61,8 +61,9 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             if not req.table.block_ids:
-                cached = self.bm.match_prefix(req.table, req.token_ids, need_draft_kv=req.use_draft_model)
-                req.num_computed_tokens = req.num_draft_computed_tokens = cached
+                cached = self.bm.match_prefix(req.table, req.token_ids)
+                req.num_computed_tokens = cached
+                req.num_draft_computed_tokens = self.bm.draft_kv_prefix(req.table)
                 if req.stats.first_scheduled_time is None:
                     req.stats.cached_tokens = cached
             n = min(len(req.token_ids) - req.num_computed_tokens, budget)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import bisect
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,10 +22,10 @@ from chatserve.block_manager import BlockTable
 
 CONTEXT = 48  # tokens already in the cache when the timed rows arrive: a short chat
 MAX_ROWS = 64  # beyond this, cost is extrapolated in proportion to rows
-# A draft that has not seen a request's prompt catches up on all of it in one forward (one
-# logit row): priced from these points (Qwen 0.5B, 2 threads: 43 rows ~84 ms, 256 ~311 ms;
-# extrapolating from 16 decode rows would say 160 and 960).
-CATCH_UP_ROWS = (64, 128, 256)
+# A draft that has not seen a request's tokens catches up on them in forwards with no logit
+# rows to speak of (one): priced from these points, not from decode rows (Qwen 0.5B, 2 threads:
+# 64 rows ~84 ms, 256 ~311 ms; extrapolating from 16 decode rows would say 160 and 960).
+CATCH_UP_ROWS = (16, 32, 64, 128, 256)
 # Assumed when nothing can be measured, in units of a one-row target forward: each extra row
 # adds 5% (the weights are read once per forward), a draft forward costs 35% (a 0.5B draft
 # next to a 1.5B target) plus 1% per row.
@@ -37,11 +37,13 @@ ASSUMED_DRAFT_ROW_COST = 0.01
 @dataclass(frozen=True)
 class SpecCosts:
     target_seconds: dict[int, float]  # rows -> one target forward over that many rows
-    draft_seconds: dict[int, float]  # rows -> one draft forward; empty without a draft model
+    draft_seconds: dict[int, float]  # rows -> one draft forward (a logit row each); empty without a draft model
+    catch_up_seconds: dict[int, float] = field(default_factory=dict)  # rows -> a draft forward with one logit row
 
     def __post_init__(self):  # the row counts in order, once (allocate_drafts looks up ~100 a step)
         object.__setattr__(self, "_target_rows", sorted(self.target_seconds))
         object.__setattr__(self, "_draft_rows", sorted(self.draft_seconds))
+        object.__setattr__(self, "_catch_up_rows", sorted(self.catch_up_seconds))
 
     def target(self, rows: int) -> float:
         """Seconds of one target forward over `rows` rows (looked up)."""
@@ -62,6 +64,23 @@ class SpecCosts:
         """Seconds of one draft forward over `rows` rows (looked up); 0 without a draft model."""
         return _lookup(self.draft_seconds, self._draft_rows, rows) if self.draft_seconds else 0.0
 
+    def catch_up(self, rows: int) -> float:
+        """Seconds of a draft forward feeding `rows` tokens it has not seen (one logit row);
+        from the decode grid when no catch-up was measured."""
+        if not self.catch_up_seconds:
+            return self.draft(rows)
+        return _lookup(self.catch_up_seconds, self._catch_up_rows, rows)
+
+    def max_catch_up_rows(self, seconds: float) -> int:
+        """The largest measured catch-up that fits in `seconds` with every smaller one (0 if
+        the smallest does not): a noisy point above a slow one must not widen the chunk."""
+        fits = 0
+        for rows in self._catch_up_rows or self._draft_rows:
+            if self.catch_up(rows) > seconds:
+                break
+            fits = rows
+        return fits
+
 
 def _lookup(seconds: dict[int, float], points: list[int], rows: int) -> float:
     """The time of the nearest measured row count at or above `rows` (points: the sorted keys);
@@ -80,23 +99,26 @@ def row_grid(max_rows: int, max_k: int) -> list[int]:
     return sorted(r for r in grid if r <= max(max_rows, 1))
 
 
-def assumed_spec_costs(max_rows: int, use_draft_model: bool) -> SpecCosts:
+def assumed_spec_costs(max_rows: int, has_draft_model: bool) -> SpecCosts:
     """A linear model (the ASSUMED_* constants) on every row count up to max_rows."""
     rows = range(1, max(max_rows, 1) + 1)
     target = {r: 1.0 + ASSUMED_ROW_COST * (r - 1) for r in rows}
-    draft = {r: ASSUMED_DRAFT_COST + ASSUMED_DRAFT_ROW_COST * (r - 1) for r in rows} if use_draft_model else {}
-    return SpecCosts(target, draft)
+    if not has_draft_model:
+        return SpecCosts(target, {})
+    draft = {r: ASSUMED_DRAFT_COST + ASSUMED_DRAFT_ROW_COST * (r - 1) for r in rows}
+    catch_up = {r: ASSUMED_DRAFT_COST + ASSUMED_DRAFT_ROW_COST * (r - 1) for r in CATCH_UP_ROWS}
+    return SpecCosts(target, draft, catch_up)
 
 
 @torch.inference_mode()
-def measure_spec_costs(models, max_k: int, max_num_seqs: int, use_draft_model: bool,
-                       reps: int = 2) -> SpecCosts | None:
+def measure_spec_costs(models, max_k: int, max_num_seqs: int, reps: int = 2) -> SpecCosts | None:
     """None when the pool cannot spare the scratch blocks (then assumed_spec_costs apply).
-    Without a draft model (n-gram proposals) only the target is timed."""
+    Without a draft model (models.draft_runner None) only the target is timed."""
     max_rows = min(MAX_ROWS, max_num_seqs * (max_k + 1))
     bm = models.block_manager
     table = BlockTable()
-    catch_up_rows = CATCH_UP_ROWS if use_draft_model else ()
+    has_draft_model = models.draft_runner is not None
+    catch_up_rows = CATCH_UP_ROWS if has_draft_model else ()
     if not bm.allocate(table, CONTEXT + max((max_rows, *catch_up_rows))):
         catch_up_rows = ()  # a small pool: price catch-ups from the decode grid instead
         if not bm.allocate(table, CONTEXT + max_rows):
@@ -113,10 +135,10 @@ def measure_spec_costs(models, max_k: int, max_num_seqs: int, use_draft_model: b
             return min(times)
 
         target = {rows: best_time(models.target_runner, rows) for rows in row_grid(max_rows, max_k)}
-        draft = {}
-        if use_draft_model:
+        draft, catch_up = {}, {}
+        if has_draft_model:
             draft = {rows: best_time(models.draft_runner, rows) for rows in row_grid(max_num_seqs, 3)}
-            draft |= {rows: best_time(models.draft_runner, rows, num_logits=1) for rows in catch_up_rows}
+            catch_up = {rows: best_time(models.draft_runner, rows, num_logits=1) for rows in catch_up_rows}
     finally:
         bm.free(table)
-    return SpecCosts(target, draft)
+    return SpecCosts(target, draft, catch_up)

@@ -1,201 +1,243 @@
-"""SpecRunner: the engine's side of speculation. Picks k per request, runs the proposers
-(n-gram, and the draft model on the shared pool when one is loaded), and keeps the statistics.
+"""SpecRunner: the engine's side of speculation. Each step it collects an offer per decoding
+request from that request's methods (chatserve/spec_methods), splits the step's drafts over
+the batch by measured costs (spec/adaptive.allocate_drafts), has the methods propose, and
+records what verification accepted.
 
-The draft model writes its KV into the same block ids as the target (its own tensors), in
-slots the scheduler reserved as lookahead, so drafting never allocates.
-
-The method is per request (SamplingParams.spec_method, default: the engine's): with a draft
-model loaded, a request may still ask for n-gram drafts, and then the draft model never sees
-its tokens. Such a request has no draft KV, so it commits blocks without the draft-KV mark
-and draft requests never attach them (BlockManager's module docstring has the rule).
+The method is per request (SamplingParams.spec_method, default: the engine's). Per-request
+state lives on the request (req.spec, req.draft_token_ids, req.draft_probs), never here.
 """
 
 from __future__ import annotations
 
-import time
-
-import torch
-
-from chatserve.batch import BatchItem
 from chatserve.config import SpecConfig
 from chatserve.request import Request
 from chatserve.sampler import Sampler
-from chatserve.spec_costs import MAX_ROWS, assumed_spec_costs, measure_spec_costs
 from chatserve.scheduler import ScheduledSeq
-from spec.adaptive import AcceptanceEMA, AdaptiveDraftLength, allocate_drafts
-from spec.ngram import NgramProposer
-from spec.sampling import exponential_noise, sample_from_probs
+from chatserve.spec_costs import MAX_ROWS, assumed_spec_costs, measure_spec_costs
+from chatserve.spec_methods import SPEC_METHODS, Offer, SpecMethod, SpecState
+from spec.adaptive import AdaptiveDraftLength, allocate_drafts
 from spec.stats import SpecStats
+
+# With draft_catch_up "decode": a catch-up chunk may add this share to the time of a step
+# (docs/benchmarks.md, "Long conversations"), and without measured costs it is this many tokens.
+CATCH_UP_SHARE = 0.5
+CATCH_UP_CHUNK = 64
 
 
 class SpecRunner:
     def __init__(self, config: SpecConfig, models, sampler: Sampler, max_num_seqs: int = 16):
         self.config = config
-        self.models = models
-        self.sampler = sampler
-        self.has_draft_model = config.method == "draft"
-        self.ngram = NgramProposer(config.ngram_min, config.ngram_max, 16)  # any request may ask for it
-        self.stats = SpecStats()
-        self._draft_probs: dict[str, torch.Tensor] = {}
-        self.draft_seconds = 0.0
+        self.max_model_len = models.max_model_len
+        # name -> method, the engine's default first; methods that cannot run here are left out
+        self.methods: dict[str, SpecMethod] = {}
+        for cls in sorted(SPEC_METHODS.values(), key=lambda c: c.name != config.method):
+            method = cls.create(config, models, sampler)
+            if method is not None:
+                self.methods[cls.name] = method
+        if config.method not in self.methods:
+            raise ValueError(f"spec.method: {config.method!r} cannot run with the loaded models")
+        self.stats_by_method = {name: SpecStats() for name in self.methods}  # engine-wide, per method
         self.costs = None
-        self._ngram_drafts: dict[str, list[int]] = {}  # request id -> the n-gram proposal plan() made
-        # Acceptance over all requests, per method: the prior of a new request's estimate and of
-        # its probes. (n-gram drafts on chat are mostly rejected; a fixed optimistic prior made
-        # every new or probing request pay for drafts at batch sizes where only likely ones pay.)
-        self.method_accept_rate = {"draft": AcceptanceEMA(ema=0.05, prior=0.8), "ngram": AcceptanceEMA(ema=0.05, prior=0.5)}
         if config.adaptive:
-            self.costs = measure_spec_costs(models, config.num_draft_tokens, max_num_seqs, self.has_draft_model)
+            self.costs = measure_spec_costs(models, config.num_draft_tokens, max_num_seqs)
             if self.costs is None:  # no scratch room in the pool: a linear model instead
-                self.costs = assumed_spec_costs(MAX_ROWS, self.has_draft_model)
+                self.costs = assumed_spec_costs(MAX_ROWS, models.draft_runner is not None)
+
+    @property
+    def stats(self) -> SpecStats:
+        """Engine-wide counts, all methods together."""
+        total = SpecStats()
+        for stats in self.stats_by_method.values():
+            total.merge(stats)
+        return total
 
     @classmethod
     def create(cls, config: SpecConfig, models, max_num_seqs: int = 16) -> "SpecRunner":
         return cls(config, models, Sampler(models.tokenizer.eos_token_ids), max_num_seqs)
 
-    @property
-    def methods(self) -> tuple[str, ...]:
-        """The spec_method values requests may ask for; the first is the default."""
-        return ("draft", "ngram") if self.has_draft_model else ("ngram",)
-
     def init_request(self, req: Request) -> None:
-        """Resolve req's method (Engine.check_params has checked it) and its controller. A
-        request with num_draft_tokens=0 never drafts, so it never runs the draft model."""
-        method = req.params.spec_method or self.config.method
-        assert method in self.methods, method
-        req.stats.spec_method = method if req.params.num_draft_tokens != 0 else None
-        req.use_draft_model = method == "draft" and req.params.num_draft_tokens != 0
-        if not self.config.adaptive:
+        """Resolve req's method (Engine.check_params has checked it). A request with
+        num_draft_tokens=0 never drafts: it gets no speculation state at all. A draft-model
+        request may also take the free proposals of mixable methods (when they beat the draft's)."""
+        if req.params.num_draft_tokens == 0:
             return
-        # The controller keeps this request's acceptance estimate; plan() prices the batch.
-        prior = self.method_accept_rate[method].rate
-        req.spec_controller = AdaptiveDraftLength(self.config.num_draft_tokens, initial_accept_rate=prior)
+        method = self.methods[req.params.spec_method or self.config.method]
+        mixed = tuple(m for m in self.methods.values() if method.keeps_kv and m.mixable and m is not method)
+        req.spec = SpecState((method, *mixed))
+        req.stats.spec_method = method.name
 
     def plan(self, running: list[Request], prefill_rows: int = 0) -> None:
-        """Set req.num_draft_tokens (k) for every running request that will decode next step.
+        """Set req.num_lookahead_tokens (this step's k) for every running request that will
+        decode next step, req.spec.offer (the method that drafts for it) and
+        req.spec.num_catch_up_tokens (its draft model's catch-up this step, if any).
 
-        The adaptive requests' k are chosen together (allocate_drafts): each offers its
-        acceptance estimate and a cap (an n-gram request: the proposal it actually has, made
-        here since lookup is free), and the batch gets the drafts that maximize expected tokens
-        per second of the whole step. A request that fixed num_draft_tokens, or any request
-        when adaptive speculation is off, drafts its fixed k.
+        The adaptive requests' k are chosen together (allocate_drafts): each offers what its
+        best method can draft with that method's acceptance estimate, and the batch gets the
+        drafts that maximize expected tokens per second of the whole step. A request that fixed
+        num_draft_tokens, or any request when adaptive speculation is off, drafts its fixed k.
 
         prefill_rows (prompt tokens this step also feeds the target) change what draft rows
         cost: the rows past them, not past the decodes alone (SpecCosts.step_target).
-        A draft-model request whose draft has not seen its prompt yet (new, or every earlier
-        step priced it out) must first catch up on all of it: that forward is a setup cost,
-        amortized over the steps the request may still take (_catch_up_seconds). Otherwise
-        short replies at batch sizes where drafting rarely pays would each buy a whole draft
-        prefill for one probe.
+        A draft model drafts only once it has seen all but a step's worth of a request's tokens
+        (_catch_up_budget); until then it catches up in chunks that keep the step short, when
+        the drafts it will make are worth the catch-up (_is_worth_catching_up), and the request
+        drafts by its other methods meanwhile.
         """
-        self._ngram_drafts = {}
-        offers: list[tuple[Request, int, float]] = []
         for req in running:
-            req.num_draft_tokens = 0
-            if req.is_prefilling or req.num_output_tokens == 0:
+            req.num_lookahead_tokens = 0
+            if req.spec is not None:
+                req.spec.offer, req.spec.num_catch_up_tokens = None, 0
+        decodes = [r for r in running if r.spec is not None and not r.is_prefilling]
+        budget = self._catch_up_budget(len(decodes))
+        priced: list[tuple[Request, list[Offer | None]]] = []
+        for req in decodes:
+            if req.num_output_tokens == 0:
                 continue
-            # Never overshoot max_tokens or the context: k drafts emit up to k + 1 tokens.
-            room = max(min(req.params.max_tokens - req.num_output_tokens - 1,
-                           self.models.max_model_len - len(req.token_ids) - 1), 0)
-            if req.spec_controller is None or req.params.num_draft_tokens is not None:
-                asked = req.params.num_draft_tokens
-                k = self.config.num_draft_tokens if asked is None else min(asked, self.config.num_draft_tokens)
-                req.num_draft_tokens = min(k, room)
-                continue
-            cap, accept_rate = req.spec_controller.offer(probe_accept_rate=self.method_accept_rate[req.stats.spec_method].rate)
-            cap = min(cap, room)
-            if not req.use_draft_model and cap > 0:
-                tokens = self.ngram.propose_one(req.token_ids, cap)
-                self._ngram_drafts[req.request_id] = tokens
-                cap = len(tokens)
-            offers.append((req, cap, accept_rate))
-        if not offers:
-            return
-        setup = [self._catch_up_seconds(r, cap, a) for r, cap, a in offers] if self.has_draft_model else None
-        target = self.costs.step_target(len(offers), prefill_rows)
-        ks = allocate_drafts([a for _, _, a in offers], [c for _, c, _ in offers], target,
-                             self.costs.draft if self.has_draft_model else None,
-                             [r.use_draft_model for r, _, _ in offers], setup)
-        for (req, _, _), k in zip(offers, ks):
-            req.num_draft_tokens = k
-            req.spec_controller.allocated(k)
+            offers = self._offers(req, budget)
+            self._plan_catch_up(req, budget, len(decodes))
+            if self._is_adaptive(req):
+                priced.append((req, offers))
+            else:
+                req.spec.offer = _best(offers)
+                req.num_lookahead_tokens = req.spec.offer.cap if req.spec.offer else 0
+        if priced:
+            self._allocate(priced, prefill_rows)
 
-    def _catch_up_seconds(self, req: Request, cap: int, accept_rate: float) -> float:
+    def _is_adaptive(self, req: Request) -> bool:
+        return self.costs is not None and req.params.num_draft_tokens is None
+
+    def _offers(self, req: Request, budget: int) -> list[Offer | None]:
+        """One offer per method of req (None: nothing to offer, or a draft model still behind
+        by more than `budget` tokens), capped by each method's controller when adaptive."""
+        # Never overshoot max_tokens or the context: k drafts emit up to k + 1 tokens.
+        room = max(min(req.params.max_tokens - req.num_output_tokens - 1,
+                       self.max_model_len - len(req.token_ids) - 1), 0)
+        asked = req.params.num_draft_tokens
+        max_k = self.config.num_draft_tokens if asked is None else min(asked, self.config.num_draft_tokens)
+        offers = []
+        for method in req.spec.methods:
+            if method.keeps_kv and len(req.token_ids) - req.num_draft_computed_tokens > budget:
+                offers.append(None)
+                continue
+            cap, accept_rate = min(max_k, room), method.accept_rate.rate
+            if self._is_adaptive(req):
+                cap, accept_rate = self._controller(req, method).offer(probe_accept_rate=accept_rate)
+                cap = min(cap, room)
+            offers.append(method.offer(req, cap, accept_rate) if cap else None)
+        return offers
+
+    def _controller(self, req: Request, method: SpecMethod) -> AdaptiveDraftLength:
+        controllers = req.spec.controllers
+        if method.name not in controllers:  # a new request starts from the engine-wide estimate
+            controllers[method.name] = AdaptiveDraftLength(self.config.num_draft_tokens,
+                                                           initial_accept_rate=method.accept_rate.rate)
+        return controllers[method.name]
+
+    def _allocate(self, priced: list[tuple[Request, list[Offer | None]]], prefill_rows: int) -> None:
+        offers = [_best(o) for _, o in priced]
+        runs_model = [o is not None and o.method.keeps_kv for o in offers]
+        setup = [self._catch_up_seconds(r, o) for (r, _), o in zip(priced, offers)] if any(runs_model) else None
+        target = self.costs.step_target(len(priced), prefill_rows)
+        ks = allocate_drafts([o.gains if o else [] for o in offers], target,
+                             self.costs.draft if any(runs_model) else None, runs_model, setup)
+        for (req, _), offer, k in zip(priced, offers, ks):
+            req.spec.offer = offer if k else None
+            req.num_lookahead_tokens = k
+            for method in req.spec.methods:
+                self._controller(req, method).allocated(k if offer is not None and offer.method is method else 0)
+
+    def _catch_up_seconds(self, req: Request, offer: Offer | None) -> float:
         """The extra draft time of req's first drafting step (the tokens its draft has not
         seen, past the 1-2 a caught-up draft feeds), per step it may still take: its room in
         max_tokens over the tokens a step emits at this acceptance and cap."""
-        unseen = len(req.token_ids) - req.num_draft_computed_tokens
-        if not req.use_draft_model or unseen <= 2 or cap == 0:
+        if offer is None or offer.num_catch_up_tokens <= 2:
             return 0.0
         room = max(req.params.max_tokens - req.num_output_tokens, 1)
-        tokens_per_step = sum(accept_rate ** j for j in range(cap + 1))
-        steps = max(room / tokens_per_step, 1.0)
-        return (self.costs.draft(unseen) - self.costs.draft(1)) / steps
+        steps = max(room / (1 + sum(offer.gains)), 1.0)
+        return (self.costs.catch_up(offer.num_catch_up_tokens) - self.costs.draft(1)) / steps
 
-    def propose(self, seqs: list[ScheduledSeq]) -> None:
-        """Fill req.draft_token_ids (<= num_draft_tokens each) for the scheduled decodes."""
-        by_ngram = [s for s in seqs if not s.req.use_draft_model]
-        by_draft = [s for s in seqs if s.req.use_draft_model]
-        planned = [s for s in by_ngram if s.req.request_id in self._ngram_drafts]
-        for s in planned:
-            s.req.draft_token_ids = self._ngram_drafts[s.req.request_id][: s.num_draft_tokens]
-        unplanned = [s for s in by_ngram if s.req.request_id not in self._ngram_drafts]
-        if unplanned:
-            draft = self.ngram.propose([s.req.token_ids for s in unplanned], [s.num_draft_tokens for s in unplanned])
-            for s, tokens in zip(unplanned, draft.token_ids):
-                s.req.draft_token_ids = list(tokens)
-        if by_draft:
-            start = time.perf_counter()
-            self._propose_with_draft_model([s.req for s in by_draft], [s.num_draft_tokens for s in by_draft])
-            self.draft_seconds += time.perf_counter() - start
+    # -- the draft model's catch-up -------------------------------------------------------
+    def _catch_up_budget(self, num_decodes: int) -> int:
+        """Tokens a draft model may catch up on in one step: all of them for "whole"; else the
+        largest measured chunk that adds at most CATCH_UP_SHARE to a step of these decodes, or
+        when even the smallest chunk adds more, the largest that costs about what it does (a
+        small draft's forward reads its weights whatever the rows: on the 0.5B, 32 and 64 rows
+        both take 92 ms, so 64-token chunks catch up twice as fast for the same stall)."""
+        if self.config.draft_catch_up == "whole":
+            return 1 << 30
+        if self.costs is None or not self.costs.catch_up_seconds:
+            return CATCH_UP_CHUNK
+        smallest = min(self.costs.catch_up_seconds)
+        seconds = max(CATCH_UP_SHARE * self.costs.target(max(num_decodes, 1)), 1.1 * self.costs.catch_up(smallest))
+        return self.costs.max_catch_up_rows(seconds)
 
-    def _propose_with_draft_model(self, reqs: list[Request], ks: list[int]) -> None:
-        """Catch the draft up on the tokens it has not seen, then draft k tokens one by one."""
-        runner = self.models.draft_runner
-        items = [BatchItem(r.token_ids[r.num_draft_computed_tokens :], r.num_draft_computed_tokens, r.table.block_ids, 1) for r in reqs]
-        probs_per_req: dict[str, list[torch.Tensor]] = {r.request_id: [] for r in reqs}
-        active = list(range(len(reqs)))
-        while active:
-            logits, _ = runner.run(items)  # [len(active), vocab]
-            next_active, next_items = [], []
-            for row, i in enumerate(active):
-                req = reqs[i]
-                req.num_draft_computed_tokens = items[row].start_pos + len(items[row].token_ids)
-                token, probs = self._draft_one(req, logits[row : row + 1])
-                req.draft_token_ids.append(token)
-                if probs is not None:
-                    probs_per_req[req.request_id].append(probs)
-                if len(req.draft_token_ids) < ks[i]:
-                    pos = len(req.token_ids) + len(req.draft_token_ids) - 1
-                    next_active.append(i)
-                    next_items.append(BatchItem([token], pos, req.table.block_ids, 1))
-            active, items = next_active, next_items
-        for r in reqs:
-            rows = probs_per_req[r.request_id]
-            self._draft_probs[r.request_id] = torch.cat(rows) if rows else None
+    def _plan_catch_up(self, req: Request, budget: int, num_decodes: int) -> None:
+        method, unseen = req.spec.kv_method, len(req.token_ids) - req.num_draft_computed_tokens
+        if method and unseen > budget and self._is_worth_catching_up(req, method, unseen, budget, num_decodes):
+            req.spec.num_catch_up_tokens = budget
 
-    def _draft_one(self, req: Request, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
-        """logits [1, vocab] -> (draft token, its distribution [1, vocab] or None if greedy)."""
-        if req.params.is_greedy:
-            return int(logits[0].argmax()), None
-        probs = self.sampler.probs(req, logits)
-        noise = exponential_noise(1, probs.shape[1], [req.generator])
-        return int(sample_from_probs(probs, noise)[0]), probs
+    def _is_worth_catching_up(self, req: Request, method: SpecMethod, unseen: int, chunk: int,
+                              num_decodes: int) -> bool:
+        """Whether the drafts req may still make save more than catching up on `unseen` tokens
+        in chunks costs. A step of b decodes takes T0 = target(b); drafting k more rows for req
+        takes T = target(b + k) + k draft steps and adds sum(alpha^j) tokens, worth that many
+        tokens at the plain rate T0 / b; over the steps left in max_tokens (room / tokens per
+        step). Without measured costs (fixed k) a draft request always catches up."""
+        if not self._is_adaptive(req):
+            return True
+        alpha = self._controller(req, method).accept_rate
+        b, plain = max(num_decodes, 1), self.costs.target(max(num_decodes, 1))
+        room = max(req.params.max_tokens - req.num_output_tokens, 1)
+        saved = 0.0
+        for k in range(1, self.config.num_draft_tokens + 1):
+            extra = sum(alpha ** j for j in range(1, k + 1))
+            per_step = extra * plain / b - (self.costs.target(b + k) + k * self.costs.draft(1) - plain)
+            saved = max(saved, per_step * room / (1 + extra))
+        return saved > -(-unseen // chunk) * self.costs.catch_up(chunk)
 
-    def draft_probs(self, req: Request) -> torch.Tensor | None:
-        return self._draft_probs.pop(req.request_id, None)
+    def propose(self, scheduled: list[ScheduledSeq]) -> None:
+        """Fill req.draft_token_ids (<= the lookahead slots reserved) for the scheduled decodes,
+        one propose() call per method; draft-model catch-ups ride along with k = 0 (beside
+        prefill chunks too, with draft_catch_up "prefill")."""
+        work: dict[str, tuple[list[Request], list[int]]] = {}
+        for s in scheduled:
+            spec = s.req.spec
+            if spec is None:
+                continue
+            if s.num_lookahead_tokens:
+                reqs, ks = work.setdefault(spec.offer.method.name, ([], []))
+                reqs.append(s.req)
+                ks.append(s.num_lookahead_tokens)
+            if not s.is_decode and self.config.draft_catch_up == "prefill":
+                spec.num_catch_up_tokens = s.req.num_computed_tokens + s.num_new_tokens - s.req.num_draft_computed_tokens
+            method = spec.kv_method
+            if spec.num_catch_up_tokens > 0 and method and not (spec.offer and spec.offer.method is method):
+                reqs, ks = work.setdefault(method.name, ([], []))
+                reqs.append(s.req)
+                ks.append(0)
+        for name, (reqs, ks) in work.items():
+            self.methods[name].propose(reqs, ks)
+
+    def finish(self, req: Request) -> None:
+        for method in self.methods.values():
+            method.finish(req)
 
     def record(self, req: Request, num_drafted: int, num_accepted: int) -> None:
-        st = req.stats
-        st.num_drafted += num_drafted
-        st.num_accepted += num_accepted
-        st.num_spec_steps += 1
-        if len(st.accepted_by_position) < num_drafted:
-            st.accepted_by_position += [0] * (num_drafted - len(st.accepted_by_position))
-        for i in range(num_accepted):
-            st.accepted_by_position[i] += 1
-        self.stats.update(num_drafted, num_accepted)
-        if req.stats.spec_method in self.method_accept_rate:
-            self.method_accept_rate[req.stats.spec_method].update(num_drafted, num_accepted)
-        if req.spec_controller is not None:
-            req.spec_controller.update(num_drafted, num_accepted)
+        """A verification's outcome: the first num_accepted of num_drafted drafts were accepted."""
+        method = req.spec.offer.method
+        req.stats.spec.update(num_drafted, num_accepted)
+        self.stats_by_method[method.name].update(num_drafted, num_accepted)
+        method.accept_rate.update(num_drafted, num_accepted)
+        if method.name in req.spec.controllers:
+            req.spec.controllers[method.name].update(num_drafted, num_accepted)
+
+
+def _best(offers: list[Offer | None]) -> Offer | None:
+    """The offer to price: a free proposal when it is expected to yield at least as much as the
+    draft model's (same verification rows, no draft steps), else the draft model's."""
+    free = [o for o in offers if o is not None and not o.method.keeps_kv]
+    model = [o for o in offers if o is not None and o.method.keeps_kv]
+    best_free = max(free, key=lambda o: sum(o.gains), default=None)
+    if model and (best_free is None or sum(best_free.gains) < sum(model[0].gains)):
+        return model[0]
+    return best_free

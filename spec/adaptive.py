@@ -92,22 +92,28 @@ class AdaptiveDraftLength:
         self._alpha.update(num_drafted, num_accepted)
 
 
+def geometric_gains(accept_rate: float, cap: int) -> list[float]:
+    """Expected tokens of each draft position at one acceptance rate per position: [alpha, alpha^2, ...]."""
+    return [accept_rate ** j for j in range(1, cap + 1)]
+
+
 def allocate_drafts(
-    accept_rates: list[float],
-    caps: list[int],
+    gains: list[list[float]],
     target_seconds,
     draft_seconds=None,
-    uses_draft_model: list[bool] | None = None,
+    runs_model: list[bool] | None = None,
     setup_seconds: list[float] | None = None,
 ) -> list[int]:
-    """Batch-level draft lengths: k_i <= caps[i] for each decoding sequence of one step, chosen
-    to maximize expected emitted tokens per second of the whole step.
+    """Batch-level draft lengths: k_i <= len(gains[i]) for each decoding sequence of one step,
+    chosen to maximize expected emitted tokens per second of the whole step.
 
-    Sequence i's j-th draft position adds accept_rates[i]**j expected tokens (it counts only if
-    the j - 1 before it were accepted). A step with n drafts in all runs one target forward over
-    b + n rows (`target_seconds(rows)`), and with a draft model (`draft_seconds(rows)`, None for
-    free proposals such as n-gram) max(k) draft steps, step s over the sequences with k_i >= s
-    (only those with uses_draft_model[i], when given; the others' proposals are free).
+    gains[i][j - 1] is what sequence i's j-th draft position adds in expected tokens: the
+    probability that its first j drafts are all accepted (so the list does not increase;
+    geometric_gains for one acceptance rate per position, a proposer's own confidence otherwise).
+    A step with n drafts in all runs one target forward over b + n rows (`target_seconds(rows)`),
+    and with a draft model (`draft_seconds(rows)`, None when every proposal is free, as n-gram
+    and suffix proposals are) max(k) draft steps, step s over the sequences with k_i >= s (only
+    those with runs_model[i], when given; the others' proposals are free).
     For a given n the best drafts are the n largest gains (each sequence's gains shrink with j,
     so these form a prefix per sequence): scanning every n is exact without a draft model. With
     one, draft steps cost by count more than by rows, so the scan is repeated for every limit
@@ -116,11 +122,12 @@ def allocate_drafts(
     sequences one more row is free (int8 GEMV tiles rows in fours) while at 8 sequences a
     single extra row starts a third tile.
     setup_seconds[i], when given, is paid once if sequence i drafts at all (a draft model
-    catching up on a prompt it has not seen, amortized by the caller); the scan is repeated
-    without the sequences that have one, so a dear setup cannot keep the others from drafting.
+    catching up on tokens it has not seen); the scan is repeated without the sequences that
+    have one, so a dear setup cannot keep the others from drafting.
     Returns all zeros when no allocation beats plain decoding (b tokens for target_seconds(b)).
     """
-    b = len(caps)
+    b = len(gains)
+    caps = [len(g) for g in gains]
     if b == 0 or not any(caps):
         return [0] * b
     best_rate, best = b / target_seconds(b), []
@@ -128,16 +135,18 @@ def allocate_drafts(
     if setup_seconds is not None and any(setup_seconds):  # also try without the sequences that need one
         candidates.append([0 if setup_seconds[i] else c for i, c in enumerate(caps)])
     for caps_tried in candidates:
+        if not any(caps_tried):
+            continue
         # (gain, -j, i): largest gain first; equal gains keep each sequence's positions in order.
-        gains = sorted(((accept_rates[i] ** j, -j, i) for i in range(b) for j in range(1, caps_tried[i] + 1)),
-                       reverse=True)
+        chosen_all = sorted(((gains[i][j - 1], -j, i) for i in range(b) for j in range(1, caps_tried[i] + 1)),
+                            reverse=True)
         for max_steps in range(1, max(caps_tried) + 1) if draft_seconds is not None else [max(caps_tried)]:
-            chosen = [g for g in gains if -g[1] <= max_steps]
+            chosen = [g for g in chosen_all if -g[1] <= max_steps]
             tokens, setup = float(b), 0.0
-            active_per_step = [0] * (max_steps + 1)  # active_per_step[s]: draft-model sequences drafting >= s tokens
+            active_per_step = [0] * (max_steps + 1)  # active_per_step[s]: model-run sequences drafting >= s tokens
             for n, (gain, neg_j, i) in enumerate(chosen, start=1):
                 tokens += gain
-                if uses_draft_model is None or uses_draft_model[i]:
+                if runs_model is None or runs_model[i]:
                     active_per_step[-neg_j] += 1
                 if setup_seconds is not None and neg_j == -1:
                     setup += setup_seconds[i]

@@ -19,6 +19,7 @@
     numTurns: 0,
     maxTokensLimit: 4096,
     specMethods: [],       // what the server runs (ready.spec_methods), its default first
+    specLabels: {},        // method -> how to name it (ready.spec_method_labels)
     settings: loadSettings(),
   };
 
@@ -81,8 +82,9 @@
         state.maxTokensLimit = m.max_tokens_limit || state.maxTokensLimit;
         el.model.textContent = m.draft ? `${m.model} + ${m.draft}` : m.model;
         el.draftName.textContent = m.draft ? `(${m.draft})` : "(no draft model)";
-        el.speculation.disabled = !m.draft;
         state.specMethods = m.spec_methods || [];
+        state.specLabels = m.spec_method_labels || {};
+        el.speculation.disabled = state.specMethods.length === 0;
         showMethods();
         el.maxTokens.max = state.maxTokensLimit;
         setStatus("online", "Connected");
@@ -173,7 +175,7 @@
     if (stats && stats.ttft_ms != null) add(`TTFT ${Math.round(stats.ttft_ms)} ms`);
     const generated = stats ? stats.generated_tokens : turn.tokens;
     if (stats && stats.tpot_ms) add(`${(1000 / stats.tpot_ms).toFixed(1)} tok/s`);
-    if (stats && stats.spec_method) add(stats.spec_method === "ngram" ? "n-gram" : "draft model");
+    if (stats && stats.spec_method) add(methodLabel(stats.spec_method));
     if (stats && stats.acceptance_rate != null) add(`${Math.round(100 * stats.acceptance_rate)}% accepted`);
     if (stats && stats.mean_accepted_length) add(`${stats.mean_accepted_length.toFixed(2)} tok/step`);
     add(`${generated} tokens`);
@@ -360,10 +362,16 @@
     return state.specMethods.includes(saved) ? saved : state.specMethods[0] || null;
   }
 
+  function methodLabel(name) {
+    return state.specLabels[name] || name;
+  }
+
+  // One option per method the server runs, named as the server names it.
   function showMethods() {
-    for (const option of el.specMethod.options) {
-      option.hidden = option.disabled = !state.specMethods.includes(option.value);
-    }
+    el.specMethod.replaceChildren(...state.specMethods.map((name) => {
+      const label = methodLabel(name);
+      return new Option(label.charAt(0).toUpperCase() + label.slice(1), name);
+    }));
     el.specMethod.value = chosenMethod() || "";
     el.specMethod.disabled = state.specMethods.length < 2 || !el.speculation.checked;
   }

@@ -80,8 +80,8 @@ def method_of(serve_args: list[str] | None, server_draft: str | None) -> str:
     args = serve_args or []
     if "--no-spec" in args:
         return "plain"
-    if "ngram" in args or server_draft == "ngram":
-        return "prompt_lookup"
+    if {"ngram", "suffix"} & set(args) or server_draft in ("ngram", "suffix"):
+        return "prompt_lookup"  # transformers has no suffix decoding: prompt lookup is the nearest
     if "--draft-model" in args or server_draft:
         return "assisted"
     return "plain"
@@ -92,7 +92,7 @@ def add_baseline(result: dict, plan, args) -> None:
     points = result["points"]
     server = points[0]["report"]["meta"]["server"]
     model = args.model or server.get("model")
-    draft = args.draft_model or (server.get("draft") if server.get("draft") != "ngram" else None)
+    draft = args.draft_model or (server.get("draft") if server.get("draft") not in ("ngram", "suffix") else None)
     methods = {"plain"} | {method_of(p["serve_args"], server.get("draft")) for p in points}
     if draft is None:
         methods.discard("assisted")

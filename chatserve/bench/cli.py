@@ -48,7 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--draft-model", default=None, help="draft model: adds the 'draft' config and assisted baseline")
     s.add_argument("--config", action="append", default=[], metavar="NAME=SERVE_ARGS",
                    help="e.g. 'off=--no-spec' 'ngram=--draft ngram' 'int8kv=--no-spec --kv-cache-dtype int8'; "
-                        "default: off, ngram, and draft when --draft-model is given")
+                        "default: off, ngram, suffix, and draft when --draft-model is given")
     s.add_argument("--rounds", type=int, default=1,
                    help="repeat the whole sweep, configurations interleaved; points pool their rounds")
     s.add_argument("--server-args", default="", help="arguments added to every `chatserve serve`")
@@ -91,7 +91,7 @@ def configs_from_args(args) -> list[tuple[str, list[str]]]:
                 raise ValueError(f"--config {item!r}: expected NAME=SERVE_ARGS")
             out.append((name, shlex.split(rest)))
         return out
-    out = [("off", ["--no-spec"]), ("ngram", ["--draft", "ngram"])]
+    out = [("off", ["--no-spec"]), ("ngram", ["--draft", "ngram"]), ("suffix", ["--draft", "suffix"])]
     if args.draft_model:
         out.append(("draft", ["--draft-model", args.draft_model]))
     return out

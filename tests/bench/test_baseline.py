@@ -23,6 +23,7 @@ def test_transformers_records_every_token(tiny_llama_dir, tiny_draft_dir, method
 def test_method_of_maps_server_configs():
     assert method_of(["--no-spec"], None) == "plain"
     assert method_of(["--draft", "ngram"], None) == "prompt_lookup"
+    assert method_of(["--draft", "suffix"], None) == method_of(None, "suffix") == "prompt_lookup"
     assert method_of(["--draft-model", "x"], None) == "assisted"
     assert method_of(None, "ngram") == "prompt_lookup" and method_of(None, "some-draft") == "assisted"
     assert method_of(None, None) == "plain"

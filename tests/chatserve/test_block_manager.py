@@ -54,94 +54,133 @@ def test_lru_eviction_only_when_free_list_is_empty():
     bm.check_invariants([t])
 
 
-def test_draft_requests_attach_only_blocks_with_draft_kv():
+def test_blocks_commit_at_the_target_horizon_and_carry_draft_marks():
+    """Two horizons: a request that never ran the draft model commits its blocks all the same;
+    a later draft request attaches them and catches its draft up from the first unmarked block."""
     bm = BlockManager(num_blocks=8, block_size=4)
     tokens = list(range(9))
     ngram = BlockTable()  # a request that never runs the draft model
     bm.allocate(ngram, 9)
-    bm.commit(ngram, tokens, 8, has_draft_kv=False)
-    probe = BlockTable()
-    assert bm.match_prefix(probe, tokens, need_draft_kv=True) == 0  # no draft KV there
-    shared = BlockTable()
-    assert bm.match_prefix(shared, tokens) == 8  # requests without a draft model may share
-    bm.free(shared)
-    bm.free(probe)
+    bm.commit(ngram, tokens, 8)
+    bm.mark_draft_kv(ngram, 0)
     draft = BlockTable()
-    bm.allocate(draft, 9)
-    bm.commit(draft, tokens, 8, has_draft_kv=True)  # same hashes: the marked blocks take over
-    assert bm.draft_kv_blocks == set(draft.block_ids[:2])
-    assert {bm.hash_to_block[h] for h in draft.block_hashes} == set(draft.block_ids[:2])
+    assert bm.match_prefix(draft, tokens) == 8  # every request shares the target's blocks
+    assert draft.block_ids == ngram.block_ids[:2]
+    assert bm.draft_kv_prefix(draft) == 0  # ...and its draft starts from the first unmarked one
+    bm.mark_draft_kv(draft, 4)  # the draft caught up on the first block
+    assert bm.draft_kv_blocks == {draft.block_ids[0]}
+    later = BlockTable()
+    assert bm.match_prefix(later, tokens) == 8 and bm.draft_kv_prefix(later) == 4
+    bm.free(later)
+    bm.mark_draft_kv(draft, 8)
+    assert bm.draft_kv_blocks == set(ngram.block_ids[:2])
     bm.check_invariants([ngram, draft])
-    bm.free(ngram)  # its old blocks are no longer hashed: plain free, not cached
-    assert len(bm.cached_free) == 0
-    bm.free(draft)
-    assert len(bm.cached_free) == 2
-    for need in (True, False):  # marked blocks serve both kinds
-        t = BlockTable()
-        assert bm.match_prefix(t, tokens, need_draft_kv=need) == 8
+    for t in (ngram, draft):
         bm.free(t)
+    assert len(bm.cached_free) == 2 and bm.num_free_blocks == 8
+    t = BlockTable()
+    assert bm.match_prefix(t, tokens) == 8 and bm.draft_kv_prefix(t) == 8
+    bm.free(t)
+    bm.check_invariants()
+
+
+def test_a_block_with_draft_kv_takes_over_an_unmarked_hash():
+    """Two requests computed the same prefix side by side; the one whose draft also computed it
+    becomes the cached copy, and the other's block is freed, not cached, when it leaves."""
+    bm = BlockManager(num_blocks=8, block_size=4)
+    tokens = list(range(9))
+    a, b = BlockTable(), BlockTable()
+    for t in (a, b):
+        bm.allocate(t, 9)
+        bm.commit(t, tokens, 8)
+    assert {bm.hash_to_block[h] for h in a.block_hashes} == set(a.block_ids[:2])  # the first to commit
+    bm.mark_draft_kv(b, 8)
+    assert {bm.hash_to_block[h] for h in b.block_hashes} == set(b.block_ids[:2]) == bm.draft_kv_blocks
+    bm.check_invariants([a, b])
+    bm.free(a)
+    assert len(bm.cached_free) == 0  # a's blocks lost their hashes: plain free
+    bm.free(b)
+    assert len(bm.cached_free) == 2
     bm.check_invariants()
     assert bm.num_free_blocks == 8
 
 
 class PoolMachine(RuleBasedStateMachine):
+    """Sequences of two kinds: draft sequences run the draft model (their draft horizon moves),
+    the others never do. A ghost set tracks which blocks truly hold draft KV for their contents."""
+
     def __init__(self):
         super().__init__()
         self.bm = BlockManager(num_blocks=12, block_size=4)
-        self.seqs: list[tuple[BlockTable, list[int], bool]] = []  # (table, tokens, has_draft_kv)
-        self.draft_written: set[int] = set()  # ghost: blocks whose draft KV a draft request wrote
+        self.seqs: list[dict] = []  # {"table", "tokens", "is_draft", "draft_horizon"}
+        self.draft_written: set[int] = set()  # ghost: blocks whose draft KV is valid for their tokens
 
-    def _allocate(self, table: BlockTable, num_tokens: int, has_draft_kv: bool) -> bool:
-        """Allocate, and track which blocks hold draft KV: a draft request writes it into its
-        new blocks; any other request's new block holds stale draft KV."""
+    def _allocate(self, table: BlockTable, num_tokens: int) -> bool:
+        """Allocate; a fresh block holds stale draft KV until a draft writes it."""
         before = len(table.block_ids)
         if not self.bm.allocate(table, num_tokens):
             return False
-        new = set(table.block_ids[before:])
-        self.draft_written = self.draft_written | new if has_draft_kv else self.draft_written - new
+        self.draft_written -= set(table.block_ids[before:])
         return True
 
-    @rule(prompt=st.lists(st.integers(0, 1), min_size=1, max_size=20), has_draft_kv=st.booleans())  # 2 ids: many shared prefixes
-    def add(self, prompt, has_draft_kv):
+    @rule(prompt=st.lists(st.integers(0, 1), min_size=1, max_size=20), is_draft=st.booleans())  # 2 ids: many shared prefixes
+    def add(self, prompt, is_draft):
         table = BlockTable()
-        cached = self.bm.match_prefix(table, prompt, need_draft_kv=has_draft_kv)
+        cached = self.bm.match_prefix(table, prompt)
         assert cached % 4 == 0 and cached < len(prompt)
-        if has_draft_kv:
-            assert set(table.block_ids) <= self.draft_written, "a draft request attached a block without draft KV"
-        if self._allocate(table, len(prompt), has_draft_kv):
-            self.bm.commit(table, prompt, len(prompt), has_draft_kv)
-            self.seqs.append((table, list(prompt), has_draft_kv))
+        assert cached == len(table.block_hashes) * 4  # every hashed block of the prefix is attached
+        draft_start = self.bm.draft_kv_prefix(table)
+        assert draft_start <= cached
+        assert set(table.block_ids[: draft_start // 4]) <= self.draft_written, "draft KV trusted where none was written"
+        if self._allocate(table, len(prompt)):
+            self.bm.commit(table, prompt, len(prompt))
+            self.seqs.append({"table": table, "tokens": list(prompt), "is_draft": is_draft, "draft_horizon": draft_start})
         else:
             self.bm.free(table)
+
+    @precondition(lambda self: any(s["is_draft"] for s in self.seqs))
+    @rule(i=st.integers(0, 100), n=st.integers(1, 12))
+    def catch_up(self, i, n):
+        """A draft sequence's draft sees n more of its tokens (writing KV into shared blocks too)."""
+        seq = [s for s in self.seqs if s["is_draft"]][i % sum(s["is_draft"] for s in self.seqs)]
+        table, start = seq["table"], seq["draft_horizon"]
+        seq["draft_horizon"] = min(len(seq["tokens"]), start + n)
+        # the blocks whose every token the draft has now computed (the horizon starts block-aligned
+        # at admission, and everything before it was valid already)
+        self.draft_written |= set(table.block_ids[start // 4 : seq["draft_horizon"] // 4])
+        self.bm.mark_draft_kv(table, seq["draft_horizon"])
 
     @precondition(lambda self: self.seqs)
     @rule(i=st.integers(0, 100), new=st.lists(st.integers(0, 3), min_size=1, max_size=6), accept=st.integers(0, 6))
     def speculate(self, i, new, accept):
         """Reserve lookahead for drafts, then keep `accept` of them and roll back the rest."""
-        table, tokens, has_draft_kv = self.seqs[i % len(self.seqs)]
-        if not self._allocate(table, len(tokens) + len(new), has_draft_kv):
+        seq = self.seqs[i % len(self.seqs)]
+        table, tokens = seq["table"], seq["tokens"]
+        if not self._allocate(table, len(tokens) + len(new)):
             return
         kept = new[: min(accept, len(new))]
         tokens.extend(kept)
         self.bm.truncate(table, len(tokens))
-        self.bm.commit(table, tokens, len(tokens), has_draft_kv)
+        self.bm.commit(table, tokens, len(tokens))
+        self.bm.mark_draft_kv(table, seq["draft_horizon"])
 
     @precondition(lambda self: self.seqs)
     @rule(i=st.integers(0, 100))
     def free(self, i):
-        table, _, _ = self.seqs.pop(i % len(self.seqs))
-        self.bm.free(table)
+        self.bm.free(self.seqs.pop(i % len(self.seqs))["table"])
 
     @invariant()
     def consistent(self):
-        self.bm.check_invariants([t for t, _, _ in self.seqs])
+        self.bm.check_invariants([s["table"] for s in self.seqs])
         assert self.bm.draft_kv_blocks <= self.draft_written
-        for table, tokens, _ in self.seqs:
-            assert len(table.block_ids) == -(-len(tokens) // 4)
+        for seq in self.seqs:
+            table = seq["table"]
+            assert len(table.block_ids) == -(-len(seq["tokens"]) // 4)
+            assert len(table.block_hashes) == len(seq["tokens"]) // 4  # committed up to the target's horizon
 
     def teardown(self):
-        for table, _, _ in self.seqs:
-            self.bm.free(table)
+        for seq in self.seqs:
+            self.bm.free(seq["table"])
         self.bm.check_invariants()
         assert self.bm.num_free_blocks == self.bm.num_blocks
 

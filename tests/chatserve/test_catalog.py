@@ -341,3 +341,28 @@ def test_smollm2_from_cache_matches_transformers_gguf_load(monkeypatch):
     with torch.no_grad():
         assert torch.equal(model(input_ids).logits, reference(input_ids).logits)
     assert tokenizer.eos_token == "<|im_end|>" and model.generation_config.eos_token_id == tokenizer.eos_token_id == 2
+
+
+def test_each_catalog_target_gets_a_draft_with_its_tokenizer():
+    assert catalog.default_draft(catalog.DEFAULT_TARGET) == catalog.DEFAULT_DRAFT
+    assert catalog.default_draft(catalog.DEFAULT_DRAFT) is None  # nothing smaller shares its tokenizer
+    assert catalog.default_draft(catalog.SMALL_MODEL) is None  # no sibling at all
+    assert catalog.default_draft("/some/local/model") is None
+
+
+def test_serve_picks_a_drafter_that_fits_the_model_and_says_why():
+    from chatserve.cli import build_parser, engine_config, speculation
+
+    def resolve(*argv):
+        return speculation(build_parser().parse_args(["serve", *argv]))
+
+    assert resolve()[:2] == ("draft", catalog.DEFAULT_DRAFT)  # the default pair
+    method, draft, why = resolve("--model", catalog.SMALL_MODEL)  # no draft model fits SmolLM2
+    assert (method, draft) == ("suffix", None) and "suffix" in why
+    assert engine_config(build_parser().parse_args(["serve", "--model", catalog.SMALL_MODEL])).spec.method == "suffix"
+    assert resolve("--model", catalog.SMALL_MODEL, "--draft", "ngram")[:2] == ("ngram", None)
+    assert resolve("--model", catalog.SMALL_MODEL, "--draft-model", "x")[:2] == ("draft", "x")  # named: as named
+    assert resolve("--no-spec")[0] is None
+    with pytest.raises(ValueError, match="no catalog draft model shares"):
+        resolve("--model", catalog.SMALL_MODEL, "--draft", "draft")
+    assert speculation(build_parser().parse_args(["generate", "hi"]))[0] is None  # generate: only when asked

@@ -72,3 +72,26 @@ def test_ngram_speculation_is_lossless_on_smollm2(engine):
     fast = spec.generate(prompts, params)
     assert [o["token_ids"] for o in fast] == [o["token_ids"] for o in plain]
     assert sum(o["stats"].num_accepted for o in fast) > 0
+
+
+def test_serve_without_a_named_drafter_gets_one_that_fits():
+    """`chatserve serve --model smollm2-135m-instruct` names no drafter: the default Qwen draft
+    (another tokenizer) used to be applied and failed to load. Now the target gets a compatible
+    method (no catalog draft shares SmolLM2's tokenizer, so suffix decoding), which loads, drafts
+    and leaves greedy output as it is without speculation (in fp32: the CLI's bf16 default may
+    flip near-ties between a 1-row decode and a k+1-row verification)."""
+    import dataclasses
+
+    from chatserve.cli import build_parser, engine_config
+
+    config = engine_config(build_parser().parse_args(["serve", "--model", MODEL, "--kv-cache-memory", "64M"]))
+    assert config.spec.method == "suffix" and config.spec.draft_model is None
+    engine = Engine(dataclasses.replace(config, dtype="float32", quantization=None))
+    assert engine.spec_methods[0] == "suffix" and engine.models.draft_runner is None
+    ids = chat_ids(engine, "Repeat this line three times: the quick brown fox jumps over the lazy dog.")
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    spec_on = engine.generate([ids], params)[0]
+    spec_off = engine.generate([ids], dataclasses.replace(params, num_draft_tokens=0))[0]
+    assert spec_on["stats"].spec_method == "suffix" and spec_on["stats"].num_accepted > 0
+    assert spec_on["token_ids"] == spec_off["token_ids"]
+    assert "quick brown fox" in spec_on["text"]

@@ -31,15 +31,15 @@ def test_a_prefill_chunk_prices_draft_rows_past_it():
     assert alone(4) == with_prefill(4) == pytest.approx(1.0)
     assert alone(5) == pytest.approx(2.0)
     assert with_prefill(5) == pytest.approx(1.0 + 6.4 * 65 / 64 - 6.4)  # one row at 0.1 per row
-    assert allocate_drafts([0.5] * 4, [1] * 4, alone) == [0] * 4
-    assert allocate_drafts([0.5] * 4, [1] * 4, with_prefill) == [1] * 4
+    assert allocate_drafts([[0.5]] * 4, alone) == [0] * 4
+    assert allocate_drafts([[0.5]] * 4, with_prefill) == [1] * 4
 
 
 def test_assumed_costs_are_linear():
-    costs = assumed_spec_costs(64, use_draft_model=True)
+    costs = assumed_spec_costs(64, has_draft_model=True)
     assert costs.target(1) == pytest.approx(1.0) and costs.target(21) == pytest.approx(2.0)
     assert costs.draft(1) == pytest.approx(0.35) and costs.draft(11) == pytest.approx(0.45)
-    assert assumed_spec_costs(64, use_draft_model=False).draft_seconds == {}
+    assert assumed_spec_costs(64, has_draft_model=False).draft_seconds == {}
 
 
 def test_costs_are_measured_and_the_pool_is_left_as_it_was(tiny_llama_dir, tiny_draft_dir):
@@ -47,14 +47,16 @@ def test_costs_are_measured_and_the_pool_is_left_as_it_was(tiny_llama_dir, tiny_
     engine = Engine(EngineConfig(model=str(tiny_llama_dir), kv_cache_memory=8 << 20, spec=spec, max_num_seqs=4))
     bm = engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks  # the engine's own calibration gave its blocks back
-    costs = measure_spec_costs(engine.models, 4, 4, use_draft_model=True)
+    costs = measure_spec_costs(engine.models, 4, 4)
     assert sorted(costs.target_seconds) == [1, 2, 3, 4, 5, 8, 12, 16, 20][: len(costs.target_seconds)]
-    assert max(costs.target_seconds) == 20 and sorted(costs.draft_seconds) == [1, 2, 3, 4, 64, 128, 256]
+    assert max(costs.target_seconds) == 20 and sorted(costs.draft_seconds) == [1, 2, 3, 4]
+    assert sorted(costs.catch_up_seconds) == [16, 32, 64, 128, 256]
     assert all(t > 0 for t in costs.target_seconds.values())
     assert bm.num_free_blocks == bm.num_blocks
     bm.check_invariants()
     assert sorted(engine.spec.costs.target_seconds) == [1, 2, 3, 4, 5, 8, 12, 16, 20]  # the engine's own
-    ngram = measure_spec_costs(engine.models, 2, 4, use_draft_model=False)
+    no_draft = Engine(EngineConfig(model=str(tiny_llama_dir), kv_cache_memory=8 << 20, max_num_seqs=4))
+    ngram = measure_spec_costs(no_draft.models, 2, 4)
     assert ngram.draft_seconds == {} and ngram.draft(4) == 0.0
 
 
@@ -64,7 +66,7 @@ def test_a_full_pool_skips_calibration(tiny_llama_dir, tiny_draft_dir):
     bm = engine.block_manager
     hog = BlockTable()
     assert bm.allocate(hog, bm.num_blocks * bm.block_size)
-    assert measure_spec_costs(engine.models, 4, 16, use_draft_model=True) is None
+    assert measure_spec_costs(engine.models, 4, 16) is None
     bm.free(hog)
     assert bm.num_free_blocks == bm.num_blocks
 
@@ -86,7 +88,7 @@ def test_an_engine_without_room_to_measure_drafts_on_assumed_costs(tiny_llama_di
     assert bm.allocate(hog, (bm.num_blocks - 4) * bm.block_size)
     engine.set_speculation(spec)
     bm.free(hog)
-    assert engine.spec.costs == assumed_spec_costs(MAX_ROWS, use_draft_model=True)
+    assert engine.spec.costs == assumed_spec_costs(MAX_ROWS, has_draft_model=True)
     on = engine.generate(prompt, params)[0]
     assert on["token_ids"] == off and on["stats"].num_drafted > 0
     assert_pool_empty(engine)
@@ -95,7 +97,9 @@ def test_an_engine_without_room_to_measure_drafts_on_assumed_costs(tiny_llama_di
 @pytest.mark.parametrize("method", ["draft", "ngram"])
 def test_adaptive_batches_are_lossless_and_leave_the_pool_empty(tiny_llama_dir, tiny_draft_dir, method):
     """The measured-cost path (allocate_drafts over the batch): 6 requests at once, greedy output equal
-    to speculation off, some drafts made, every block back in the pool."""
+    to speculation off, some drafts made, every block back in the pool. Draft-model requests may take
+    suffix proposals instead of their draft's (whichever promises more at the measured costs), so the
+    estimates checked are those of the methods that drafted."""
     from chatserve.sampling_params import SamplingParams
     from tests.chatserve.test_engine import assert_pool_empty
 
@@ -107,6 +111,7 @@ def test_adaptive_batches_are_lossless_and_leave_the_pool_empty(tiny_llama_dir, 
     # every draft out, which would leave nothing here to check.
     engine.spec.costs = SpecCosts({1: 1.0, 4: 1.05, 8: 1.3, 16: 1.8, 32: 3.0, 64: 5.0},
                                   {1: 0.1, 8: 0.15, 64: 0.4} if method == "draft" else {})
+    priors = {name: m.accept_rate.rate for name, m in engine.spec.methods.items()}
     prompts = [[1 + i, 5, 9, 5, 9, 5, 9, 2 + i] * 3 for i in range(6)]  # repeats: n-gram finds matches
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     on = engine.generate(prompts, params)
@@ -114,13 +119,15 @@ def test_adaptive_batches_are_lossless_and_leave_the_pool_empty(tiny_llama_dir, 
     engine.set_speculation(None)
     off = engine.generate(prompts, params)
     assert [o["token_ids"] for o in on] == [o["token_ids"] for o in off]
-    drafted = sum(o["stats"].num_drafted for o in on)
-    accepted = sum(o["stats"].num_accepted for o in on)
-    assert drafted > 0
+    assert sum(o["stats"].num_drafted for o in on) > 0
     assert_pool_empty(engine)
-    # The engine-wide estimate (new requests' prior) moved from its prior toward what happened.
-    prior = {"draft": 0.8, "ngram": 0.5}[method]
-    rate = spec_runner.method_accept_rate[method].rate
-    assert rate != prior
-    if abs(accepted / drafted - prior) > 0.2:  # k depends on measured timings; near the prior the EMA may lag
-        assert (rate < prior) == (accepted / drafted < prior)
+    # The engine-wide estimate (new requests' prior) of each method that drafted moved from its
+    # prior toward what happened.
+    used = {name: stats for name, stats in spec_runner.stats_by_method.items() if stats.num_draft_tokens}
+    assert set(used) <= {method, "suffix"}
+    for name, stats in used.items():
+        prior, rate = priors[name], spec_runner.methods[name].accept_rate.rate
+        observed = stats.num_accepted_tokens / stats.num_draft_tokens
+        assert rate != prior
+        if abs(observed - prior) > 0.2:  # k depends on measured timings; near the prior the EMA may lag
+            assert (rate < prior) == (observed < prior)

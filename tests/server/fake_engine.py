@@ -149,9 +149,7 @@ class FakeEngine:
         elif self.spec_methods and params.num_draft_tokens != 0:
             stats.spec_method = params.spec_method or self.spec_methods[0]
             # pretend each step drafted 4 tokens and accepted all but the last emitted one
-            stats.num_spec_steps += 1
-            stats.num_drafted += 4
-            stats.num_accepted += len(chunk) - 1
+            stats.spec.update(4, len(chunk) - 1)
             self.counters["spec_num_drafts"] += 1
             self.counters["spec_num_draft_tokens"] += 4
             self.counters["spec_num_accepted_tokens"] += len(chunk) - 1

@@ -45,9 +45,10 @@ def test_openai_defaults():
 
 
 def test_done_stats_from_request_stats():
-    stats = RequestStats(prompt_tokens=10, cached_tokens=8, num_generated=5, num_drafted=8, num_accepted=6,
-                         num_spec_steps=2, arrival_time=1.0, first_scheduled_time=1.001,
-                         first_token_time=1.05, finish_time=1.09)
+    stats = RequestStats(prompt_tokens=10, cached_tokens=8, num_generated=5, arrival_time=1.0,
+                         first_scheduled_time=1.001, first_token_time=1.05, finish_time=1.09)
+    stats.spec.update(4, 4)
+    stats.spec.update(4, 2)
     done = P.done_message("x", "stop", P.DoneStats.from_request_stats(stats))
     assert done["stats"]["acceptance_rate"] == 0.75 and done["stats"]["mean_accepted_length"] == 4.0
     assert done["stats"]["ttft_ms"] == pytest.approx(50.0) and done["stats"]["tpot_ms"] == pytest.approx(10.0)

@@ -247,13 +247,13 @@ def run_messages(ws, messages: list[dict], **params) -> tuple[str, dict]:
 
 def test_spec_method_per_turn_draft_and_ngram(server):
     """One server with a draft model runs n-gram turns too; greedy text does not depend on the
-    method, each done reports who drafted, and a draft turn never reuses an n-gram turn's
-    blocks (they hold no draft KV) while the others reuse the draft turn's."""
+    method, each done reports who drafted, and every turn reuses the previous turn's blocks
+    whoever computed them (a draft turn catches its draft up on an n-gram turn's)."""
     from websockets.sync.client import connect
 
     messages = [{"role": "user", "content": "1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3"}]
     with connect(server.replace("http", "ws") + "/ws") as ws:
-        assert json.loads(ws.recv())["spec_methods"] == ["draft", "ngram"]
+        assert json.loads(ws.recv())["spec_methods"] == ["draft", "ngram", "suffix"]
         ngram_text, ngram = run_messages(ws, messages, max_tokens=32, spec_method="ngram")
         draft_text, draft = run_messages(ws, messages, max_tokens=32, spec_method="draft")
         again_text, again = run_messages(ws, messages, max_tokens=32, spec_method="ngram")
@@ -264,6 +264,5 @@ def test_spec_method_per_turn_draft_and_ngram(server):
     assert ngram["stats"]["spec_method"] == again["stats"]["spec_method"] == "ngram"
     assert draft["stats"]["spec_method"] == "draft" and draft["stats"]["drafted"] > 0
     assert ngram["stats"]["drafted"] > 0 and ngram["stats"]["acceptance_rate"] is not None
-    assert draft["stats"]["cached_tokens"] == 0
-    assert again["stats"]["cached_tokens"] > 0
+    assert draft["stats"]["cached_tokens"] > 0 and again["stats"]["cached_tokens"] > 0
     wait_pool_free(server)

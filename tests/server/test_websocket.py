@@ -17,6 +17,7 @@ def test_ready_then_deltas_then_done(client, engine):
     with client.websocket_connect("/ws") as ws:
         ready = ws.receive_json()
         assert ready == {"type": "ready", "model": "fake-model", "draft": "ngram", "spec_methods": ["ngram"],
+                         "spec_method_labels": {"ngram": "n-gram"},
                          "max_model_len": 2048, "max_tokens_limit": 4096, "settings": {}}
         messages = chat(ws, content="hi", id="m1")
     *deltas, done = messages

@@ -1,6 +1,6 @@
 import pytest
 
-from spec.adaptive import AdaptiveDraftLength, allocate_drafts
+from spec.adaptive import AdaptiveDraftLength, allocate_drafts, geometric_gains
 
 
 def _linear(per_row: float = 0.05):
@@ -11,7 +11,7 @@ def _linear(per_row: float = 0.05):
 def _step(controllers, target, draft=None) -> list[int]:
     """One engine step over these requests: offer, allocate over the batch, report the ks."""
     offers = [c.offer() for c in controllers]
-    ks = allocate_drafts([a for _, a in offers], [cap for cap, _ in offers], target, draft)
+    ks = allocate_drafts([geometric_gains(a, cap) for cap, a in offers], target, draft)
     for c, k in zip(controllers, ks):
         c.allocated(k)
     return ks
@@ -98,6 +98,10 @@ def test_invalid_update():
 
 # ---------------------------------------------------------------- batch-level allocation
 
+def _gains(rates, caps):
+    return [geometric_gains(r, c) for r, c in zip(rates, caps)]
+
+
 def _tiled(rows: int) -> float:
     """Like torch's packed int8 GEMV on this CPU: rows go in tiles of 4, each a pass over the weights."""
     return 1.0 + ((rows + 3) // 4 - 1) * 0.95
@@ -135,7 +139,7 @@ def test_allocate_drafts_is_optimal_without_a_draft_model(seed):
     b = rng.randint(1, 4)
     rates = [rng.choice([0.0, 0.1, 0.5, 0.8, 0.95, 1.0, rng.random()]) for _ in range(b)]
     caps = [rng.randint(0, 4) for _ in range(b)]
-    ks = allocate_drafts(rates, caps, _tiled)
+    ks = allocate_drafts(_gains(rates, caps), _tiled)
     assert all(0 <= k <= c for k, c in zip(ks, caps))
     _, best_rate = _brute_force(rates, caps, _tiled)
     assert _rate(rates, ks, _tiled) == pytest.approx(best_rate)
@@ -151,29 +155,29 @@ def test_allocate_drafts_with_a_draft_model_is_near_the_best(seed):
     rates = [rng.choice([0.3, 0.6, 0.8, 0.9, rng.random()]) for _ in range(b)]
     caps = [rng.randint(0, 4) for _ in range(b)]
     draft = lambda rows: 0.25 + 0.02 * rows  # noqa: E731
-    ks = allocate_drafts(rates, caps, _tiled, draft)
+    ks = allocate_drafts(_gains(rates, caps), _tiled, draft)
     _, best_rate = _brute_force(rates, caps, _tiled, draft)
     assert _rate(rates, ks, _tiled, draft) >= 0.97 * best_rate
 
 
 def test_allocate_drafts_uses_free_rows_and_refuses_a_new_tile():
     # 3 sequences: the 4th row of the tile is free, so even a 20% draft is worth it (1.2 > 1 token for nothing).
-    assert sum(allocate_drafts([0.2, 0.2, 0.2], [4, 4, 4], _tiled)) == 1
+    assert sum(allocate_drafts(_gains([0.2, 0.2, 0.2], [4, 4, 4]), _tiled)) == 1
     # 8 sequences fill two tiles: one more row costs a third pass (+47%); 4 drafts at 0.9 are worth
     # 3.6 tokens on top of 8 (+45%) -- not enough; at 1.0 they are (4 drafts +50%, all 8: +100% for +97%).
-    assert allocate_drafts([0.9] * 8, [1] * 8, _tiled) == [0] * 8
-    assert allocate_drafts([1.0] * 8, [1] * 8, _tiled) == [1] * 8
+    assert allocate_drafts(_gains([0.9] * 8, [1] * 8), _tiled) == [0] * 8
+    assert allocate_drafts(_gains([1.0] * 8, [1] * 8), _tiled) == [1] * 8
     # Nothing to draft: all zeros.
-    assert allocate_drafts([0.9, 0.9], [0, 0], _tiled) == [0, 0]
-    assert allocate_drafts([], [], _tiled) == []
+    assert allocate_drafts(_gains([0.9, 0.9], [0, 0]), _tiled) == [0, 0]
+    assert allocate_drafts(_gains([], []), _tiled) == []
 
 
 def test_allocate_drafts_prices_only_draft_model_sequences_for_draft_steps():
     draft = lambda rows: 0.6  # noqa: E731  an expensive draft step
     # One sequence at 0.5 acceptance: a 0.6 draft step is not worth 0.5 of a token...
-    assert allocate_drafts([0.5], [3], _tiled, draft, [True]) == [0]
+    assert allocate_drafts(_gains([0.5], [3]), _tiled, draft, [True]) == [0]
     # ...but the same proposal from n-gram (free) is: 4 rows cost what 1 does.
-    assert allocate_drafts([0.5], [3], _tiled, draft, [False]) == [3]
+    assert allocate_drafts(_gains([0.5], [3]), _tiled, draft, [False]) == [3]
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -187,7 +191,7 @@ def test_allocate_drafts_with_setups_is_near_the_best(seed):
     caps = [rng.randint(0, 4) for _ in range(b)]
     setup = [rng.choice([0.0, 0.0, 0.2, 0.8, 2.0]) for _ in range(b)]
     draft = lambda rows: 0.25 + 0.02 * rows  # noqa: E731
-    ks = allocate_drafts(rates, caps, _tiled, draft, setup_seconds=setup)
+    ks = allocate_drafts(_gains(rates, caps), _tiled, draft, setup_seconds=setup)
     _, best_rate = _brute_force(rates, caps, _tiled, draft, setup)
     assert _rate(rates, ks, _tiled, draft, setup) >= 0.97 * best_rate
 
@@ -195,11 +199,11 @@ def test_allocate_drafts_with_setups_is_near_the_best(seed):
 def test_allocate_drafts_pays_a_setup_once_per_drafting_sequence():
     draft = lambda rows: 0.1  # noqa: E731
     # One sequence at 0.8: 3 drafts fill the first tile, worth ~1.95 tokens for 0.3 of draft steps.
-    assert allocate_drafts([0.8], [3], _tiled, draft, [True]) == [3]
-    assert allocate_drafts([0.8], [3], _tiled, draft, [True], setup_seconds=[0.5]) == [3]  # still pays
-    assert allocate_drafts([0.8], [3], _tiled, draft, [True], setup_seconds=[2.0]) == [0]  # a catch-up too dear
+    assert allocate_drafts(_gains([0.8], [3]), _tiled, draft, [True]) == [3]
+    assert allocate_drafts(_gains([0.8], [3]), _tiled, draft, [True], setup_seconds=[0.5]) == [3]  # still pays
+    assert allocate_drafts(_gains([0.8], [3]), _tiled, draft, [True], setup_seconds=[2.0]) == [0]  # a catch-up too dear
     # Two sequences, only the second must catch up: the first drafts, the second does not.
-    assert allocate_drafts([0.8, 0.8], [1, 1], _tiled, draft, [True, True], setup_seconds=[0.0, 2.0]) == [1, 0]
+    assert allocate_drafts(_gains([0.8, 0.8], [1, 1]), _tiled, draft, [True, True], setup_seconds=[0.0, 2.0]) == [1, 0]
 
 
 def test_offer_pauses_at_low_acceptance_and_probes():

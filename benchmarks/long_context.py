@@ -1,0 +1,206 @@
+"""Long conversations over /ws (issue #13): a pasted file of 1-2.5k tokens then three follow-up
+questions ("paste"), and an "edit this file" session whose every reply returns the file
+("edit"), at several concurrencies, for several server configurations in one run (one
+`chatserve serve` per configuration, started and stopped here).
+
+Per turn: TTFT, TPOT, the longest gap between deltas against the turn's median gap, cached
+prompt tokens and acceptance; per configuration the issue's goals (second-turn TTFT <= 10% of
+the first, longest gap <= 3x the median, first-turn TTFT <= 1.1x speculation off, speedup over
+off). Every run's sessions start with their own first line, so no run finds another's blocks
+in the prefix cache. Writes JSON and a PNG.
+
+    python benchmarks/long_context.py --model smollm2-135m-instruct --configs off ngram suffix \
+        --concurrency 1 4 --max-tokens 64 --out benchmarks/results/long_context_smollm2.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from chatserve.bench.metrics import RequestRecord, tpot_ms, ttft_ms  # noqa: E402
+from chatserve.bench.report import machine, write_json  # noqa: E402
+from chatserve.bench.runner import LoadSpec, run_load  # noqa: E402
+from chatserve.bench.sweep import ServerProcess, wait_idle  # noqa: E402
+from chatserve.bench.workloads import Conversation, Session  # noqa: E402
+
+DATA = Path(__file__).resolve().parent / "data" / "long_context.json"
+WORKLOADS = ("paste", "edit")
+CONFIGS = {"off": "--no-spec", "ngram": "--draft ngram", "suffix": "--draft suffix", "draft": "--draft draft"}
+
+
+def sessions(workload: str, num_sessions: int, run_tag: str) -> tuple[Session, ...]:
+    """One session per file (cycled), its first message opening with a line unique to this run."""
+    data = json.loads(DATA.read_text())
+    files = list(data["files"].items())
+    out = []
+    for i in range(num_sessions):
+        name, code = files[i % len(files)]
+        turns = [t.format(name=name, code=code) for t in data[f"{workload}_turns"]]
+        turns[0] = f"({run_tag}, session {i})\n" + turns[0]
+        out.append(Session(i, Conversation(tuple(turns), category=workload), len(turns)))
+    return tuple(out)
+
+
+def gaps_ms(r: RequestRecord) -> list[float]:
+    """Time between consecutive deltas that carried tokens."""
+    return [(b - a) * 1e3 for a, b in zip(r.chunk_times, r.chunk_times[1:])]
+
+
+def turn_row(r: RequestRecord) -> dict:
+    gaps = gaps_ms(r)
+    stats = r.server_stats or {}
+    return {"session": r.session_idx, "turn": r.turn_idx, "error": r.error, "ttft_ms": ttft_ms(r),
+            "tpot_ms": tpot_ms(r), "longest_gap_ms": max(gaps, default=None),
+            "median_gap_ms": statistics.median(gaps) if gaps else None,
+            "prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens,
+            "generated_tokens": r.num_generated, "drafted": stats.get("drafted"),
+            "accepted": stats.get("accepted"), "spec_method": stats.get("spec_method")}
+
+
+def _median(rows: list[dict], key: str) -> float | None:
+    xs = [r[key] for r in rows if r.get(key) is not None]
+    return statistics.median(xs) if xs else None
+
+
+def per_turn(rows: list[dict]) -> list[dict]:
+    """Medians over sessions, turn by turn; acceptance pooled."""
+    out = []
+    for turn in sorted({r["turn"] for r in rows}):
+        rs = [r for r in rows if r["turn"] == turn and not r["error"]]
+        drafted = sum(r["drafted"] or 0 for r in rs)
+        ratios = [r["longest_gap_ms"] / r["median_gap_ms"] for r in rs if r["median_gap_ms"]]
+        out.append({"turn": turn, "n": len(rs), **{k: _median(rs, k) for k in (
+            "ttft_ms", "tpot_ms", "longest_gap_ms", "median_gap_ms", "prompt_tokens", "cached_tokens")},
+            "gap_ratio_max": max(ratios, default=None),
+            "acceptance": sum(r["accepted"] or 0 for r in rs) / drafted if drafted else None})
+    return out
+
+
+def goals(points: list[dict]) -> list[dict]:
+    """The issue's goals per point, against `off` at the same workload and concurrency."""
+    off = {(p["workload"], p["concurrency"]): p for p in points if p["config"] == "off"}
+    out = []
+    for p in points:
+        turns, ref = p["turns"], off.get((p["workload"], p["concurrency"]))
+        tpot = statistics.fmean([t["tpot_ms"] for t in turns if t["tpot_ms"]] or [float("nan")])
+        ref_tpot = statistics.fmean([t["tpot_ms"] for t in ref["turns"] if t["tpot_ms"]] or [float("nan")]) if ref else None
+        out.append({
+            "config": p["config"], "workload": p["workload"], "concurrency": p["concurrency"],
+            "turn2_over_turn1_ttft": turns[1]["ttft_ms"] / turns[0]["ttft_ms"] if len(turns) > 1 else None,
+            "worst_gap_ratio": max((t["gap_ratio_max"] or 0) for t in turns),
+            "turn1_ttft_over_off": turns[0]["ttft_ms"] / ref["turns"][0]["ttft_ms"] if ref else None,
+            "speedup_vs_off": ref_tpot / tpot if ref_tpot else None,
+            "mean_tpot_ms": tpot,
+        })
+    return out
+
+
+def format_table(rows: list[dict]) -> str:
+    head = f"{'config':<10}{'workload':<8}{'conc':>5}{'T2/T1 TTFT':>12}{'gap/median':>12}{'TTFT/off':>10}{'TPOT ms':>9}{'speedup':>9}"
+    lines = [head]
+    fmt = lambda x, spec: format(x, spec) if x is not None else "-"  # noqa: E731
+    for g in rows:
+        lines.append(f"{g['config']:<10}{g['workload']:<8}{g['concurrency']:>5}{fmt(g['turn2_over_turn1_ttft'], '12.3f')}"
+                     f"{fmt(g['worst_gap_ratio'], '12.2f')}{fmt(g['turn1_ttft_over_off'], '10.2f')}"
+                     f"{fmt(g['mean_tpot_ms'], '9.1f')}{fmt(g['speedup_vs_off'], '9.2f')}")
+    return "\n".join(lines)
+
+
+def plot(points: list[dict], path: Path) -> None:
+    """Per workload: TTFT, TPOT and longest gap / median gap by turn (solid: lowest concurrency,
+    dashed: highest), and the TPOT speedup over off by concurrency."""
+    from chatserve.bench.plots import _colors, _pyplot
+
+    plt = _pyplot()
+    workloads = sorted({p["workload"] for p in points}, key=WORKLOADS.index)
+    configs = list(dict.fromkeys(p["config"] for p in points))
+    concs = sorted({p["concurrency"] for p in points})
+    fig, axes = plt.subplots(len(workloads), 4, figsize=(17, 4 * len(workloads)), squeeze=False)
+    colors = dict(zip(configs, _colors(plt)))
+    for row, workload in zip(axes, workloads):
+        for p in (p for p in points if p["workload"] == workload):
+            style = "-" if p["concurrency"] == concs[0] else "--"
+            turns = [t["turn"] + 1 for t in p["turns"]]
+            label = f"{p['config']} c={p['concurrency']}"
+            for ax, key in zip(row[:3], ("ttft_ms", "tpot_ms", "gap_ratio_max")):
+                ax.plot(turns, [t[key] for t in p["turns"]], style, marker="o", color=colors[p["config"]], label=label)
+        for config in configs:
+            pts = sorted((g for g in goals(points) if g["workload"] == workload and g["config"] == config),
+                         key=lambda g: g["concurrency"])
+            row[3].plot([g["concurrency"] for g in pts], [g["speedup_vs_off"] for g in pts], marker="o",
+                        color=colors[config], label=config)
+        titles = ("TTFT (ms, median)", "TPOT (ms, median)", "longest gap / median gap (worst session)",
+                  "speedup over off (mean TPOT)")
+        for ax, title in zip(row, titles):
+            ax.set_title(f"{workload}: {title}", fontsize=10)
+            ax.grid(alpha=0.3)
+        for ax in row[:3]:
+            ax.set_xlabel("turn")
+        row[0].set_yscale("log")
+        row[2].axhline(3.0, color="red", lw=0.8, ls=":")
+        row[3].axhline(1.0, color="gray", lw=0.8)
+        row[3].set_xlabel("concurrency")
+        row[1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--draft-model", default=None, help="passed to every configuration that drafts with a model")
+    ap.add_argument("--configs", nargs="+", default=list(CONFIGS),
+                    help=f"names from {list(CONFIGS)}, or NAME=SERVE_ARGS")
+    ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
+    ap.add_argument("--concurrency", nargs="+", type=int, default=[1, 4])
+    ap.add_argument("--sessions", type=int, default=4, help="sessions per run (one file each)")
+    ap.add_argument("--max-tokens", type=int, default=128, help="per reply in paste sessions")
+    ap.add_argument("--edit-max-tokens", type=int, default=None, help="per reply in edit sessions (default: --max-tokens)")
+    ap.add_argument("--server-args", default="--threads 2", help="added to every `chatserve serve`")
+    ap.add_argument("--out", type=Path, required=True, help="JSON; the PNG goes next to it")
+    args = ap.parse_args()
+
+    points = []
+    for item in args.configs:
+        name, _, serve = item.partition("=")
+        serve = serve or CONFIGS[name]
+        serve_args = [*shlex.split(serve), *shlex.split(args.server_args)]
+        if args.draft_model and "--no-spec" not in serve_args and "--draft-model" not in serve_args:
+            serve_args += ["--draft-model", args.draft_model]
+        with ServerProcess(args.model, serve_args) as server:
+            for workload in args.workloads:
+                max_tokens = args.edit_max_tokens if workload == "edit" and args.edit_max_tokens else args.max_tokens
+                for concurrency in args.concurrency:
+                    wait_idle(server.url)
+                    spec = LoadSpec(url=server.url, endpoint="ws", settings={"max_tokens": max_tokens, "temperature": 0.0},
+                                    sessions=sessions(workload, args.sessions, f"{name} {workload} c{concurrency}"),
+                                    concurrency=concurrency)
+                    result = run_load(spec, desc=f"{name} {workload} c={concurrency}")
+                    rows = [turn_row(r) for r in result.records]
+                    points.append({"config": name, "serve_args": serve_args, "workload": workload,
+                                   "concurrency": concurrency, "max_tokens": max_tokens, "server": result.server,
+                                   "loadavg": [result.loadavg_before, result.loadavg_after],
+                                   "turns": per_turn(rows), "requests": rows})
+                    print(f"{name} {workload} c={concurrency}: " + ", ".join(
+                        f"t{t['turn'] + 1} TTFT {t['ttft_ms'] or 0:.0f} TPOT {t['tpot_ms'] or 0:.1f} cached {t['cached_tokens']}"
+                        for t in points[-1]["turns"]), file=sys.stderr)
+    table = goals(points)
+    print(format_table(table))
+    png = args.out.with_suffix(".png")
+    plot(points, png)
+    write_json({"kind": "long-context", "argv": sys.argv[1:], "machine": machine(), "goals": table,
+                "points": points, "plot": str(png)}, args.out)
+    print(f"wrote {args.out} and {png}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""The speculation seam: each method (draft model, n-gram, ...) is one class behind SpecMethod.
+
+SpecRunner asks a request's methods for an Offer each step, prices every offer of the batch
+together (spec/adaptive.allocate_drafts), and calls propose() for the sequences that got
+drafts. A method never sees the scheduler, the target model or other methods.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ClassVar, Protocol
+
+from spec.adaptive import AcceptanceEMA
+
+if TYPE_CHECKING:
+    from chatserve.config import SpecConfig
+    from chatserve.request import Request
+
+
+@dataclass
+class Offer:
+    """What one method can draft for one request this step.
+
+    gains[j - 1]: the probability that the first j drafts are all accepted (so the cap is
+    len(gains)); token_ids: the proposal itself when it was free to make now (n-gram), None
+    when propose() must run a model; num_catch_up_tokens: tokens the method's model must see
+    before its first draft (SpecRunner prices them from the measured costs).
+    """
+
+    method: SpecMethod
+    gains: list[float]
+    token_ids: list[int] | None = None
+    num_catch_up_tokens: int = 0
+
+    @property
+    def cap(self) -> int:
+        return len(self.gains)
+
+
+@dataclass(eq=False)
+class SpecState:
+    """One request's speculation, kept on the request between the calls of a step: its
+    methods (its own first, then the free ones it may mix in), one acceptance controller per
+    method it drafted with (adaptive only), the offer plan() chose this step, and how many
+    unseen tokens its draft model catches up on this step without drafting."""
+
+    methods: tuple[SpecMethod, ...]
+    controllers: dict[str, object] = field(default_factory=dict)  # name -> spec.adaptive.AdaptiveDraftLength
+    offer: Offer | None = None
+    num_catch_up_tokens: int = 0
+
+    @property
+    def method(self) -> SpecMethod:
+        return self.methods[0]
+
+    @property
+    def kv_method(self) -> SpecMethod | None:
+        """Its method that runs the draft model, if any."""
+        return next((m for m in self.methods if m.keeps_kv), None)
+
+
+class SpecMethod(Protocol):
+    """One way of drafting. Registered by `name` in chatserve/spec_methods/__init__.py."""
+
+    name: ClassVar[str]  # the SamplingParams.spec_method value
+    label: ClassVar[str]  # how a UI names it
+    keeps_kv: ClassVar[bool]  # runs the draft model, which keeps KV in the pool (blocks carry its mark)
+    mixable: ClassVar[bool]  # free proposals a draft-model request may take when they beat its own
+    accept_rate: AcceptanceEMA  # engine-wide, per method: the prior of new requests and probes
+
+    @classmethod
+    def create(cls, config: SpecConfig, models, sampler) -> SpecMethod | None:
+        """The method for this engine, or None when it cannot run with these models."""
+        ...
+
+    def offer(self, req: Request, cap: int, accept_rate: float) -> Offer | None:
+        """Up to `cap` drafts for req, priced at `accept_rate` per position unless the method
+        knows better; None when it has nothing to offer."""
+        ...
+
+    def propose(self, reqs: list[Request], ks: list[int]) -> None:
+        """Set req.draft_token_ids (at most ks[i]) and req.draft_probs ([k, vocab], or None for
+        one-hot drafts) for the requests this step drafts with this method."""
+        ...
+
+    def finish(self, req: Request) -> None:
+        """req finished (not aborted): a method that learns from replies may keep its output."""
+        ...

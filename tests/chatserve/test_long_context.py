@@ -1,0 +1,278 @@
+"""Speculation over long conversations (issue #13): greedy output equal across methods and
+turns, suffix decoding lossless at T > 0 (chi-square), the draft model's catch-up in bounded
+chunks (the stream never stops for it), and the pool whole after suffix proposals, mixing and
+aborts."""
+
+import dataclasses
+import random
+
+import pytest
+import torch
+
+from chatserve.config import EngineConfig, SpecConfig
+from chatserve.engine import Engine
+from chatserve.sampling_params import SamplingParams
+from chatserve.spec_costs import SpecCosts
+from tests.chatserve.test_engine import assert_pool_empty
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+# In units of a one-row target step: the default pair's shape (5% a row, a draft step 10%).
+FIXED_COSTS = SpecCosts({r: 1.0 + 0.05 * (r - 1) for r in range(1, 65)}, {r: 0.1 for r in range(1, 17)},
+                        {16: 0.3, 32: 0.5, 64: 1.0, 128: 2.0, 256: 4.0})
+
+
+def make_engine(model_dir, draft_dir=None, method=None, adaptive=False, catch_up="decode", **kw):
+    spec = None
+    if method:
+        spec = SpecConfig(method=method, draft_model=str(draft_dir) if draft_dir else None, num_draft_tokens=4,
+                          adaptive=adaptive, draft_catch_up=catch_up)
+    kw.setdefault("kv_cache_memory", 8 << 20)
+    return Engine(EngineConfig(model=str(model_dir), spec=spec, **kw))
+
+
+def record_draft_forwards(engine) -> list[int]:
+    """Rows of every draft forward, in order (the list fills as the engine runs)."""
+    rows, run = [], engine.models.draft_runner.run
+
+    def recording_run(items):
+        rows.append(sum(len(it.token_ids) for it in items))
+        return run(items)
+
+    engine.models.draft_runner.run = recording_run
+    return rows
+
+
+@pytest.fixture(scope="module")
+def conversation(tiny_llama_dir):
+    """Three turns of one conversation (prompt, greedy reply) with speculation off."""
+    engine = make_engine(tiny_llama_dir)
+    tok = engine.tokenizer
+    history = tok.encode("def f(x):\n    return x + 1\n" * 6)
+    turns = []
+    for question in (" Again:", " And once more:", " Last:"):
+        prompt = history + tok.encode(question)
+        reply = engine.generate([prompt], GREEDY)[0]["token_ids"]
+        turns.append((prompt, reply))
+        history = prompt + reply
+    return turns
+
+
+@pytest.mark.parametrize("method,adaptive", [("ngram", False), ("suffix", False), ("draft", False), ("suffix", True),
+                                             ("draft", True)])
+def test_greedy_output_is_equal_across_methods_and_turns(tiny_llama_dir, tiny_draft_dir, conversation, method,
+                                                         adaptive):
+    engine = make_engine(tiny_llama_dir, tiny_draft_dir if method == "draft" else None, method, adaptive)
+    if adaptive:  # priced with fixed costs: a busy machine makes the tiny models' measured ones noise
+        engine.spec.costs = FIXED_COSTS
+    drafted = 0
+    for turn, (prompt, expected) in enumerate(conversation):
+        out = engine.generate([prompt], GREEDY)[0]
+        assert out["token_ids"] == expected
+        if turn:  # the previous turn's prompt and reply are in the prefix cache
+            assert out["stats"].cached_tokens >= len(conversation[turn - 1][0]) // 16 * 16
+        drafted += out["stats"].num_drafted
+    assert drafted > 0
+    assert_pool_empty(engine)
+
+
+@pytest.mark.parametrize("catch_up", ["decode", "prefill", "whole"])
+def test_a_long_prompt_is_caught_up_as_configured_and_output_is_unchanged(tiny_llama_dir, catch_up):
+    """Self-draft (every draft accepted) on a 600-token prompt: "decode" catches the draft up in
+    chunks of at most CATCH_UP_CHUNK rows inside decode steps, "prefill" beside the target's
+    prefill chunks, "whole" in one forward before its first draft."""
+    from chatserve.spec_runner import CATCH_UP_CHUNK
+
+    plain = make_engine(tiny_llama_dir)
+    prompt = [(11 * i) % 250 + 3 for i in range(600)]
+    params = dataclasses.replace(GREEDY, max_tokens=40)
+    expected = plain.generate([prompt], params)[0]["token_ids"]
+    engine = make_engine(tiny_llama_dir, tiny_llama_dir, "draft", catch_up=catch_up, max_num_batched_tokens=128)
+    rows = record_draft_forwards(engine)
+    rid = engine.add_request(prompt, params)
+    emitted, forwards_before_first_token = [], None
+    while engine.has_unfinished():
+        deltas = engine.step()
+        if deltas and forwards_before_first_token is None:
+            forwards_before_first_token = len(rows)
+        emitted += [d.token_ids for d in deltas if d.request_id == rid]
+    assert sum(emitted, []) == expected
+    assert all(emitted), "a step emitted nothing"
+    if catch_up == "decode":
+        assert forwards_before_first_token == 0 and max(rows) <= CATCH_UP_CHUNK
+    elif catch_up == "prefill":
+        assert forwards_before_first_token >= 4  # one beside each 128-token prefill chunk
+        assert max(rows) <= 128
+    else:
+        assert forwards_before_first_token == 0 and max(rows) >= 600
+    assert_pool_empty(engine)
+
+
+@pytest.mark.parametrize("max_tokens,catches_up", [(8, False), (200, True)])
+def test_the_draft_catches_up_only_when_its_drafts_will_pay(tiny_llama_dir, max_tokens, catches_up):
+    """Priced with fixed costs (in units of a one-row target step): catching up on 600 tokens in
+    32-token chunks costs ~9.5; at acceptance 0.8 drafting saves ~1.8 a step, which 8 tokens
+    cannot repay and 200 can."""
+    engine = make_engine(tiny_llama_dir, tiny_llama_dir, "draft", adaptive=True)
+    engine.spec.costs = FIXED_COSTS
+    rows = record_draft_forwards(engine)
+    prompt = [(13 * i) % 250 + 3 for i in range(600)]
+    out = engine.generate([prompt], dataclasses.replace(GREEDY, max_tokens=max_tokens))[0]
+    assert len(out["token_ids"]) == max_tokens
+    assert bool(rows) == catches_up
+    if catches_up:
+        assert max(rows) <= 32 and out["stats"].num_drafted > 0
+    assert_pool_empty(engine)
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny ops on one thread: with two, a busy machine stalls each op for milliseconds."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_suffix_proposals_keep_sampling_exact(one_thread):
+    """T > 0: suffix proposals (one-hot drafts) verified by the engine's sampler. The target's
+    logits after the prompt and after each draft are fixed; x, the proposal's first token, is
+    the target's third likeliest. Over 4000 seeded requests the first emitted token must follow
+    the target's distribution (chi-square), and after an accepted x the next one its
+    distribution after x; x is accepted as often as the target gives it."""
+    from chatserve.request import Request
+    from chatserve.sampler import Sampler
+    from chatserve.spec_methods import SpecState
+    from chatserve.spec_methods.suffix import SuffixMethod
+
+    vocab, temperature, n = 16, 0.8, 4000
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(3)) * 2  # [k + 1, vocab]
+    target = torch.softmax(logits.double() / temperature, -1)  # [k + 1, vocab]
+    x, y = int(target[0].argsort(descending=True)[2]), int(target[1].argmax())
+    prompt = [1, 2, 3, 4, 5]
+    method = SuffixMethod(SpecConfig(method="suffix"))
+    method.corpus.add(prompt + [x, y])  # an earlier reply that went on with [x, y]
+    sampler = Sampler(eos_token_ids=())
+    firsts, after_x = [], []
+    for seed in range(n):
+        req = Request(f"r{seed}", prompt, SamplingParams(temperature=temperature, seed=seed))
+        req.spec = SpecState((method,))
+        req.spec.offer = method.offer(req, 2, method.accept_rate.rate)
+        assert req.spec.offer.token_ids == [x, y]
+        method.propose([req], [2])
+        tokens, num_accepted = sampler.verify(req, logits, req.draft_token_ids, req.draft_probs)
+        firsts.append(tokens[0])
+        if num_accepted >= 1:
+            after_x.append(tokens[1])
+    for samples, probs in ((firsts, target[0]), (after_x, target[1])):
+        counts = torch.bincount(torch.tensor(samples), minlength=vocab).double()
+        expected = probs * len(samples)
+        big = expected >= 5  # pool the rare tokens into one bin
+        observed = torch.cat([counts[big], counts[~big].sum().view(1)])
+        wanted = torch.cat([expected[big], expected[~big].sum().view(1)])
+        stat = ((observed - wanted) ** 2 / wanted).sum()
+        p_value = torch.special.gammaincc(torch.tensor((len(observed) - 1) / 2.0), stat / 2).item()
+        assert p_value > 1e-6, (p_value, stat)
+    accepted = len(after_x) / n
+    assert abs(accepted - target[0, x]) < 4 * (target[0, x] * (1 - target[0, x]) / n) ** 0.5
+
+
+def test_pool_stays_whole_with_suffix_proposals_mixing_preemption_and_aborts(tiny_llama_dir, tiny_draft_dir):
+    """Draft requests that also take suffix proposals, suffix, n-gram and plain requests, greedy
+    and sampled, in a pool small enough to preempt, with random aborts: the block manager's
+    invariants hold after every step and every block comes back."""
+    probe = make_engine(tiny_llama_dir, tiny_draft_dir, "draft")
+    per_block = sum(r.kv_cache.num_bytes // probe.block_manager.num_blocks
+                    for r in (probe.models.target_runner, probe.models.draft_runner))
+    engine = make_engine(tiny_llama_dir, tiny_draft_dir, "draft", kv_cache_memory=24 * per_block)
+    tok, rng = engine.tokenizer, random.Random(0)
+    base = [SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True),
+            SamplingParams(max_tokens=48, temperature=0.8, seed=1, ignore_eos=True)]
+    methods = [{"spec_method": "draft"}, {"spec_method": "suffix"}, {"spec_method": "ngram"}, {"num_draft_tokens": 0}]
+    live = set()
+    for i in range(12):
+        prompt = tok.encode(f"item {i % 3}: a b c a b c " * (2 + i % 4))
+        live.add(engine.add_request(prompt, dataclasses.replace(base[i % 2], **methods[i % 4])))
+    while engine.has_unfinished():
+        for d in engine.step():
+            if d.finished:
+                live.discard(d.request_id)
+        engine.block_manager.check_invariants([r.table for r in engine.requests.values()])
+        if live and rng.random() < 0.08:
+            victim = rng.choice(sorted(live))
+            engine.abort(victim)
+            live.discard(victim)
+            engine.block_manager.check_invariants([r.table for r in engine.requests.values()])
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.spec.stats_by_method["suffix"].num_draft_tokens > 0
+    assert_pool_empty(engine)
+
+
+@pytest.mark.parametrize("first", range(4))
+def test_greedy_output_is_equal_when_the_method_changes_every_turn(tiny_llama_dir, tiny_draft_dir, conversation,
+                                                                 first):
+    """One engine, one conversation, each turn by another method (off, draft, suffix, n-gram,
+    in four rotations): every turn equals the spec-off reply and reuses every full block of the
+    previous turn's prompt, whichever method computed them."""
+    engine = make_engine(tiny_llama_dir, tiny_draft_dir, "draft")
+    names = ["off", "draft", "suffix", "ngram"]
+    methods = names[first:] + names[:first]
+    for turn, ((prompt, expected), name) in enumerate(zip(conversation, methods)):
+        extra = {"num_draft_tokens": 0} if name == "off" else {"spec_method": name}
+        out = engine.generate([prompt], dataclasses.replace(GREEDY, **extra))[0]
+        assert out["token_ids"] == expected, (turn, name)
+        assert out["stats"].spec_method == (None if name == "off" else name)
+        if turn:
+            assert out["stats"].cached_tokens >= len(conversation[turn - 1][0]) // 16 * 16
+    assert engine.spec.stats.num_draft_tokens > 0
+    assert_pool_empty(engine)
+
+
+@pytest.mark.parametrize("method", ["suffix", "draft"])
+def test_sampled_tokens_follow_the_target_through_suffix_proposals(tiny_llama_dir, tiny_draft_dir, one_thread,
+                                                                   method):
+    """T = 0.3 through the engine: 3000 seeded requests of one prompt, 3 tokens each. The first
+    comes from the prefill; the second from verifying a one-token proposal. The suffix corpus
+    holds, for every possible first token t1, the prompt's tail + t1 + the likeliest token after
+    it, so every request gets a suffix proposal, most of them accepted. "draft" requests weigh it
+    against their draft model's (sampled, with its own probabilities) and take one or the other.
+    The second token must follow the target's marginal sum_t1 P(t1) P(t2 | t1), computed by
+    transformers (chi-square), and for suffix requests each proposal must be accepted as often as
+    the target gives it. (At T = 1 the tiny model's proposals would be accepted 1.6% of the time:
+    0.3 sharpens it to 36%.)"""
+    from transformers import AutoModelForCausalLM
+
+    temperature, n = 0.3, 3000
+    engine = make_engine(tiny_llama_dir, tiny_draft_dir if method == "draft" else None, method)
+    prompt = engine.tokenizer.encode("Suffix proposals at a temperature:")
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32).eval()
+    vocab = engine.models.vocab_size
+    with torch.no_grad():
+        first_probs = torch.softmax(hf(torch.tensor([prompt])).logits[0, -1].double() / temperature, -1)  # [vocab]
+        seconds = torch.tensor([prompt + [t] for t in range(vocab)])  # [vocab, len(prompt) + 1]
+        second_probs = torch.softmax(hf(seconds).logits[:, -1].double() / temperature, -1)  # [vocab, vocab]
+    likeliest = second_probs.argmax(-1).tolist()  # [vocab]: the proposal after each t1
+    corpus = engine.spec.methods["suffix"].corpus
+    for t in range(vocab):
+        corpus.add(prompt[-3:] + [t, likeliest[t]])
+    params = [SamplingParams(max_tokens=3, temperature=temperature, seed=seed, ignore_eos=True) for seed in range(n)]
+    outs = engine.generate([prompt] * n, params)
+
+    assert all(len(o["token_ids"]) == 3 and o["stats"].num_drafted == 1 for o in outs)  # one proposal each
+    counts = torch.bincount(torch.tensor([o["token_ids"][1] for o in outs]), minlength=vocab).double()
+    expected = (first_probs @ second_probs) * n  # [vocab]
+    big = expected >= 5  # pool the rare tokens into one bin
+    observed = torch.cat([counts[big], counts[~big].sum().view(1)])
+    wanted = torch.cat([expected[big], expected[~big].sum().view(1)])
+    stat = ((observed - wanted) ** 2 / wanted).sum()
+    p_value = torch.special.gammaincc(torch.tensor((len(observed) - 1) / 2.0), stat / 2).item()
+    assert p_value > 1e-6, (p_value, stat)
+    by_method = engine.spec.stats_by_method
+    assert by_method["suffix"].num_draft_tokens > 0
+    if method == "suffix":
+        accept = float((first_probs * second_probs.gather(1, torch.tensor(likeliest).view(-1, 1))[:, 0]).sum())
+        accepted = sum(o["stats"].num_accepted for o in outs) / n
+        assert 0.2 < accept < 0.95  # both branches of verification are exercised
+        assert abs(accepted - accept) < 4 * (accept * (1 - accept) / n) ** 0.5
+    else:
+        assert by_method["draft"].num_draft_tokens > 0  # both kinds of proposal were verified
+    assert_pool_empty(engine)

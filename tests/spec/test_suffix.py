@@ -1,0 +1,79 @@
+"""Suffix proposals: the longest match wins, frequencies count, separators and limits hold."""
+
+import numpy as np
+import pytest
+
+from spec.suffix import SuffixCorpus, SuffixDraft, SuffixProposer
+
+
+def test_the_longest_match_wins_over_a_more_recent_shorter_one():
+    #          [1 2 3 4] 5     ...     [3 4] 9   ...  suffix [1 2 3 4]
+    ctx = [1, 2, 3, 4, 5, 6, 7, 3, 4, 9, 8, 1, 2, 3, 4]
+    draft = SuffixProposer().propose(ctx, 8)
+    assert draft.match_len == 4
+    assert draft.token_ids[0] == 5  # what followed the 4-token match, not the later 2-token one
+
+
+def test_frequencies_pick_the_continuation_and_narrow_the_occurrences():
+    # [7 8] (each time after a different token) was followed by 1 twice and by 2 once; after
+    # [7 8 1] came 5 both times
+    ctx = [7, 8, 1, 5, 30, 7, 8, 2, 6, 31, 7, 8, 1, 5, 32, 7, 8]
+    draft = SuffixProposer(min_prob=0.0).propose(ctx, 2)
+    assert draft.token_ids == [1, 5]
+    assert draft.counts == [2, 2] and draft.totals == [3, 2]
+    assert draft.score == pytest.approx(2 / 3 + 2 / 3)
+
+
+def test_the_walk_stops_below_min_prob_and_at_max_spec_factor():
+    ctx = [5, 1, 8, 5, 2, 9, 5, 3, 7, 5]  # 5 was followed by 1, 2, 3: each 1/3
+    assert SuffixProposer(min_prob=0.5).propose(ctx, 4).token_ids == []
+    assert len(SuffixProposer(min_prob=0.3).propose(ctx, 4).token_ids) == 1
+    long = list(range(20)) + [99] + list(range(20))
+    # a 20-token match may propose up to 20 * factor tokens, a 1-token match only `factor`
+    assert len(SuffixProposer(max_spec_factor=0.25).propose(long, 16).token_ids) == 5
+    assert len(SuffixProposer(max_spec_factor=1.0).propose([4, 9, 9, 9, 4], 16).token_ids) == 1
+
+
+def test_no_match_and_tiny_contexts():
+    proposer = SuffixProposer()
+    assert proposer.propose([], 4) == SuffixDraft([], [], [], 0)
+    assert proposer.propose([1], 4).token_ids == []
+    assert proposer.propose([1, 2, 3], 4).token_ids == []  # the last token never occurred before
+    assert proposer.propose([1, 2, 1], 0).token_ids == []
+
+
+def test_the_corpus_matches_other_replies_and_never_crosses_a_separator():
+    corpus = SuffixCorpus()
+    corpus.add([10, 11, 12, 13])
+    corpus.add([20, 21])
+    proposer = SuffixProposer()
+    draft = proposer.propose([3, 10, 11], 8, corpus)
+    assert draft.token_ids == [12, 13] and draft.match_len == 2  # stops at the reply's end
+    assert proposer.propose([3, 21], 8, corpus).token_ids == []  # nothing follows 21
+    # the own context wins when it scores higher
+    assert proposer.propose([10, 11, 40, 41, 10, 11], 8, corpus).token_ids[0] in (12, 40)
+
+
+def test_the_corpus_drops_its_oldest_replies():
+    corpus = SuffixCorpus(max_tokens=6)
+    corpus.add([1, 2, 3])
+    corpus.add([4, 5, 6])
+    corpus.add([7, 8])
+    assert corpus.tokens.tolist() == [-1, 4, 5, 6, -1, 7, 8, -1]
+    assert SuffixProposer().propose([0, 1], 4, corpus).token_ids == []
+
+
+def test_propose_takes_an_array_and_is_quick_at_4k():
+    import time
+
+    rng = np.random.default_rng(0)
+    ctx = rng.integers(0, 32_000, size=4_000)
+    ctx = np.concatenate([ctx, ctx[1000:1010]])
+    corpus = SuffixCorpus()
+    for _ in range(60):
+        corpus.add(rng.integers(0, 32_000, size=1_000).tolist())
+    proposer = SuffixProposer()
+    start = time.process_time()  # CPU time: a paused or crowded process does not fail the test
+    draft = proposer.propose(ctx, 8, corpus)
+    assert draft.token_ids == ctx[1010:1018].tolist() and draft.match_len == 10
+    assert time.process_time() - start < 0.05
