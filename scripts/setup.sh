@@ -18,4 +18,7 @@ if [ "${1:-}" = "test" ]; then
 else
   .venv/bin/python -m pip install -q -e .
 fi
+# Build the C++ CPU kernels now (~1-2 min, cached per machine), not in the first request; without
+# a compiler this only prints why, and chatserve runs its plain-torch paths.
+.venv/bin/python -c "from kernels import cpu_ext; cpu_ext.extension()" || true
 echo "chatserve is set up in $(pwd)/.venv" >&2

@@ -15,6 +15,14 @@ import torch  # noqa: E402
 from tests.tiny_models import make_tiny_model  # noqa: E402
 
 
+def pytest_sessionstart(session):
+    """Build (or load) the C++ CPU kernels once, in this process, before any test starts a server
+    subprocess: a build there (~1-2 min on a fresh machine) would run into its start-up timeout."""
+    from kernels import cpu_ext
+
+    cpu_ext.extension()
+
+
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("tiny_llama"), "llama", seed=0)
