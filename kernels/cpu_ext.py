@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -28,6 +29,9 @@ def extension():
         return None
     if not set(CPU_FLAGS) <= cpu_flags():
         return None
+    venv_bin = os.path.dirname(sys.executable)  # pip's ninja lives beside the interpreter
+    if shutil.which("ninja") is None and os.path.exists(os.path.join(venv_bin, "ninja")):
+        os.environ["PATH"] = venv_bin + os.pathsep + os.environ.get("PATH", "")
     try:
         from torch.utils.cpp_extension import load
 
