@@ -13,6 +13,7 @@ import functools
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
 
 from kernels.cpu_features import cpu_flags
@@ -20,6 +21,22 @@ from kernels.cpu_features import cpu_flags
 _DIR = Path(__file__).parent
 SOURCES = ("quant_matmul_cpu.cpp", "decode_ops_cpu.cpp", "cpu_ext_bindings.cpp")
 CPU_FLAGS = ("avx2", "fma", "f16c")
+NAME = "chatserve_cpu"
+STALE_LOCK_SECONDS = 600  # a build takes ~1-3 min; an older lock was left by a killed build
+
+
+def _clear_stale_lock() -> None:
+    """torch's builder waits, forever, while the build directory holds a `lock` file, which a
+    build killed midway (Ctrl-C at the first start) leaves behind: remove one that old."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+
+        lock = Path(_get_build_directory(NAME, verbose=False)) / "lock"
+        if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_SECONDS:
+            print(f"chatserve: removing a stale build lock ({lock})", file=sys.stderr)
+            lock.unlink(missing_ok=True)
+    except Exception:  # a private torch helper: never let this stop the build
+        pass
 
 
 @functools.lru_cache(maxsize=1)
@@ -32,6 +49,7 @@ def extension():
     venv_bin = os.path.dirname(sys.executable)  # pip's ninja lives beside the interpreter
     if shutil.which("ninja") is None and os.path.exists(os.path.join(venv_bin, "ninja")):
         os.environ["PATH"] = venv_bin + os.pathsep + os.environ.get("PATH", "")
+    _clear_stale_lock()
     try:
         from torch.utils.cpp_extension import load
 
@@ -39,7 +57,7 @@ def extension():
         # -fopenmp: at::parallel_for is a header template around `#pragma omp parallel`; without
         # the flag the pragma is dropped and every kernel runs on one thread. The soname
         # libgomp.so.1 resolves to the copy torch already loaded: one OpenMP runtime, one team.
-        return load(name="chatserve_cpu", sources=[str(_DIR / s) for s in SOURCES],
+        return load(name=NAME, sources=[str(_DIR / s) for s in SOURCES],
                     extra_include_paths=[str(_DIR)],
                     extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"], extra_ldflags=["-fopenmp"],
                     verbose=False)

@@ -157,3 +157,21 @@ def test_model_linear_takes_the_kernel_for_few_float32_rows(generator):
     assert torch.equal(layer(x).view(-1, 24), expected)
     many = torch.randn(SMALL_M + 1, 64, generator=generator)  # past SMALL_M: F.linear
     assert torch.equal(layer(many), torch.nn.functional.linear(many, layer.weight, layer.bias))
+
+
+def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, monkeypatch):
+    """A build killed midway leaves `lock`, and torch's builder would wait on it forever."""
+    import os
+    import time
+
+    import torch.utils.cpp_extension
+
+    monkeypatch.setattr(torch.utils.cpp_extension, "_get_build_directory", lambda name, verbose: str(tmp_path))
+    lock = tmp_path / "lock"
+    lock.touch()
+    cpu_ext._clear_stale_lock()
+    assert lock.exists()  # fresh: another process may be building right now
+    old = time.time() - cpu_ext.STALE_LOCK_SECONDS - 60
+    os.utime(lock, (old, old))
+    cpu_ext._clear_stale_lock()
+    assert not lock.exists()
