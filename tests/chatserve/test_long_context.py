@@ -14,6 +14,7 @@ from chatserve.engine import Engine
 from chatserve.sampling_params import SamplingParams
 from chatserve.spec_costs import SpecCosts
 from tests.chatserve.test_engine import assert_pool_empty
+from tests.chi_square import chi_square_p_value
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 # In units of a one-row target step: the default pair's shape (5% a row, a draft step 10%).
@@ -164,14 +165,8 @@ def test_suffix_proposals_keep_sampling_exact(one_thread):
         if num_accepted >= 1:
             after_x.append(tokens[1])
     for samples, probs in ((firsts, target[0]), (after_x, target[1])):
-        counts = torch.bincount(torch.tensor(samples), minlength=vocab).double()
-        expected = probs * len(samples)
-        big = expected >= 5  # pool the rare tokens into one bin
-        observed = torch.cat([counts[big], counts[~big].sum().view(1)])
-        wanted = torch.cat([expected[big], expected[~big].sum().view(1)])
-        stat = ((observed - wanted) ** 2 / wanted).sum()
-        p_value = torch.special.gammaincc(torch.tensor((len(observed) - 1) / 2.0), stat / 2).item()
-        assert p_value > 1e-6, (p_value, stat)
+        p_value = chi_square_p_value(torch.tensor(samples), probs)
+        assert p_value > 1e-6, p_value
     accepted = len(after_x) / n
     assert abs(accepted - target[0, x]) < 4 * (target[0, x] * (1 - target[0, x]) / n) ** 0.5
 
@@ -258,14 +253,8 @@ def test_sampled_tokens_follow_the_target_through_suffix_proposals(tiny_llama_di
     outs = engine.generate([prompt] * n, params)
 
     assert all(len(o["token_ids"]) == 3 and o["stats"].num_drafted == 1 for o in outs)  # one proposal each
-    counts = torch.bincount(torch.tensor([o["token_ids"][1] for o in outs]), minlength=vocab).double()
-    expected = (first_probs @ second_probs) * n  # [vocab]
-    big = expected >= 5  # pool the rare tokens into one bin
-    observed = torch.cat([counts[big], counts[~big].sum().view(1)])
-    wanted = torch.cat([expected[big], expected[~big].sum().view(1)])
-    stat = ((observed - wanted) ** 2 / wanted).sum()
-    p_value = torch.special.gammaincc(torch.tensor((len(observed) - 1) / 2.0), stat / 2).item()
-    assert p_value > 1e-6, (p_value, stat)
+    p_value = chi_square_p_value(torch.tensor([o["token_ids"][1] for o in outs]), first_probs @ second_probs)
+    assert p_value > 1e-6, p_value
     by_method = engine.spec.stats_by_method
     assert by_method["suffix"].num_draft_tokens > 0
     if method == "suffix":

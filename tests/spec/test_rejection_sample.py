@@ -10,6 +10,8 @@ import functools
 import pytest
 import torch
 
+from tests.chi_square import chi_square_p_value
+
 from spec.sampling import logits_to_probs
 from spec.verify import rejection_sample
 
@@ -97,25 +99,10 @@ def _simulate(name: str, k: int):
     return target_probs, draft_probs, num_draft_tokens, out, num_accepted, second_token_ids
 
 
-def _chi_square_p_value(token_ids: torch.Tensor, probs: torch.Tensor) -> float:
-    """P-value of the counts of token_ids [N] under probs [C]; cells expecting < 5 are pooled."""
-    counts = torch.bincount(token_ids, minlength=len(probs)).double()  # [C]
-    expected = probs.double() * len(token_ids)  # [C]
-    assert counts[expected == 0].sum() == 0, "emitted a token the target gives probability 0"
-    is_small = expected < 5
-    counts = torch.cat([counts[~is_small], counts[is_small].sum(0, keepdim=True)])
-    expected = torch.cat([expected[~is_small], expected[is_small].sum(0, keepdim=True)])
-    keep = expected > 0
-    counts, expected = counts[keep], expected[keep]
-    stat = ((counts - expected) ** 2 / expected).sum()
-    df = torch.tensor(len(expected) - 1, dtype=torch.float64)
-    return torch.special.gammaincc(df / 2, stat / 2).item()
-
-
 @pytest.mark.parametrize("name, k", CASES)
 def test_first_token_follows_target(name, k):
     target_probs, _, _, out, _, _ = _simulate(name, k)
-    assert _chi_square_p_value(out[:, 0], target_probs[0]) > MIN_P_VALUE
+    assert chi_square_p_value(out[:, 0], target_probs[0]) > MIN_P_VALUE
 
 
 @pytest.mark.parametrize("name, k", CASES)
@@ -126,7 +113,7 @@ def test_every_position_follows_target_once_reached(name, k):
         rows = num_accepted >= position
         assert (out[rows, position] >= 0).all() and (out[~rows, position] == -1).all()
         if rows.sum() >= 1000:
-            assert _chi_square_p_value(out[rows, position], target_probs[position]) > MIN_P_VALUE, position
+            assert chi_square_p_value(out[rows, position], target_probs[position]) > MIN_P_VALUE, position
 
 
 @pytest.mark.parametrize("name, k", CASES)
@@ -151,7 +138,7 @@ def test_first_two_tokens_factorize_like_target(name, k):
     assert not torch.allclose(target_probs[0], target_probs[1])
     pair_ids = out[:, 0] * VOCAB_SIZE + second_token_ids  # [N]
     pair_probs = torch.outer(target_probs[0], target_probs[1]).reshape(-1)  # [V * V]
-    assert _chi_square_p_value(pair_ids, pair_probs) > MIN_P_VALUE
+    assert chi_square_p_value(pair_ids, pair_probs) > MIN_P_VALUE
 
 
 def test_emitted_tokens_stay_in_target_top_k():
@@ -171,4 +158,4 @@ def test_emitted_tokens_stay_in_target_top_k():
     positions = torch.arange(k + 1).expand(NUM_ROWS, -1)
     assert is_top_k[positions[is_emitted], out[is_emitted]].all()
     assert (num_accepted > 0).any() and (num_accepted < k).any()
-    assert _chi_square_p_value(out[:, 0], target_probs[0]) > MIN_P_VALUE
+    assert chi_square_p_value(out[:, 0], target_probs[0]) > MIN_P_VALUE
