@@ -29,6 +29,7 @@ from chatserve.config import EngineConfig  # noqa: E402
 from chatserve.engine import Engine  # noqa: E402
 from quant.int4 import Int4Linear  # noqa: E402
 from quant.int8 import Int8Linear  # noqa: E402
+from quant.q4k import Q4KLinear  # noqa: E402
 
 
 def time_steps(engine: Engine, context: int, steps: int) -> list[dict]:
@@ -51,7 +52,7 @@ def time_steps(engine: Engine, context: int, steps: int) -> list[dict]:
 
     blocks = list(range((context + steps) // runner.block_size + 2))
     runner.run([BatchItem(list(range(100, 100 + context)), 0, blocks, 1)])  # the context's KV
-    for cls in (Int4Linear, Int8Linear, torch.nn.Linear):
+    for cls in (Int4Linear, Q4KLinear, Int8Linear, torch.nn.Linear):
         wrap(cls)
     rows = []
     try:

@@ -244,3 +244,51 @@ def _embed_chat_template(out_dir: Path, chat_template: str | None) -> None:
 def _say(enabled: bool, message: str) -> None:
     if enabled:
         print(f"chatserve: {message}", file=sys.stderr, flush=True)
+
+
+# our fused linear layer -> the GGUF tensors whose rows it stacks, in order
+_GGUF_LINEARS = {
+    "self_attn.qkv_proj": ("attn_q", "attn_k", "attn_v"),
+    "self_attn.o_proj": ("attn_output",),
+    "mlp.gate_up_proj": ("ffn_gate", "ffn_up"),
+    "mlp.down_proj": ("ffn_down",),
+}
+
+
+class GgufBlocks:
+    """The raw Q4_K blocks of a converted model's GGUF file, by our layer name, so that
+    --quantization int4 keeps the file's own 4-bit weights instead of re-quantizing the float
+    copy (quant/q4k.py). Only layers whose every part is Q4_K in the file qualify."""
+
+    def __init__(self, gguf_path: Path):
+        self.path = gguf_path
+        _, infos = read_tensor_table(gguf_path)
+        self.infos = {info.name: info for info in infos}
+
+    @classmethod
+    def for_model(cls, model_dir: Path) -> GgufBlocks | None:
+        """The model directory's GGUF (named in chatserve.json by the catalog's conversion), or None."""
+        meta_path = Path(model_dir) / "chatserve.json"
+        if not meta_path.exists():
+            return None
+        name = json.loads(meta_path.read_text()).get("gguf_file")
+        path = Path(model_dir) / name if name else None
+        return cls(path) if path is not None and path.exists() else None
+
+    def q4k_rows(self, layer_name: str) -> np.ndarray | None:
+        """[out_features, in_features / 256 * 144] uint8 for layers.{i}.<linear>, or None when
+        the layer is not (entirely) Q4_K in the file."""
+        parts = layer_name.split(".")
+        if len(parts) != 4 or parts[0] != "layers":
+            return None
+        kinds = _GGUF_LINEARS.get(".".join(parts[2:]))
+        if kinds is None:
+            return None
+        infos = [self.infos.get(f"blk.{parts[1]}.{kind}.weight") for kind in kinds]
+        if any(info is None or info.ggml_type != gguf.GGMLQuantizationType.Q4_K for info in infos):
+            return None
+        rows = []
+        for info in infos:
+            raw = np.fromfile(self.path, dtype=np.uint8, count=info.num_bytes, offset=info.start)
+            rows.append(raw.reshape(info.shape[0], -1))
+        return np.concatenate(rows) if len(rows) > 1 else rows[0]

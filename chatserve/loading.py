@@ -86,10 +86,13 @@ def _load(model_dir: Path, model_cfg, dtype: torch.dtype, max_model_len: int, co
     """The model, quantized layer by layer as it is read (int4 / int8: peak memory is the
     quantized model plus one float layer). `head_transform` (a draft's subset head) applies to
     the LM head before it is quantized."""
+    from chatserve.gguf_convert import GgufBlocks
     from quant.apply import NATIVE_SCHEMES, prepare, quantize_module
 
     scheme = config.quantization
     head_transform = head_transform or (lambda head: head)
+
+    blocks = GgufBlocks.for_model(model_dir) if scheme == "int4" else None  # the file's own 4-bit weights
 
     def transform(name: str, module):
         if name == "lm_head":
@@ -97,7 +100,10 @@ def _load(model_dir: Path, model_cfg, dtype: torch.dtype, max_model_len: int, co
             if isinstance(module, SubsetHead):
                 module.linear = transform("lm_head.linear", module.linear)
                 return module
-        return quantize_module(module, scheme, is_head=name.startswith("lm_head")) if scheme in NATIVE_SCHEMES else module
+        if scheme not in NATIVE_SCHEMES:
+            return module
+        rows = blocks.q4k_rows(name) if blocks is not None else None
+        return quantize_module(module, scheme, is_head=name.startswith("lm_head"), q4k_rows=rows)
 
     if scheme in NATIVE_SCHEMES:
         prepare(scheme)

@@ -6,6 +6,9 @@ torch::Tensor q4_matmul(torch::Tensor xq, torch::Tensor xd, torch::Tensor xs, to
 torch::Tensor q8_matmul(torch::Tensor xq, torch::Tensor xd, torch::Tensor qweight, torch::Tensor scales);
 torch::Tensor q4_dequantize(torch::Tensor codes, torch::Tensor params, torch::Tensor w);
 int64_t parallel_threads(int64_t items);
+std::vector<torch::Tensor> quantize_rows_k(torch::Tensor x);
+torch::Tensor q4k_matmul(torch::Tensor xq, torch::Tensor xd, torch::Tensor bsums, torch::Tensor codes,
+                         torch::Tensor subs, torch::Tensor dd);
 torch::Tensor f32_matmul(torch::Tensor x, torch::Tensor w);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps, c10::optional<torch::Tensor> residual);
 torch::Tensor silu_mul(torch::Tensor gate_up);
@@ -20,6 +23,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4_dequantize", &q4_dequantize, "int4 (groups of 32) weight -> float32");
   m.def("q4_matmul", &q4_matmul, "int4 (groups of 32) weight x int8 activation matmul");
   m.def("f32_matmul", &f32_matmul, "float32 matmul for few rows, each row independent of the row count");
+  m.def("quantize_rows_k", &quantize_rows_k, "per-row, per-256 int8 quantization of activations (Q8_K)");
+  m.def("q4k_matmul", &q4k_matmul, "Q4_K weight x Q8_K activation matmul");
   m.def("q8_matmul", &q8_matmul, "int8 (per output row) weight x int8 activation matmul");
   m.def("rms_norm", &rms_norm, "RMSNorm of float32 rows (optionally adding a residual in place first)",
         pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("eps"), pybind11::arg("residual") = pybind11::none());

@@ -148,3 +148,47 @@ def int4_matmul_ref(x: torch.Tensor, codes: torch.Tensor, params: torch.Tensor) 
     d, mins = params[:, 0].double(), params[:, 1].double()  # [N, G]
     y = (dots * d[None] * xd.double()[:, None, :]).sum(-1) + (mins[None] * xs.double()[:, None, :]).sum(-1)
     return y.float()
+
+
+SUPER = 256  # a Q4_K superblock: 8 sub-blocks of 32
+
+
+def q4k_matmul(x: torch.Tensor,  # [M, K] float32, K % 256 == 0
+               codes: torch.Tensor,  # [N, K/2] uint8
+               subs: torch.Tensor,  # [N, K/256, 16] uint8: 8 scales, 8 mins
+               dd: torch.Tensor,  # [N, K/256, 2] float32: d, dmin
+               ) -> torch.Tensor:  # [M, N] float32
+    """x @ W.T for a Q4_K weight (quant/q4k.py) through the C++ kernel: activations quantized per
+    row and superblock of 256 (llama.cpp's Q8_K), integer sums across each superblock."""
+    ext = _extension()
+    assert ext is not None, "q4k_matmul: the CPU kernel is not available (check is_available())"
+    assert x.dim() == 2 and x.dtype == torch.float32 and x.shape[1] % SUPER == 0, (x.shape, x.dtype)
+    assert codes.dtype == torch.uint8 and codes.shape[1] * 2 == x.shape[1], (codes.shape, x.shape)
+    xq, xd, bsums = ext.quantize_rows_k(x.contiguous())
+    return ext.q4k_matmul(xq, xd, bsums, codes, subs, dd)
+
+
+def quantize_rows_k_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] float32 -> (xq [M, K] int8, xd [M, K/256], bsums [M, K/32] int16) as the kernel
+    computes them: xd = max|x| / 127 per superblock, xq = round-half-even(x * (127 / max|x|))."""
+    m, k = x.shape
+    blocks = x.float().view(m, k // SUPER, SUPER)
+    amax = blocks.abs().amax(dim=2)  # [M, K/256]
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    xq = torch.round(blocks * inv[..., None]).to(torch.int8).view(m, k)
+    bsums = xq.view(m, k // GROUP_SIZE, GROUP_SIZE).sum(dim=2, dtype=torch.int32).to(torch.int16)
+    return xq, amax / 127.0, bsums
+
+
+def q4k_matmul_ref(x: torch.Tensor, codes: torch.Tensor, subs: torch.Tensor, dd: torch.Tensor) -> torch.Tensor:
+    """The kernel's maths in plain torch (float64 sums): the same activation quantization and
+    formula; differs from the kernel only by float32 summation order."""
+    from quant.int4 import unpack_codes
+
+    xq, xd, _ = quantize_rows_k_ref(x)
+    m, k = xq.shape
+    n, s = codes.shape[0], k // SUPER
+    w = unpack_codes(codes).double().view(n, s, 8, GROUP_SIZE)  # [N, S, 8, 32]
+    sc, mn = subs[..., :8].double(), subs[..., 8:].double()  # [N, S, 8]
+    w = w * sc[..., None] * dd[..., 0, None, None].double() - (mn * dd[..., 1, None].double())[..., None]
+    return ((xq.double() * xd.double().repeat_interleave(SUPER, dim=1)) @ w.view(n, k).t()).float()

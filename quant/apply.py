@@ -1,9 +1,10 @@
 """quantize_weights(model, scheme): swap a loaded model's nn.Linear layers in place.
 
 Runs after loading, so models/ never mentions quantization. Schemes:
-- "int4": weight-only 4-bit in groups of 32 (quant/int4.py, kernels/quant_matmul.py): 0.625
-  bytes per weight read per decode step. Every linear layer, the LM head included (a tied head
-  gets its own 4-bit copy), and the embedding table as int8 rows.
+- "int4": weight-only 4-bit. Linear layers whose in_features is a multiple of 256 in GGUF's Q4_K
+  layout (quant/q4k.py: 4.75 bits per weight; the file's own Q4_K blocks when the layer is Q4_K
+  there), others in groups of 32 (quant/int4.py: 5 bits); the LM head and the embedding table as
+  int8 rows.
 - "int8": weight-only int8 per output channel, bf16 maths (quant/int8.py): the fast CPU path,
   ~2.5x fewer bytes per decode step than bf16. Includes the LM head (a fifth to a quarter of a
   small model's weights), which gets its own int8 copy when it is tied to the embedding.
@@ -13,13 +14,20 @@ Runs after loading, so models/ never mentions quantization. Schemes:
 
 from __future__ import annotations
 
+import os
+
+import torch
 from torch import nn
 
 from quant.int4 import Int4Linear
 from quant.int8 import Int8Embedding, Int8Linear
+from quant.q4k import SUPER, Q4KLinear
 
 WEIGHT_QUANT_SCHEMES = ("int4", "int8", "bnb-int8", "bnb-nf4")
-NATIVE_SCHEMES = ("int4", "int8")  # the ones quantize_module does layer by layer (streamed while loading)
+NATIVE_SCHEMES = ("int4", "int8")
+# CHATSERVE_Q4K=0 puts every int4 layer in groups of 32 (quant/int4.py), the layout before Q4_K:
+# for side-by-side benchmarks in one run.
+USE_Q4K = os.environ.get("CHATSERVE_Q4K", "1") != "0"  # the ones quantize_module does layer by layer (streamed while loading)
 
 
 def quantize_weights(model: nn.Module, scheme: str) -> nn.Module:
@@ -47,11 +55,12 @@ def prepare(scheme: str) -> None:
         quant_matmul.is_available()
 
 
-def quantize_module(module: nn.Module, scheme: str, is_head: bool = False) -> nn.Module:
+def quantize_module(module: nn.Module, scheme: str, is_head: bool = False, q4k_rows=None) -> nn.Module:
     """The quantized twin of one layer, or the layer itself when the scheme leaves it alone.
 
-    int4: linear layers whose in_features is a multiple of 64 (the kernel's pairs of groups;
-    others get int8), and the embedding table as int8 rows (its lookups read a few rows, but
+    int4: linear layers whose in_features is a multiple of 256 as Q4_K (from `q4k_rows`, the
+    GGUF file's blocks for this layer, when given and equal to the float weight read), other
+    multiples of 64 in groups of 32 (the int4 kernel's pairs of groups), the rest as int8; and the embedding table as int8 rows (its lookups read a few rows, but
     it is the largest tensor of a small model: 151,936 x 1,536 for Qwen2.5-1.5B). The LM head
     (`is_head`) gets int8 rows without a dense copy: at 4 bits it alone cost SmolLM2 +6.8%
     perplexity, at 8 bits +0.4% (benchmarks/weight_quality.py), as llama.cpp keeps its output
@@ -59,6 +68,12 @@ def quantize_module(module: nn.Module, scheme: str, is_head: bool = False) -> nn
     if isinstance(module, nn.Linear):
         if scheme == "int4" and is_head:
             return Int8Linear.from_linear(module, keep_dense=False)
+        if scheme == "int4" and USE_Q4K and module.in_features % SUPER == 0:
+            if q4k_rows is not None:
+                layer = Q4KLinear.from_blocks(q4k_rows, module.bias)
+                if layer.out_features == module.out_features and torch.equal(layer.weight(), module.weight.float()):
+                    return layer
+            return Q4KLinear.from_linear(module)
         if scheme == "int4" and module.in_features % 64 == 0:
             return Int4Linear.from_linear(module)
         return Int8Linear.from_linear(module)

@@ -33,14 +33,15 @@ def make_tokenizer(path: Path):
     return fast
 
 
-def make_tiny_model(path: Path, arch: str, seed: int, num_layers: int = 2) -> Path:
+def make_tiny_model(path: Path, arch: str, seed: int, num_layers: int = 2, hidden_size: int = 64,
+                    intermediate_size: int = 128) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     tok = make_tokenizer(path)
     common = dict(
         vocab_size=272,
-        hidden_size=64,
-        intermediate_size=128,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
         num_hidden_layers=num_layers,
         num_attention_heads=4,
         num_key_value_heads=2,

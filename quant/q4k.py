@@ -1,0 +1,134 @@
+"""Weight-only 4-bit in GGUF's Q4_K layout: the catalog's Q4_K_M files load into it block for block.
+
+A superblock of 256 weights has a float d and dmin and 8 sub-blocks of 32, each with an integer
+scale sc_j and min m_j:
+
+    w = d * sc_j * code - dmin * m_j,   code in 0..15
+
+Because the sub-block scales are integers, the kernel (kernels/q4k_matmul_cpu.cpp) sums a whole
+superblock in int32 and pays one float multiply-add per 256 weights; quant/int4.py's groups of 32
+with float16 d and m pay one per 32, and that float chain bounded its kernel on AVX2. Bytes per
+weight: 4.5 in the file, 4.75 here (sc, m as bytes and d, dmin as float32), against 5 for int4.
+
+Layout (K % 256 == 0): codes [N, K/2] uint8, as GGUF's `qs` and quant/int4.py's codes (bytes
+[32p, 32p + 32) of a superblock hold sub-block 2p in the low nibbles, 2p + 1 in the high ones);
+subs [N, K/256, 16] uint8 (8 scales, then 8 mins); dd [N, K/256, 2] float32 (d, dmin).
+
+A GGUF Q4_K tensor keeps its codes, its 6-bit scales and mins and its d, dmin exactly (no float
+round trip). Other tensors (the file's Q6_K ones, safetensors checkpoints) are quantized from
+float with 8-bit sub-block scales (quantize_q4k).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels import quant_matmul as kernel
+from quant.int4 import pack_codes, unpack_codes
+
+SUPER = 256
+SUB = 32
+BLOCK_BYTES = 144  # GGUF block_q4_K: d, dmin (float16), scales[12] (6-bit packed), qs[128]
+ROW_CHUNK = 4096
+
+
+def blocks_to_layout(raw: np.ndarray | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GGUF Q4_K blocks [N, K/256 * 144] uint8 -> (codes [N, K/2], subs [N, K/256, 16], dd [N, K/256, 2])."""
+    raw = torch.as_tensor(np.ascontiguousarray(raw)) if isinstance(raw, np.ndarray) else raw.contiguous()
+    n = raw.shape[0]
+    blocks = raw.view(n, -1, BLOCK_BYTES)  # [N, S, 144]
+    s = blocks.shape[1]
+    dd = blocks[..., :4].contiguous().view(torch.float16).view(n, s, 2).float()
+    q = blocks[..., 4:16].to(torch.int32)  # [N, S, 12]: ggml's get_scale_min_k4
+    sc = torch.empty(n, s, 8, dtype=torch.int32)
+    mn = torch.empty(n, s, 8, dtype=torch.int32)
+    sc[..., :4], mn[..., :4] = q[..., 0:4] & 63, q[..., 4:8] & 63
+    sc[..., 4:] = (q[..., 8:12] & 0xF) | ((q[..., 0:4] >> 6) << 4)
+    mn[..., 4:] = (q[..., 8:12] >> 4) | ((q[..., 4:8] >> 6) << 4)
+    subs = torch.cat((sc, mn), dim=2).to(torch.uint8)
+    codes = blocks[..., 16:].reshape(n, s * 128)
+    return codes.contiguous(), subs.contiguous(), dd.contiguous()
+
+
+def quantize_q4k(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """weight [N, K] float -> (codes, subs, dd) with 8-bit sub-block scales and mins.
+
+    Per sub-block the range [min(w, 0), max(w)] maps onto codes 0..15 (as Q4_K: the min is an
+    offset below zero); the 8 scales and mins of a superblock are then rounded to multiples of
+    d = max(scale) / 255 and dmin = max(min) / 255, and the codes are taken against the rounded
+    values."""
+    n, k = weight.shape
+    assert k % SUPER == 0, f"in_features {k} is not a multiple of {SUPER}"
+    s = k // SUPER
+    codes = torch.empty(n, k // 2, dtype=torch.uint8)
+    subs = torch.empty(n, s, 16, dtype=torch.uint8)
+    dd = torch.empty(n, s, 2)
+    for start in range(0, n, ROW_CHUNK):
+        w = weight[start : start + ROW_CHUNK].float().view(-1, s, 8, SUB)
+        lo = w.amin(dim=3).clamp(max=0)  # [rows, S, 8]
+        scale = (w.amax(dim=3) - lo) / 15
+        d = scale.amax(dim=2) / 255  # [rows, S]
+        dmin = (-lo).amax(dim=2) / 255
+        sc = torch.round(scale / torch.where(d > 0, d, 1)[..., None]).clamp_(0, 255)
+        mn = torch.round(-lo / torch.where(dmin > 0, dmin, 1)[..., None]).clamp_(0, 255)
+        step = sc * d[..., None]  # the scale each sub-block ends up with
+        offset = mn * dmin[..., None]
+        q = torch.round((w + offset[..., None]) / torch.where(step > 0, step, 1)[..., None]).clamp_(0, 15)
+        codes[start : start + ROW_CHUNK] = pack_codes(q.to(torch.uint8).view(-1, k))
+        subs[start : start + ROW_CHUNK] = torch.cat((sc, mn), dim=2).to(torch.uint8)
+        dd[start : start + ROW_CHUNK] = torch.stack((d, dmin), dim=2)
+    return codes, subs, dd
+
+
+def dequantize_q4k(codes: torch.Tensor, subs: torch.Tensor, dd: torch.Tensor,
+                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The weight [N, K] the layout stands for."""
+    n, s = subs.shape[:2]
+    w = unpack_codes(codes).view(n, s, 8, SUB).float()
+    sc, mn = subs[..., :8].float(), subs[..., 8:].float()
+    w = w * (sc * dd[..., 0, None])[..., None] - (mn * dd[..., 1, None])[..., None]
+    return w.view(n, s * SUPER).to(dtype)
+
+
+class Q4KLinear(nn.Module):
+    """Drop-in for nn.Linear (no training): y = x @ W.T + bias, W in Q4_K superblocks.
+
+    Every row count goes through the kernel (decode, verification and prefill chunks alike), so
+    a row's numbers never depend on the rows beside it. Takes and returns the activations' dtype."""
+
+    def __init__(self, codes: torch.Tensor, subs: torch.Tensor, dd: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.out_features, self.in_features = codes.shape[0], codes.shape[1] * 2
+        self.register_buffer("codes", codes.contiguous())
+        self.register_buffer("subs", subs.contiguous())
+        self.register_buffer("dd", dd.float().contiguous())
+        self.register_buffer("bias", None if bias is None else bias.detach().float())
+
+    @classmethod
+    def from_linear(cls, linear: nn.Module) -> "Q4KLinear":
+        return cls(*quantize_q4k(linear.weight.data), linear.bias)
+
+    @classmethod
+    def from_blocks(cls, raw, bias: torch.Tensor | None) -> "Q4KLinear":
+        """From a GGUF Q4_K tensor's bytes [N, K/256 * 144]."""
+        return cls(*blocks_to_layout(raw), bias)
+
+    def weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize_q4k(self.codes, self.subs, self.dd, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if kernel.is_available():
+            y = kernel.q4k_matmul(rows.float(), self.codes, self.subs, self.dd)
+            if self.bias is not None:
+                y += self.bias
+            y = y.to(x.dtype)
+        else:
+            y = F.linear(rows, self.weight(rows.dtype), None if self.bias is None else self.bias.to(rows.dtype))
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, Q4_K"

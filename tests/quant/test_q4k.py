@@ -1,0 +1,138 @@
+"""Weight-only 4-bit in GGUF's Q4_K layout (quant/q4k.py, kernels/q4k_matmul_cpu.cpp): the file's
+blocks decode to what gguf's own reference decodes, the kernel against its plain-torch reference,
+rows that do not depend on the row count, the loader taking a GGUF file's Q4_K blocks for the
+layers that are Q4_K there, and greedy speculation equal to plain decoding on Q4_K weights."""
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from chatserve.config import EngineConfig, SpecConfig
+from chatserve.engine import Engine
+from chatserve.gguf_convert import GgufBlocks
+from chatserve.sampling_params import SamplingParams
+from kernels import quant_matmul as kernel
+from quant.apply import quantize_module
+from quant.int4 import Int4Linear, dequantize_int4, make_params, pack_codes, quantize_int4
+from quant.q4k import BLOCK_BYTES, Q4KLinear, blocks_to_layout, dequantize_q4k, quantize_q4k
+from tests.tiny_models import make_tiny_model
+
+
+def random_blocks(n: int, k: int, seed: int = 0) -> np.ndarray:
+    """GGUF Q4_K blocks [n, k/256 * 144] with random codes, 6-bit scales and mins, and small d, dmin."""
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(n, k // 256, BLOCK_BYTES), dtype=np.uint8)
+    dd = (rng.random((n, k // 256, 2)) * 0.01).astype(np.float16)
+    blocks[..., :4] = dd.view(np.uint8).reshape(n, k // 256, 4)
+    return blocks.reshape(n, -1)
+
+
+def test_gguf_blocks_decode_as_ggufs_reference():
+    raw = random_blocks(8, 512)
+    reference = gguf.dequantize(raw, gguf.GGMLQuantizationType.Q4_K)  # [8, 512] float32
+    codes, subs, dd = blocks_to_layout(raw)
+    assert torch.equal(dequantize_q4k(codes, subs, dd), torch.from_numpy(reference))
+
+
+def test_quantize_from_float_is_as_close_as_groups_of_32(generator):
+    """8-bit sub-block scales lose next to nothing against int4's float16 scale per group of 32."""
+    w = torch.randn(64, 512, generator=generator)
+    err = (dequantize_q4k(*quantize_q4k(w)) - w).norm() / w.norm()
+    codes, d, m = quantize_int4(w)
+    err_g32 = (dequantize_int4(pack_codes(codes), make_params(d, m)) - w).norm() / w.norm()
+    assert err < 1.01 * err_g32
+
+
+def test_activation_quantization_matches_reference(generator):
+    ext = kernel.cpu_ext.extension()
+    x = torch.randn(5, 768, generator=generator) * torch.rand(5, 1, generator=generator)
+    x[2, :256] = 0  # an all-zero superblock
+    for got, want in zip(ext.quantize_rows_k(x), kernel.quantize_rows_k_ref(x)):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("k", [256, 1536])
+def test_kernel_matches_reference_and_rows_are_independent(k, generator):
+    codes, subs, dd = blocks_to_layout(random_blocks(37, k))
+    x = torch.randn(9, k, generator=generator)
+    y = kernel.q4k_matmul(x, codes, subs, dd)
+    ref = kernel.q4k_matmul_ref(x, codes, subs, dd)
+    assert (y - ref).abs().max() <= 1e-5 * ref.abs().max()
+    for rows in (1, 2, 3, 4, 5):  # every tile shape: each row equals that row computed alone
+        assert torch.equal(kernel.q4k_matmul(x[:rows], codes, subs, dd), y[:rows])
+    assert torch.equal(kernel.q4k_matmul(x[4:5], codes, subs, dd), y[4:5])
+
+
+def test_layer_paths_agree(generator, monkeypatch):
+    linear = nn.Linear(512, 48, bias=True)
+    layer = Q4KLinear.from_linear(linear)
+    x = torch.randn(3, 512, generator=generator)
+    fast = layer(x)
+    monkeypatch.setattr(kernel, "is_available", lambda: False)
+    slow = layer(x)  # the dequantized weight through F.linear: no activation quantization
+    assert (fast - slow).norm() / slow.norm() < 0.02
+    assert (slow - (x @ layer.weight().t() + linear.bias)).abs().max() < 1e-4
+
+
+def test_quantize_module_takes_the_files_blocks_only_when_they_are_the_weight():
+    raw = random_blocks(16, 512, seed=3)
+    weight = torch.from_numpy(gguf.dequantize(raw, gguf.GGMLQuantizationType.Q4_K))
+    linear = nn.Linear(512, 16, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(weight)
+    taken = quantize_module(linear, "int4", q4k_rows=raw)
+    assert isinstance(taken, Q4KLinear) and torch.equal(taken.weight(), weight)
+    assert torch.equal(taken.subs, blocks_to_layout(raw)[1])  # the file's 6-bit scales, not re-quantized
+    other = random_blocks(16, 512, seed=4)  # e.g. rows permuted: not this weight
+    refused = quantize_module(linear, "int4", q4k_rows=other)
+    assert isinstance(refused, Q4KLinear) and refused.subs.max() > 63  # quantized from float (8-bit scales)
+    assert isinstance(quantize_module(nn.Linear(192, 16), "int4"), Int4Linear)  # not a multiple of 256
+
+
+def test_gguf_blocks_by_layer(tmp_path):
+    writer = gguf.GGUFWriter(tmp_path / "m.gguf", "qwen2")
+    q, k, v = random_blocks(32, 256, 1), random_blocks(16, 256, 2), random_blocks(16, 256, 3)
+    for name, raw in (("attn_q", q), ("attn_k", k), ("attn_v", v), ("ffn_gate", q), ("ffn_up", q)):
+        writer.add_tensor(f"blk.0.{name}.weight", raw, raw_shape=raw.shape, raw_dtype=gguf.GGMLQuantizationType.Q4_K)
+    writer.add_tensor("blk.1.attn_q.weight", q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q4_K)
+    writer.add_tensor("blk.1.attn_k.weight", k, raw_shape=k.shape, raw_dtype=gguf.GGMLQuantizationType.Q4_K)
+    writer.add_tensor("blk.1.attn_v.weight", np.zeros((16, 256), np.float32))  # not Q4_K
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    blocks = GgufBlocks(tmp_path / "m.gguf")
+    assert np.array_equal(blocks.q4k_rows("layers.0.self_attn.qkv_proj"), np.concatenate([q, k, v]))
+    assert np.array_equal(blocks.q4k_rows("layers.0.mlp.gate_up_proj"), np.concatenate([q, q]))
+    assert blocks.q4k_rows("layers.1.self_attn.qkv_proj") is None  # its v is not Q4_K
+    assert blocks.q4k_rows("layers.0.mlp.down_proj") is None  # not in the file
+    assert blocks.q4k_rows("lm_head") is None
+
+
+@pytest.fixture(scope="module")
+def tiny_q4k_dir(tmp_path_factory):
+    """in_features 256 and 512: every layer of the tiny model takes the Q4_K kernel."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_q4k"), "qwen2", seed=5, hidden_size=256, intermediate_size=512)
+
+
+@pytest.mark.parametrize("method", ["ngram", "self-draft"])
+def test_greedy_speculation_equals_plain_on_q4k(tiny_q4k_dir, method):
+    fast = dict(dtype="float32", quantization="int4", kv_cache_memory=8 << 20)
+    plain = Engine(EngineConfig(model=str(tiny_q4k_dir), **fast))
+    assert sum(isinstance(m, Q4KLinear) for m in plain.models.target.modules()) == 2 * 4
+    if method == "ngram":
+        spec = SpecConfig(method="ngram", num_draft_tokens=4, adaptive=False)
+    else:
+        spec = SpecConfig(method="draft", draft_model=str(tiny_q4k_dir), num_draft_tokens=4, adaptive=False)
+    engine = Engine(EngineConfig(model=str(tiny_q4k_dir), spec=spec, **fast))
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    prompts = [plain.tokenizer.encode(p) for p in ("Hello there", "def add(a, b):", "abcabcabcabc " * 20)]
+    expected = [plain.generate([p], params)[0]["token_ids"] for p in prompts]
+    got = [engine.generate([p], params)[0] for p in prompts]
+    assert [g["token_ids"] for g in got] == expected
+    assert sum(g["stats"].num_drafted for g in got) > 0
+    if method == "self-draft":
+        assert all(g["stats"].num_accepted == g["stats"].num_drafted for g in got)
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
