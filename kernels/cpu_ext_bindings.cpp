@@ -9,6 +9,8 @@ int64_t parallel_threads(int64_t items);
 std::vector<torch::Tensor> quantize_rows_k(torch::Tensor x);
 torch::Tensor q4k_matmul(torch::Tensor xq, torch::Tensor xd, torch::Tensor bsums, torch::Tensor codes,
                          torch::Tensor subs, torch::Tensor dd);
+torch::Tensor q4k_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor subs, torch::Tensor dd,
+                         c10::optional<torch::Tensor> bias);
 torch::Tensor f32_matmul(torch::Tensor x, torch::Tensor w);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps, c10::optional<torch::Tensor> residual);
 torch::Tensor silu_mul(torch::Tensor gate_up);
@@ -25,6 +27,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("f32_matmul", &f32_matmul, "float32 matmul for few rows, each row independent of the row count");
   m.def("quantize_rows_k", &quantize_rows_k, "per-row, per-256 int8 quantization of activations (Q8_K)");
   m.def("q4k_matmul", &q4k_matmul, "Q4_K weight x Q8_K activation matmul");
+  m.def("q4k_linear", &q4k_linear, "Q4_K linear layer: quantize, multiply, add the bias, in one call",
+        pybind11::arg("x"), pybind11::arg("codes"), pybind11::arg("subs"), pybind11::arg("dd"),
+        pybind11::arg("bias") = pybind11::none());
   m.def("q8_matmul", &q8_matmul, "int8 (per output row) weight x int8 activation matmul");
   m.def("rms_norm", &rms_norm, "RMSNorm of float32 rows (optionally adding a residual in place first)",
         pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("eps"), pybind11::arg("residual") = pybind11::none());

@@ -46,7 +46,7 @@ struct ScaleShuffles {
 // several weight rows as well, 2 or 4, measured slower at every row count: benchmarks/q4k_kernels.py.)
 template <int R>
 inline void tile(const uint8_t* codes, const uint8_t* subs, const float* dd, const int8_t* xq, const float* xd,
-                 const int16_t* bsums, float* y, int64_t K, int64_t N, int64_t r0, int64_t n,
+                 const int16_t* bsums, const float* bias, float* y, int64_t K, int64_t N, int64_t r0, int64_t n,
                  const ScaleShuffles& shuf) {
   const int64_t S = K / kSuper;
   const __m256i low4 = _mm256_set1_epi8(0x0F);
@@ -87,14 +87,79 @@ inline void tile(const uint8_t* codes, const uint8_t* subs, const float* dd, con
       mins[r] += dn[1] * x_d * static_cast<float>(hsum_epi32(_mm_madd_epi16(mvec, bs)));
     }
   }
-  for (int r = 0; r < R; ++r) y[(r0 + r) * N + n] = hsum(acc[r]) - mins[r];
+  const float b = bias != nullptr ? bias[n] : 0.f;
+  for (int r = 0; r < R; ++r) y[(r0 + r) * N + n] = hsum(acc[r]) - mins[r] + b;
 }
 
 template <int R>
 inline void tiles(const uint8_t* codes, const uint8_t* subs, const float* dd, const int8_t* xq, const float* xd,
-                  const int16_t* bsums, float* y, int64_t K, int64_t N, int64_t r0, int64_t n0, int64_t n1,
-                  const ScaleShuffles& shuf) {
-  for (int64_t n = n0; n < n1; ++n) tile<R>(codes, subs, dd, xq, xd, bsums, y, K, N, r0, n, shuf);
+                  const int16_t* bsums, const float* bias, float* y, int64_t K, int64_t N, int64_t r0, int64_t n0,
+                  int64_t n1, const ScaleShuffles& shuf) {
+  for (int64_t n = n0; n < n1; ++n) tile<R>(codes, subs, dd, xq, xd, bsums, bias, y, K, N, r0, n, shuf);
+}
+
+// Rows [0, M) of x [M, K] -> xq, xd, bsums (see quantize_rows_k), one superblock per item.
+void quantize_k(const float* src, int64_t M, int64_t K, int8_t* q, float* d, int16_t* bs) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  auto one = [&](int64_t i) {
+    const float* v = src + i * kSuper;
+    __m256 amax = _mm256_setzero_ps();
+    for (int j = 0; j < kSuper; j += 8) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, _mm256_loadu_ps(v + j)));
+    const float top = chatserve::hmax(amax);
+    const __m256 inv = _mm256_set1_ps(top > 0.f ? 127.f / top : 0.f);
+    d[i] = top / 127.f;
+    for (int g = 0; g < kSuper / kSub; ++g) {  // 32 values: 4 x 8 int32 -> 32 int8
+      __m256i part[4];
+      for (int t = 0; t < 4; ++t) part[t] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + g * kSub + 8 * t), inv));
+      const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(part[0], part[1]), _mm256_add_epi32(part[2], part[3]));
+      bs[i * 8 + g] = static_cast<int16_t>(hsum_epi32(_mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1))));
+      // packs work within 128-bit lanes: the permute puts the 32 bytes back in order
+      const __m256i w16a = _mm256_packs_epi32(part[0], part[1]), w16b = _mm256_packs_epi32(part[2], part[3]);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i * kSuper + g * kSub),
+                          _mm256_permutevar8x32_epi32(_mm256_packs_epi16(w16a, w16b), order));
+    }
+  };
+  const int64_t items = M * (K / kSuper);
+  if (items <= 64) {  // a decode step's rows: an OpenMP region would cost more than the work
+    for (int64_t i = 0; i < items; ++i) one(i);
+  } else {
+    at::parallel_for(0, items, 64, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) one(i);
+    });
+  }
+}
+
+// y [M, N] = the quantized rows times the Q4_K weight (+ bias). Output features are split over
+// threads; each thread walks its rows of W in chunks that stay in L2 (~128 KiB of codes) and
+// runs every activation row over a chunk before the next: W is read from memory once per call
+// whatever M is.
+void q4k_run(const int8_t* q, const float* d, const int16_t* bs, const uint8_t* c, const uint8_t* sb,
+             const float* dn, const float* bias, float* out, int64_t M, int64_t K, int64_t N) {
+  const ScaleShuffles shuf;
+  const int64_t chunk = std::max<int64_t>(16, (128 * 1024) / (K / 2));
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t nb = n0; nb < n1; nb += chunk) {
+      const int64_t ne = std::min(nb + chunk, n1);
+      int64_t r = 0;
+      for (; r + 4 <= M; r += 4) tiles<4>(c, sb, dn, q, d, bs, bias, out, K, N, r, nb, ne, shuf);
+      switch (M - r) {
+        case 3: tiles<3>(c, sb, dn, q, d, bs, bias, out, K, N, r, nb, ne, shuf); break;
+        case 2: tiles<2>(c, sb, dn, q, d, bs, bias, out, K, N, r, nb, ne, shuf); break;
+        case 1: tiles<1>(c, sb, dn, q, d, bs, bias, out, K, N, r, nb, ne, shuf); break;
+        default: break;
+      }
+    }
+  });
+}
+
+void check_weight(const torch::Tensor& codes, const torch::Tensor& subs, const torch::Tensor& dd, int64_t K) {
+  TORCH_CHECK(codes.scalar_type() == torch::kUInt8 && subs.scalar_type() == torch::kUInt8 &&
+              dd.scalar_type() == torch::kFloat32);
+  TORCH_CHECK(codes.is_contiguous() && subs.is_contiguous() && dd.is_contiguous());
+  const int64_t N = codes.size(0), S = K / kSuper;
+  TORCH_CHECK(K % kSuper == 0 && codes.size(1) * 2 == K && subs.numel() == N * S * 16 && dd.numel() == N * S * 2,
+              "Q4_K weight and activations do not match");
 }
 
 }  // namespace
@@ -103,36 +168,12 @@ inline void tiles(const uint8_t* codes, const uint8_t* subs, const float* dd, co
 // superblock of 256: xd = max|x| / 127, xq = round-half-even(x / xd) (llama.cpp's Q8_K).
 std::vector<torch::Tensor> quantize_rows_k(torch::Tensor x) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous());
-  const int64_t M = x.size(0), K = x.size(1), S = K / kSuper;
+  const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(K % kSuper == 0, "in_features must be a multiple of 256");
   auto xq = torch::empty({M, K}, x.options().dtype(torch::kInt8));
-  auto xd = torch::empty({M, S}, x.options());
+  auto xd = torch::empty({M, K / kSuper}, x.options());
   auto bsums = torch::empty({M, K / kSub}, x.options().dtype(torch::kInt16));
-  const float* src = x.data_ptr<float>();
-  int8_t* q = xq.data_ptr<int8_t>();
-  float* d = xd.data_ptr<float>();
-  int16_t* bs = bsums.data_ptr<int16_t>();
-  const __m256 sign = _mm256_set1_ps(-0.f);
-  at::parallel_for(0, M * S, 64, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const float* v = src + i * kSuper;
-      __m256 amax = _mm256_setzero_ps();
-      for (int j = 0; j < kSuper; j += 8) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, _mm256_loadu_ps(v + j)));
-      const float top = chatserve::hmax(amax);
-      const __m256 inv = _mm256_set1_ps(top > 0.f ? 127.f / top : 0.f);
-      d[i] = top / 127.f;
-      for (int g = 0; g < kSuper / kSub; ++g) {  // 32 values: 4 x 8 int32 -> 32 int8
-        __m256i part[4];
-        for (int t = 0; t < 4; ++t) part[t] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + g * kSub + 8 * t), inv));
-        const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(part[0], part[1]), _mm256_add_epi32(part[2], part[3]));
-        bs[i * 8 + g] = static_cast<int16_t>(hsum_epi32(_mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1))));
-        // packs work within 128-bit lanes: the permute puts the 32 bytes back in order
-        const __m256i w16a = _mm256_packs_epi32(part[0], part[1]), w16b = _mm256_packs_epi32(part[2], part[3]);
-        const __m256i w8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(w16a, w16b), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i * kSuper + g * kSub), w8);
-      }
-    }
-  });
+  quantize_k(x.data_ptr<float>(), M, K, xq.data_ptr<int8_t>(), xd.data_ptr<float>(), bsums.data_ptr<int16_t>());
   return {xq, xd, bsums};
 }
 
@@ -140,39 +181,37 @@ std::vector<torch::Tensor> quantize_rows_k(torch::Tensor x) {
 torch::Tensor q4k_matmul(torch::Tensor xq, torch::Tensor xd, torch::Tensor bsums, torch::Tensor codes,
                          torch::Tensor subs, torch::Tensor dd) {
   TORCH_CHECK(xq.scalar_type() == torch::kInt8 && xd.scalar_type() == torch::kFloat32 &&
-              bsums.scalar_type() == torch::kInt16);
-  TORCH_CHECK(codes.scalar_type() == torch::kUInt8 && subs.scalar_type() == torch::kUInt8 &&
-              dd.scalar_type() == torch::kFloat32);
-  TORCH_CHECK(xq.is_contiguous() && xd.is_contiguous() && bsums.is_contiguous() && codes.is_contiguous() &&
-              subs.is_contiguous() && dd.is_contiguous());
-  const int64_t M = xq.size(0), K = xq.size(1), N = codes.size(0), S = K / kSuper;
-  TORCH_CHECK(K % kSuper == 0 && codes.size(1) * 2 == K && subs.numel() == N * S * 16 && dd.numel() == N * S * 2 &&
-              xd.numel() == M * S && bsums.numel() == M * (K / kSub));
+              bsums.scalar_type() == torch::kInt16 && xq.is_contiguous() && xd.is_contiguous() && bsums.is_contiguous());
+  const int64_t M = xq.size(0), K = xq.size(1), N = codes.size(0);
+  check_weight(codes, subs, dd, K);
+  TORCH_CHECK(xd.numel() == M * (K / kSuper) && bsums.numel() == M * (K / kSub));
   auto y = torch::empty({M, N}, xd.options());
-  const uint8_t* c = codes.data_ptr<uint8_t>();
-  const uint8_t* sb = subs.data_ptr<uint8_t>();
-  const float* dn = dd.data_ptr<float>();
-  const int8_t* q = xq.data_ptr<int8_t>();
-  const float* d = xd.data_ptr<float>();
-  const int16_t* bs = bsums.data_ptr<int16_t>();
-  float* out = y.data_ptr<float>();
-  const ScaleShuffles shuf;
-  // Output features split over threads; each thread walks its rows of W in chunks that stay in
-  // L2 (~128 KiB of codes) and runs every activation row over a chunk before the next: W is
-  // read from memory once per call whatever M is.
-  const int64_t chunk = std::max<int64_t>(16, (128 * 1024) / (K / 2));
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    for (int64_t nb = n0; nb < n1; nb += chunk) {
-      const int64_t ne = std::min(nb + chunk, n1);
-      int64_t r = 0;
-      for (; r + 4 <= M; r += 4) tiles<4>(c, sb, dn, q, d, bs, out, K, N, r, nb, ne, shuf);
-      switch (M - r) {
-        case 3: tiles<3>(c, sb, dn, q, d, bs, out, K, N, r, nb, ne, shuf); break;
-        case 2: tiles<2>(c, sb, dn, q, d, bs, out, K, N, r, nb, ne, shuf); break;
-        case 1: tiles<1>(c, sb, dn, q, d, bs, out, K, N, r, nb, ne, shuf); break;
-        default: break;
-      }
-    }
-  });
+  q4k_run(xq.data_ptr<int8_t>(), xd.data_ptr<float>(), bsums.data_ptr<int16_t>(), codes.data_ptr<uint8_t>(),
+          subs.data_ptr<uint8_t>(), dd.data_ptr<float>(), nullptr, y.data_ptr<float>(), M, K, N);
+  return y;
+}
+
+// The whole layer in one call: y [M, N] = x [M, K] @ W.T (+ bias), the activations quantized into
+// this thread's scratch (no tensors allocated but y): a decode step makes ~110 of these calls.
+torch::Tensor q4k_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor subs, torch::Tensor dd,
+                         c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous());
+  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
+  check_weight(codes, subs, dd, K);
+  const float* b = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == N);
+    b = bias->data_ptr<float>();
+  }
+  thread_local std::vector<int8_t> q;
+  thread_local std::vector<float> d;
+  thread_local std::vector<int16_t> bs;
+  q.resize(M * K);
+  d.resize(M * (K / kSuper));
+  bs.resize(M * (K / kSub));
+  quantize_k(x.data_ptr<float>(), M, K, q.data(), d.data(), bs.data());
+  auto y = torch::empty({M, N}, x.options());
+  q4k_run(q.data(), d.data(), bs.data(), codes.data_ptr<uint8_t>(), subs.data_ptr<uint8_t>(), dd.data_ptr<float>(),
+          b, y.data_ptr<float>(), M, K, N);
   return y;
 }

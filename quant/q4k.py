@@ -122,10 +122,7 @@ class Q4KLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         if kernel.is_available():
-            y = kernel.q4k_matmul(rows.float(), self.codes, self.subs, self.dd)
-            if self.bias is not None:
-                y += self.bias
-            y = y.to(x.dtype)
+            y = kernel.q4k_linear(rows.float(), self.codes, self.subs, self.dd, self.bias).to(x.dtype)
         else:
             y = F.linear(rows, self.weight(rows.dtype), None if self.bias is None else self.bias.to(rows.dtype))
         return y.view(*x.shape[:-1], self.out_features)

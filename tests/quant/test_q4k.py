@@ -136,3 +136,12 @@ def test_greedy_speculation_equals_plain_on_q4k(tiny_q4k_dir, method):
     if method == "self-draft":
         assert all(g["stats"].num_accepted == g["stats"].num_drafted for g in got)
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_one_call_linear_equals_quantize_then_matmul_plus_bias(generator):
+    codes, subs, dd = blocks_to_layout(random_blocks(40, 512))
+    bias = torch.randn(40, generator=generator)
+    for rows in (1, 6, 70):  # 70 x 2 superblocks: the quantization runs on the thread team
+        x = torch.randn(rows, 512, generator=generator)
+        assert torch.equal(kernel.q4k_linear(x, codes, subs, dd), kernel.q4k_matmul(x, codes, subs, dd))
+        assert torch.equal(kernel.q4k_linear(x, codes, subs, dd, bias), kernel.q4k_matmul(x, codes, subs, dd) + bias)
