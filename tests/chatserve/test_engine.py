@@ -191,3 +191,21 @@ def test_spec_respects_max_tokens_and_stop(tiny_llama_dir):
     a, b = engine.generate([ids], p)[0], plain.generate([ids], p)[0]
     assert a["text"] == b["text"] and a["token_ids"] == b["token_ids"]
     assert_pool_empty(engine)
+
+
+@pytest.mark.parametrize("spec", [None, SpecConfig(method="ngram", num_draft_tokens=3, adaptive=False)],
+                         ids=["plain", "ngram"])
+def test_lm_head_sees_only_the_rows_that_need_logits(tiny_llama_dir, spec):
+    """The last chunk of a prompt needs the logits of its last row only (a decode step: one row
+    plus one per draft). Computing the whole chunk's logits cost seconds of TTFT on a real model."""
+    engine = Engine(EngineConfig(model=str(tiny_llama_dir), max_num_batched_tokens=64, spec=spec))
+    model = engine.models.target_runner.model
+    seen = []
+    original = model.compute_logits
+    model.compute_logits = lambda hidden: (seen.append(hidden.shape[0]), original(hidden))[1]
+    prompt = list(range(10, 110))  # 100 tokens: chunks of 64 and 36
+    out = engine.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0]
+    assert len(out["token_ids"]) == 12
+    rows = [n for n in seen if n]  # (a mid-prompt chunk asks for none)
+    assert rows[0] == 1  # the prompt's last chunk
+    assert max(rows) <= 1 + (spec.num_draft_tokens if spec else 0)
