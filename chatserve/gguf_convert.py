@@ -256,9 +256,12 @@ _GGUF_LINEARS = {
 
 
 class GgufBlocks:
-    """The raw Q4_K blocks of a converted model's GGUF file, by our layer name, so that
-    --quantization int4 keeps the file's own 4-bit weights instead of re-quantizing the float
-    copy (quant/q4k.py). Only layers whose every part is Q4_K in the file qualify."""
+    """The raw 4-bit blocks of a converted model's GGUF file, by our layer name, so that
+    --quantization int4 keeps the file's own weights instead of re-quantizing the float copy:
+    Q4_K layers go to quant/q4k.py, Q4_1 ones to quant/int4.py (the same formula per group of
+    32). Only layers whose every part has the same one of those types qualify."""
+
+    TYPES = {gguf.GGMLQuantizationType.Q4_K: "Q4_K", gguf.GGMLQuantizationType.Q4_1: "Q4_1"}
 
     def __init__(self, gguf_path: Path):
         self.path = gguf_path
@@ -275,9 +278,9 @@ class GgufBlocks:
         path = Path(model_dir) / name if name else None
         return cls(path) if path is not None and path.exists() else None
 
-    def q4k_rows(self, layer_name: str) -> np.ndarray | None:
-        """[out_features, in_features / 256 * 144] uint8 for layers.{i}.<linear>, or None when
-        the layer is not (entirely) Q4_K in the file."""
+    def layer_rows(self, layer_name: str) -> tuple[str, np.ndarray] | None:
+        """("Q4_K" or "Q4_1", blocks [out_features, bytes per row] uint8) for layers.{i}.<linear>,
+        or None when the layer is not entirely one of those types in the file."""
         parts = layer_name.split(".")
         if len(parts) != 4 or parts[0] != "layers":
             return None
@@ -285,10 +288,13 @@ class GgufBlocks:
         if kinds is None:
             return None
         infos = [self.infos.get(f"blk.{parts[1]}.{kind}.weight") for kind in kinds]
-        if any(info is None or info.ggml_type != gguf.GGMLQuantizationType.Q4_K for info in infos):
+        if any(info is None for info in infos) or len({info.ggml_type for info in infos}) != 1:
+            return None
+        kind = self.TYPES.get(infos[0].ggml_type)
+        if kind is None:
             return None
         rows = []
         for info in infos:
             raw = np.fromfile(self.path, dtype=np.uint8, count=info.num_bytes, offset=info.start)
             rows.append(raw.reshape(info.shape[0], -1))
-        return np.concatenate(rows) if len(rows) > 1 else rows[0]
+        return kind, (np.concatenate(rows) if len(rows) > 1 else rows[0])

@@ -102,8 +102,8 @@ def _load(model_dir: Path, model_cfg, dtype: torch.dtype, max_model_len: int, co
                 return module
         if scheme not in NATIVE_SCHEMES:
             return module
-        rows = blocks.q4k_rows(name) if blocks is not None else None
-        return quantize_module(module, scheme, is_head=name.startswith("lm_head"), q4k_rows=rows)
+        rows = blocks.layer_rows(name) if blocks is not None else None
+        return quantize_module(module, scheme, is_head=name.startswith("lm_head"), file_rows=rows)
 
     if scheme in NATIVE_SCHEMES:
         prepare(scheme)

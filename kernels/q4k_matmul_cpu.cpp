@@ -42,8 +42,9 @@ struct ScaleShuffles {
   }
 };
 
-// Output y[r0 .. r0 + R, n]: each unpacked weight vector serves R activation rows. (Tiles of
-// several weight rows as well, 2 or 4, measured slower at every row count: benchmarks/q4k_kernels.py.)
+// Output y[r0 .. r0 + R, n]: each unpacked weight vector serves R activation rows. (Tiles of 2 or 4
+// weight rows as well were slower at every row count measured, 1 to 128: decode is bound by
+// memory, and more streams of W at once only lowered the read rate; docs/benchmarks.md.)
 template <int R>
 inline void tile(const uint8_t* codes, const uint8_t* subs, const float* dd, const int8_t* xq, const float* xd,
                  const int16_t* bsums, const float* bias, float* y, int64_t K, int64_t N, int64_t r0, int64_t n,

@@ -55,12 +55,15 @@ def prepare(scheme: str) -> None:
         quant_matmul.is_available()
 
 
-def quantize_module(module: nn.Module, scheme: str, is_head: bool = False, q4k_rows=None) -> nn.Module:
+def quantize_module(module: nn.Module, scheme: str, is_head: bool = False, file_rows=None) -> nn.Module:
     """The quantized twin of one layer, or the layer itself when the scheme leaves it alone.
 
-    int4: linear layers whose in_features is a multiple of 256 as Q4_K (from `q4k_rows`, the
-    GGUF file's blocks for this layer, when given and equal to the float weight read), other
-    multiples of 64 in groups of 32 (the int4 kernel's pairs of groups), the rest as int8; and the embedding table as int8 rows (its lookups read a few rows, but
+    int4: linear layers whose in_features is a multiple of 256 as Q4_K, other multiples of 64 in
+    groups of 32 (the int4 kernel's pairs of groups), the rest as int8. `file_rows` = (GGUF type,
+    blocks) of this layer from the model's GGUF file: Q4_K blocks become the Q4_K layer, Q4_1
+    blocks the groups of 32, as they are, when they decode to the float weight read (a row
+    order the converter changed, as llama's q and k, does not); else the float weight is
+    quantized. and the embedding table as int8 rows (its lookups read a few rows, but
     it is the largest tensor of a small model: 151,936 x 1,536 for Qwen2.5-1.5B). The LM head
     (`is_head`) gets int8 rows without a dense copy: at 4 bits it alone cost SmolLM2 +6.8%
     perplexity, at 8 bits +0.4% (benchmarks/weight_quality.py), as llama.cpp keeps its output
@@ -68,11 +71,11 @@ def quantize_module(module: nn.Module, scheme: str, is_head: bool = False, q4k_r
     if isinstance(module, nn.Linear):
         if scheme == "int4" and is_head:
             return Int8Linear.from_linear(module, keep_dense=False)
+        if scheme == "int4" and file_rows is not None:
+            layer = _from_file(*file_rows, module)
+            if layer is not None:
+                return layer
         if scheme == "int4" and USE_Q4K and module.in_features % SUPER == 0:
-            if q4k_rows is not None:
-                layer = Q4KLinear.from_blocks(q4k_rows, module.bias)
-                if layer.out_features == module.out_features and torch.equal(layer.weight(), module.weight.float()):
-                    return layer
             return Q4KLinear.from_linear(module)
         if scheme == "int4" and module.in_features % 64 == 0:
             return Int4Linear.from_linear(module)
@@ -80,3 +83,16 @@ def quantize_module(module: nn.Module, scheme: str, is_head: bool = False, q4k_r
     if scheme == "int4" and isinstance(module, nn.Embedding):
         return Int8Embedding.from_embedding(module)
     return module
+
+
+def _from_file(kind: str, rows, linear: nn.Module) -> nn.Module | None:
+    """The file's blocks as a layer, if they are exactly `linear`'s weight (else None)."""
+    if kind == "Q4_K" and USE_Q4K and linear.in_features % SUPER == 0:
+        layer = Q4KLinear.from_blocks(rows, linear.bias)
+    elif kind == "Q4_1" and linear.in_features % 64 == 0:
+        layer = Int4Linear.from_q4_1_blocks(rows, linear.bias)
+    else:
+        return None
+    if layer.out_features != linear.out_features or layer.in_features != linear.in_features:
+        return None
+    return layer if torch.equal(layer.weight(), linear.weight.float()) else None

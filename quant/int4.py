@@ -19,6 +19,7 @@ nibble, so the kernel splits one 32-byte load into two groups with two masks. Pa
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -26,6 +27,7 @@ from torch import nn
 from kernels import quant_matmul as kernel
 
 GROUP_SIZE = 32
+Q4_1_BLOCK_BYTES = 20  # GGUF block_q4_1: d, m (float16), qs[16]
 ROW_CHUNK = 4096  # rows quantized at a time (bounds the float temporaries)
 SMALL_M = 128  # rows up to which the int4 kernel runs; past ~128 the dense path wins (benchmarks/int4_kernels.py, int4_kernels_openmp.json)
 
@@ -96,6 +98,22 @@ class Int4Linear(nn.Module):
     @classmethod
     def from_codes(cls, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bias: torch.Tensor | None) -> "Int4Linear":
         return cls(pack_codes(codes), make_params(d, m), bias)
+
+    @classmethod
+    def from_q4_1_blocks(cls, raw, bias: torch.Tensor | None) -> "Int4Linear":
+        """From a GGUF Q4_1 tensor's bytes [N, K/32 * 20]: per block d, m (float16) and 16 bytes
+        holding element j in the low nibble of byte j and element j + 16 in its high nibble; the
+        formula is this layer's (w = d * code + m), so only the codes are repacked."""
+        raw = torch.as_tensor(np.ascontiguousarray(raw))
+        n = raw.shape[0]
+        blocks = raw.view(n, -1, Q4_1_BLOCK_BYTES)  # [N, G, 20]
+        params = blocks[..., :4].contiguous().view(torch.float16).view(n, -1, 2).transpose(1, 2)  # [N, 2, G]
+        qs = blocks[..., 4:]
+        codes = torch.cat((qs & 15, qs >> 4), dim=2).reshape(n, -1)  # [N, K]
+        return cls(pack_codes(codes), params.contiguous(), bias)
+
+    def weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize_int4(self.packed, self.params, dtype)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> "Int4Linear":

@@ -82,16 +82,17 @@ def test_quantize_module_takes_the_files_blocks_only_when_they_are_the_weight():
     linear = nn.Linear(512, 16, bias=False)
     with torch.no_grad():
         linear.weight.copy_(weight)
-    taken = quantize_module(linear, "int4", q4k_rows=raw)
+    taken = quantize_module(linear, "int4", file_rows=("Q4_K", raw))
     assert isinstance(taken, Q4KLinear) and torch.equal(taken.weight(), weight)
     assert torch.equal(taken.subs, blocks_to_layout(raw)[1])  # the file's 6-bit scales, not re-quantized
     other = random_blocks(16, 512, seed=4)  # e.g. rows permuted: not this weight
-    refused = quantize_module(linear, "int4", q4k_rows=other)
+    refused = quantize_module(linear, "int4", file_rows=("Q4_K", other))
     assert isinstance(refused, Q4KLinear) and refused.subs.max() > 63  # quantized from float (8-bit scales)
     assert isinstance(quantize_module(nn.Linear(192, 16), "int4"), Int4Linear)  # not a multiple of 256
 
 
 def test_gguf_blocks_by_layer(tmp_path):
+    """Which layers of a GGUF file come as blocks: every part of a fused layer of one type."""
     writer = gguf.GGUFWriter(tmp_path / "m.gguf", "qwen2")
     q, k, v = random_blocks(32, 256, 1), random_blocks(16, 256, 2), random_blocks(16, 256, 3)
     for name, raw in (("attn_q", q), ("attn_k", k), ("attn_v", v), ("ffn_gate", q), ("ffn_up", q)):
@@ -104,11 +105,12 @@ def test_gguf_blocks_by_layer(tmp_path):
     writer.write_tensors_to_file()
     writer.close()
     blocks = GgufBlocks(tmp_path / "m.gguf")
-    assert np.array_equal(blocks.q4k_rows("layers.0.self_attn.qkv_proj"), np.concatenate([q, k, v]))
-    assert np.array_equal(blocks.q4k_rows("layers.0.mlp.gate_up_proj"), np.concatenate([q, q]))
-    assert blocks.q4k_rows("layers.1.self_attn.qkv_proj") is None  # its v is not Q4_K
-    assert blocks.q4k_rows("layers.0.mlp.down_proj") is None  # not in the file
-    assert blocks.q4k_rows("lm_head") is None
+    kind, rows = blocks.layer_rows("layers.0.self_attn.qkv_proj")
+    assert kind == "Q4_K" and np.array_equal(rows, np.concatenate([q, k, v]))
+    assert np.array_equal(blocks.layer_rows("layers.0.mlp.gate_up_proj")[1], np.concatenate([q, q]))
+    assert blocks.layer_rows("layers.1.self_attn.qkv_proj") is None  # its v is not Q4_K
+    assert blocks.layer_rows("layers.0.mlp.down_proj") is None  # not in the file
+    assert blocks.layer_rows("lm_head") is None
 
 
 @pytest.fixture(scope="module")
@@ -145,3 +147,20 @@ def test_one_call_linear_equals_quantize_then_matmul_plus_bias(generator):
         x = torch.randn(rows, 512, generator=generator)
         assert torch.equal(kernel.q4k_linear(x, codes, subs, dd), kernel.q4k_matmul(x, codes, subs, dd))
         assert torch.equal(kernel.q4k_linear(x, codes, subs, dd, bias), kernel.q4k_matmul(x, codes, subs, dd) + bias)
+
+
+def test_q4_1_blocks_load_exactly_into_groups_of_32(generator):
+    """SmolLM2's file is Q4_1: its blocks are the int4 layer's formula, repacked without loss."""
+    rng = np.random.default_rng(7)
+    n, k = 24, 128
+    blocks = rng.integers(0, 256, size=(n, k // 32, 20), dtype=np.uint8)
+    blocks[..., :4] = (rng.standard_normal((n, k // 32, 2)) * 0.01).astype(np.float16).view(np.uint8).reshape(n, k // 32, 4)
+    raw = blocks.reshape(n, -1)
+    reference = torch.from_numpy(gguf.dequantize(raw, gguf.GGMLQuantizationType.Q4_1))
+    layer = Int4Linear.from_q4_1_blocks(raw, None)
+    assert torch.equal(layer.weight(), reference)
+    linear = nn.Linear(k, n, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(reference)
+    taken = quantize_module(linear, "int4", file_rows=("Q4_1", raw))
+    assert isinstance(taken, Int4Linear) and torch.equal(taken.params, layer.params)
