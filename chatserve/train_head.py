@@ -173,17 +173,11 @@ def run(engine, model: str, target_dir: Path, cfg: TrainConfig, out: Path | None
         sequences = _collect(engine, cfg, seconds * cfg.data_share, show_progress)
         _save(data_path, {"target_hash": target_hash, "sequences": [dataclasses.astuple(s) for s in sequences]})
     ckpt = _load_checkpoint(ckpt_path, target_hash) if not cfg.fresh else None
-    if ckpt:
-        head = EagleHead(target.config, engine.max_model_len, ckpt["head"]["head_token_ids"]).float()
-        head.load_state_dict(ckpt["head"])
-        head.lm_head.weight.requires_grad_(False)
-        state = ckpt["state"]
-    else:
-        ids = choose_vocab(sequences, target.vocab_size, cfg.head_vocab_size, engine.tokenizer.special_token_ids)
-        head, state = new_head(target, target_dir, engine.max_model_len, ids, cfg.seed), {}
+    head, state = _resume(engine, ckpt) if ckpt else (_new(engine, target_dir, sequences, cfg), {})
     info = {"model": model, "num_sequences": len(sequences), "num_tokens": sum(len(s.token_ids) for s in sequences),
             "coverage": coverage(sequences, head.head_token_ids), "num_kept": len(head.head_token_ids),
-            "dtype": str(next(target.parameters()).dtype), "train_config": dataclasses.asdict(cfg)}
+            "dtype": engine.config.dtype, "quantization": engine.config.quantization,
+            "train_config": dataclasses.asdict(cfg)}
 
     def save(state: dict) -> None:
         _save(ckpt_path, {"format": CHECKPOINT_FORMAT, "target_hash": target_hash, "head": head.state_dict(),
@@ -204,6 +198,19 @@ def run(engine, model: str, target_dir: Path, cfg: TrainConfig, out: Path | None
     info.update(steps=state["step"], train_seconds=round(state["seconds"], 1), final=state.get("metrics", {}))
     save_head(head_path, head, target_hash, info)
     return head_path
+
+
+def _new(engine, target_dir: Path, sequences: list[Sequence], cfg: TrainConfig) -> EagleHead:
+    target = engine.models.target
+    ids = choose_vocab(sequences, target.vocab_size, cfg.head_vocab_size, engine.tokenizer.special_token_ids)
+    return new_head(target, target_dir, engine.max_model_len, ids, cfg.seed)
+
+
+def _resume(engine, ckpt: dict) -> tuple[EagleHead, dict]:
+    head = EagleHead(engine.models.target.config, engine.max_model_len, ckpt["head"]["head_token_ids"]).float()
+    head.load_state_dict(ckpt["head"])
+    head.lm_head.weight.requires_grad_(False)
+    return head, ckpt["state"]
 
 
 def _collect(engine, cfg: TrainConfig, seconds: float, show_progress: bool) -> list[Sequence]:
