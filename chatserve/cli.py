@@ -1,4 +1,4 @@
-"""`chatserve` command line: generate, serve, models, pull. Parsing and printing only."""
+"""`chatserve` command line: generate, serve, train-head, models, pull. Parsing and printing only."""
 
 from __future__ import annotations
 
@@ -26,6 +26,9 @@ def _engine_args(p: argparse.ArgumentParser, default_model: str, speculate_by_de
     p.add_argument("--no-spec", action="store_true", help="disable speculative decoding")
     p.add_argument("--num-draft-tokens", type=int, default=4, help="maximum draft length k")
     p.add_argument("--no-adaptive", action="store_true", help="always draft k tokens (no adaptive k)")
+    p.add_argument("--eagle-head", default=None, metavar="PATH",
+                   help="EAGLE head file for --draft eagle (default: the one `chatserve train-head` saved for "
+                        "the model's weights)")
     p.add_argument("--draft-catch-up", default="decode", choices=DRAFT_CATCH_UPS,
                    help="when a draft model catches up on tokens it has not seen: in bounded chunks inside "
                         "decode steps (default), beside the target's prefill chunks, or all at once")
@@ -96,6 +99,7 @@ def engine_config(args) -> EngineConfig:
             adaptive=not args.no_adaptive,
             draft_kv_cache_dtype=args.draft_kv_cache_dtype,
             draft_catch_up=args.draft_catch_up,
+            eagle_head=args.eagle_head,
         )
     from kernels.cpu_features import default_dtype
 
@@ -197,6 +201,34 @@ def cmd_serve(args) -> int:
     return 0
 
 
+def cmd_train_head(args) -> int:
+    import torch
+
+    from chatserve.engine import Engine
+    from chatserve.loading import resolve
+    from chatserve.train_head import TrainConfig, run
+    from kernels.cpu_features import default_dtype
+
+    cfg = TrainConfig(minutes=args.minutes, max_steps=args.max_steps, max_data_tokens=args.max_data_tokens,
+                      reply_tokens=args.reply_tokens, head_vocab_size=args.head_vocab_size, fresh=args.fresh,
+                      seed=args.seed)
+    engine = Engine(EngineConfig(
+        model=args.model,
+        dtype=default_dtype() if args.dtype == "auto" else args.dtype,
+        quantization=_quantization(args.quantization),
+        max_model_len=args.max_model_len,
+        max_num_seqs=4,
+        num_threads=args.threads,
+    ))
+    path = run(engine, args.model, resolve(args.model), cfg, args.out, show_progress=not args.quiet)
+    info = torch.load(path, weights_only=True)["info"]
+    print(f"EAGLE head for {args.model}: {path}\n  {info['steps']} steps in {info['train_seconds']} s on "
+          f"{info['num_tokens']} tokens; vocabulary {info['num_kept']} ids covering {info['coverage']:.1%} of reply "
+          f"tokens; last batch: top-1 agreement {info['final'].get('top1', float('nan')):.2f}\n"
+          f"  serve with: chatserve serve --model {args.model} --draft eagle", file=sys.stderr)
+    return 0
+
+
 def cmd_models(args) -> int:
     from chatserve.catalog import cmd_models as show
 
@@ -243,6 +275,26 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-connections", type=int, default=64)
     s.add_argument("--served-model-name", default=None)
     s.set_defaults(func=cmd_serve)
+
+    t = sub.add_parser("train-head", help="train an EAGLE draft head for a model on this machine (no network)")
+    t.add_argument("--model", default=DEFAULT_TARGET, help="catalog name, local HF directory or .gguf file")
+    t.add_argument("--minutes", type=float, default=30.0,
+                   help="wall-clock budget of this run, data included; run again to continue from the checkpoint")
+    t.add_argument("--out", default=None, help="head file (default: the cache dir, keyed by a hash of the weights)")
+    t.add_argument("--max-steps", type=int, default=None, help="stop after this many optimizer steps in all")
+    t.add_argument("--max-data-tokens", type=int, default=200_000, help="tokens of training data to collect")
+    t.add_argument("--reply-tokens", type=int, default=256, help="max tokens of each of the model's own replies")
+    t.add_argument("--head-vocab-size", type=int, default=32768, help="rows of the head's LM head (most frequent ids)")
+    t.add_argument("--fresh", action="store_true", help="ignore saved data and checkpoint: start over")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="as for serve: features come from the model as it will be served")
+    t.add_argument("--quantization", "-q", default="auto",
+                   choices=["auto", "int4", "int8", "none", "bnb-int8", "bnb-nf4"], help="as for serve")
+    t.add_argument("--max-model-len", type=int, default=4096)
+    t.add_argument("--threads", type=int, default=None, help="torch threads")
+    t.add_argument("--quiet", action="store_true", help="no progress bars")
+    t.set_defaults(func=cmd_train_head)
 
     m = sub.add_parser("models", help="list the model catalog")
     m.set_defaults(func=cmd_models)

@@ -28,6 +28,9 @@ class SpecConfig:
     # "prefill" = beside the target's prefill chunks, in the same steps; "whole" = all at once
     # before its first draft (a stall as long as the catch-up). docs/benchmarks.md measures them.
     draft_catch_up: str = "decode"
+    # An EAGLE head's file (chatserve train-head writes one); None = the cache's head for the
+    # target's weights. Loaded when method is "eagle" or a head is named.
+    eagle_head: str | None = None
 
     def __post_init__(self) -> None:
         from chatserve.spec_methods import SPEC_METHODS  # the registry's classes import this module

@@ -6,6 +6,7 @@ batch -> sample or verify -> update (append tokens, roll back, free, finish) -> 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 
@@ -98,14 +99,15 @@ class Engine:
         return tuple(self.spec.methods) if self.spec else ()
 
     def check_params(self, params: SamplingParams) -> None:
-        """Raise ValueError for a spec_method this engine cannot run (no draft model, or no
-        speculation at all). Any thread may call it between set_speculation calls."""
+        """Raise ValueError for a spec_method this engine cannot run (no draft model or EAGLE
+        head, or no speculation at all). Any thread may call it between set_speculation calls."""
         method = params.spec_method
         if method is None or method in self.spec_methods:
             return
         if not self.spec_methods:
             raise ValueError(f"spec_method: this engine runs without speculation, so {method!r} is not available")
-        raise ValueError(f"spec_method: {method!r} needs a draft model and this engine has none "
+        needs = "an EAGLE head (spec.method 'eagle' or spec.eagle_head)" if method == "eagle" else "a draft model"
+        raise ValueError(f"spec_method: {method!r} needs {needs} and this engine has none "
                          f"(available: {', '.join(self.spec_methods)})")
 
     def abort(self, request_id: str) -> Delta | None:
@@ -139,7 +141,13 @@ class Engine:
         if self.spec:
             self.spec.propose(scheduled)
         items = [self._batch_item(s) for s in scheduled]
-        logits, cu_logits = self.models.target_runner.run(items)  # [num_logits, vocab]
+        features = None
+        if self.spec and self.spec.reads_features:
+            logits, cu_logits, features = self.models.target_runner.run_with_features(items)
+            # The block ids as scheduled: a request that finishes below releases its table first.
+            items = [dataclasses.replace(it, block_ids=list(it.block_ids)) for it in items]
+        else:
+            logits, cu_logits = self.models.target_runner.run(items)  # [num_logits, vocab]
         now = time.perf_counter()
         deltas = []
         for i, s in enumerate(scheduled):
@@ -147,6 +155,8 @@ class Engine:
             delta = self._update(s, rows, now)
             if delta is not None:
                 deltas.append(delta)
+        if features is not None:
+            self.spec.observe(scheduled, items, features)  # [num_tokens, hidden]
         return deltas
 
     def _batch_item(self, s: ScheduledSeq) -> BatchItem:
@@ -263,10 +273,14 @@ class Engine:
         (parameters and buffers, shared tensors once) and the KV pool (reserved; its pages
         become resident as blocks are first written)."""
         models = [m for m in (self.models.target, self.models.draft) if m is not None]
+        if self.models.eagle_runner is not None:
+            models.append(self.models.eagle_runner.head)
         tensors = {t.data_ptr(): t.untyped_storage().nbytes() for m in models
                    for t in itertools.chain(m.parameters(), m.buffers())}
-        runners = [r for r in (self.models.target_runner, self.models.draft_runner) if r is not None]
-        return {"weights_bytes": sum(tensors.values()), "kv_pool_bytes": sum(r.kv_cache.num_bytes for r in runners),
+        pools = [r.kv_cache for r in (self.models.target_runner, self.models.draft_runner) if r is not None]
+        if self.models.eagle_runner is not None:
+            pools.append(self.models.eagle_runner)
+        return {"weights_bytes": sum(tensors.values()), "kv_pool_bytes": sum(p.num_bytes for p in pools),
                 **process_memory()}
 
     def check_no_leaks(self) -> None:

@@ -50,6 +50,19 @@ class CacheShape:
         return block_size * (num_plain * plain + (self.num_layers - num_plain) * quantized)
 
 
+@dataclass(frozen=True)
+class FeatureShape:
+    """One target feature per block, beside an EAGLE head's KV (chatserve/spec_methods/eagle.py):
+    the feature at the block's last position, which the head's row at the next block's first
+    position reads when a request starts there from the prefix cache."""
+
+    hidden_size: int
+    dtype: torch.dtype
+
+    def bytes_per_block(self, block_size: int) -> int:
+        return self.hidden_size * self.dtype.itemsize
+
+
 class LayerCache(NamedTuple):
     """One layer's views into the pool; the scales are None for an unquantized cache."""
 

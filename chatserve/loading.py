@@ -1,4 +1,4 @@
-"""Build what the engine runs on: tokenizer, target (and draft) models, one shared KV pool."""
+"""Build what the engine runs on: tokenizer, target (and draft model, EAGLE head), one shared KV pool."""
 
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ import torch
 
 from chatserve.block_manager import BlockManager
 from chatserve.config import EngineConfig
-from chatserve.kv_cache import CacheShape, available_memory_bytes, plan_num_blocks
+from chatserve.kv_cache import CacheShape, FeatureShape, KVCache, available_memory_bytes, plan_num_blocks
 from chatserve.kv_smooth import smoothed_kv_caches
-from chatserve.model_runner import ModelRunner
+from chatserve.model_runner import HeadRunner, ModelRunner
+from chatserve.models.eagle_head import EagleHead
 from chatserve.models.llama import DecoderLM
 from chatserve.models.loader import load_model
 from chatserve.tokenizer import Tokenizer
@@ -32,6 +33,7 @@ class LoadedModels:
     block_manager: BlockManager
     max_model_len: int
     vocab_size: int
+    eagle_runner: HeadRunner | None = None  # an EAGLE head on the target's features
 
 
 def resolve(name_or_path: str) -> Path:
@@ -68,7 +70,11 @@ def load_models(config: EngineConfig) -> LoadedModels:
     shapes = [cache_shape(target, dtype, config.kv_cache_dtype, config.kv_cache_unquantized_layers)]
     if draft:
         shapes.append(cache_shape(draft, dtype, config.spec.draft_kv_cache_dtype or config.kv_cache_dtype))
-    num_blocks = plan_num_blocks(kv_budget(config, shapes, max_model_len), shapes, config.block_size)
+    head = _load_eagle_head(config, target_dir, target_cfg, target, dtype, max_model_len)
+    pooled = list(shapes)
+    if head:  # its one layer's KV in the model dtype, unsmoothed (1/num_layers of the target's), + a feature
+        pooled += [CacheShape(1, head.num_kv_heads, head.head_dim, dtype), FeatureShape(head.hidden_size, dtype)]
+    num_blocks = plan_num_blocks(kv_budget(config, pooled, max_model_len), pooled, config.block_size)
     if num_blocks < 4:
         raise ValueError(f"kv_cache_memory: room for only {num_blocks} KV blocks; give the pool more memory")
     bm = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
@@ -77,8 +83,27 @@ def load_models(config: EngineConfig) -> LoadedModels:
                                 tokenizer)
     target_runner = ModelRunner(target, caches[0])
     draft_runner = ModelRunner(draft, caches[1]) if draft else None
+    eagle_runner = None
+    if head:
+        head_cache = KVCache(pooled[len(shapes)], num_blocks, config.block_size)
+        eagle_runner = HeadRunner(head, target.embed_tokens, head_cache)
     vocab = target_cfg.vocab_size
-    return LoadedModels(tokenizer, target, target_runner, draft, draft_runner, bm, max_model_len, vocab)
+    return LoadedModels(tokenizer, target, target_runner, draft, draft_runner, bm, max_model_len, vocab, eagle_runner)
+
+
+def _load_eagle_head(config: EngineConfig, target_dir: Path, target_cfg, target: DecoderLM, dtype: torch.dtype,
+                     max_model_len: int) -> EagleHead | None:
+    """The EAGLE head when the engine may draft with it (spec.method "eagle", or spec.eagle_head
+    named), quantized like the target; else None. A missing head, or one for other weights, is a
+    ValueError that says how to train one (chatserve/head_store.py)."""
+    spec = config.spec
+    if not spec or not (spec.method == "eagle" or spec.eagle_head):
+        return None
+    from chatserve.head_store import load_head
+
+    rotary = target.layers[0].self_attn.rotary
+    head = load_head(spec.eagle_head, config.model, target_dir, target_cfg, max_model_len, dtype, rotary)
+    return _quantized(head, config)
 
 
 def _load(model_dir: Path, model_cfg, dtype: torch.dtype, max_model_len: int, config: EngineConfig,

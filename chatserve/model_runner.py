@@ -1,4 +1,5 @@
-"""ModelRunner: Batch -> tensors -> model -> logits, for one model and its KV cache."""
+"""ModelRunner: Batch -> tensors -> model -> logits, for one model and its KV cache.
+HeadRunner: the same for an EAGLE head, which reads target features besides token ids."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import torch
 
 from chatserve.batch import Batch, BatchItem, build_batch
 from chatserve.kv_cache import KVCache
+from chatserve.models.eagle_head import EagleHead
 from chatserve.models.llama import DecoderLM
 
 
@@ -24,3 +26,36 @@ class ModelRunner:
     def run(self, items: list[BatchItem]) -> tuple[torch.Tensor, list[int]]:
         batch = build_batch(items, self.block_size)
         return self.forward(batch), batch.cu_logits
+
+    @torch.inference_mode()
+    def run_with_features(self, items: list[BatchItem]) -> tuple[torch.Tensor, list[int], torch.Tensor]:
+        """run(), plus features [num_tokens, hidden]: the final norm's output for every fed row
+        (what the LM head reads), in the items' order. Logits only for the rows asked for."""
+        batch = build_batch(items, self.block_size)
+        hidden = self.model(batch.input_ids, batch.positions, batch.attn, self.kv_cache.layers)
+        return self.model.compute_logits(hidden[batch.logits_indices]), batch.cu_logits, self.model.norm(hidden)
+
+
+class HeadRunner:
+    """An EagleHead with its one-layer cache on the pool's block ids, the target's embedding
+    (shared) and block_features [num_blocks, hidden]: per block, the target's feature at its
+    last position (kv_cache.FeatureShape)."""
+
+    def __init__(self, head: EagleHead, embed: torch.nn.Module, kv_cache: KVCache):
+        self.head = head
+        self.embed = embed
+        self.kv_cache = kv_cache
+        self.block_size = kv_cache.block_size
+        self.block_features = torch.zeros(kv_cache.num_blocks, head.hidden_size, dtype=kv_cache.shape.dtype)
+
+    @property
+    def num_bytes(self) -> int:
+        return self.kv_cache.num_bytes + self.block_features.nbytes
+
+    @torch.inference_mode()
+    def run(self, items: list[BatchItem], features: torch.Tensor) -> torch.Tensor:
+        """items: row i feeds token t_i at position i; features [num_tokens, hidden]: f_{i-1} per
+        row, in the items' order -> the head's output before its norm, [num_tokens, hidden]."""
+        batch = build_batch(items, self.block_size)
+        embeds = self.embed(batch.input_ids)  # [num_tokens, hidden]
+        return self.head(features, embeds, batch.positions, batch.attn, self.kv_cache.layers[0])

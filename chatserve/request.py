@@ -47,6 +47,9 @@ class Request:
     num_lookahead_tokens: int = 0  # drafts planned for this step: the scheduler reserves their slots
     draft_token_ids: list[int] = field(default_factory=list)  # proposals under verification
     draft_probs: torch.Tensor | None = None  # [len(draft_token_ids), vocab], None = one-hot drafts
+    # (position, [hidden]): the target's feature at its last computed position, kept when an EAGLE
+    # head reads features (its row position + 1 needs it); None until then
+    last_feature: tuple[int, torch.Tensor] | None = None
     detok: object | None = None  # chatserve.tokenizer.IncrementalDetokenizer
 
     def __post_init__(self) -> None:

@@ -9,6 +9,9 @@ state lives on the request (req.spec, req.draft_token_ids, req.draft_probs), nev
 
 from __future__ import annotations
 
+import torch
+
+from chatserve.batch import BatchItem
 from chatserve.config import SpecConfig
 from chatserve.request import Request
 from chatserve.sampler import Sampler
@@ -217,6 +220,19 @@ class SpecRunner:
                 ks.append(0)
         for name, (reqs, ks) in work.items():
             self.methods[name].propose(reqs, ks)
+
+    @property
+    def reads_features(self) -> bool:
+        """Whether some method needs the target's features after every forward (observe)."""
+        return any(m.reads_features for m in self.methods.values())
+
+    def observe(self, scheduled: list[ScheduledSeq], items: list[BatchItem], features: torch.Tensor) -> None:
+        """The step's target features (and items as fed) for the methods that read them: every
+        scheduled request, whatever its own method, so that every block a request commits has
+        what any method needs for it."""
+        for method in self.methods.values():
+            if method.reads_features:
+                method.observe(scheduled, items, features)
 
     def finish(self, req: Request) -> None:
         for method in self.methods.values():

@@ -64,6 +64,21 @@ def load_model(model_dir: str | Path, cfg, dtype: torch.dtype, max_positions: in
     return model
 
 
+def read_tensor(model_dir: str | Path, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """One unfused checkpoint tensor by our parameter name (e.g. "embed_tokens.weight"), as `dtype`."""
+    sources = _checkpoint_index(Path(model_dir))
+    if name not in sources or sources[name][0][2] is not None:
+        raise KeyError(f"{model_dir}: no unfused tensor {name!r}")
+    path, key, _ = sources[name][0]
+    reader = SafetensorsReader(path)
+    try:
+        out = torch.empty(reader.shape(key), dtype=dtype)
+        reader.read_into(key, out)
+    finally:
+        reader.close()
+    return out
+
+
 @contextlib.contextmanager
 def _open_files(sources: dict):
     paths = {path for entries in sources.values() for path, _, _ in entries}

@@ -2,7 +2,8 @@
 
 SpecRunner asks a request's methods for an Offer each step, prices every offer of the batch
 together (spec/adaptive.allocate_drafts), and calls propose() for the sequences that got
-drafts. A method never sees the scheduler, the target model or other methods.
+drafts. A method never sees the scheduler, the target model or other methods; one that
+reads_features (an EAGLE head) is shown the target's features after every forward.
 """
 
 from __future__ import annotations
@@ -10,11 +11,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
+import torch
+
 from spec.adaptive import AcceptanceEMA
+from spec.sampling import exponential_noise, sample_from_probs
 
 if TYPE_CHECKING:
+    from chatserve.batch import BatchItem
     from chatserve.config import SpecConfig
     from chatserve.request import Request
+    from chatserve.scheduler import ScheduledSeq
 
 
 @dataclass
@@ -65,6 +71,7 @@ class SpecMethod(Protocol):
     name: ClassVar[str]  # the SamplingParams.spec_method value
     label: ClassVar[str]  # how a UI names it
     keeps_kv: ClassVar[bool]  # runs the draft model, which keeps KV in the pool (blocks carry its mark)
+    reads_features: ClassVar[bool]  # observe()s the target's features after every step (an EAGLE head)
     mixable: ClassVar[bool]  # free proposals a draft-model request may take when they beat its own
     accept_rate: AcceptanceEMA  # engine-wide, per method: the prior of new requests and probes
 
@@ -86,3 +93,19 @@ class SpecMethod(Protocol):
     def finish(self, req: Request) -> None:
         """req finished (not aborted): a method that learns from replies may keep its output."""
         ...
+
+    def observe(self, scheduled: list[ScheduledSeq], items: list[BatchItem], features: torch.Tensor) -> None:
+        """Called after every target forward on methods with reads_features only (the others
+        need not define it), once the step's tokens are appended: items as fed (block ids as
+        scheduled), features [num_tokens, hidden] for their rows."""
+        ...
+
+
+def sample_draft(sampler, req: Request, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+    """logits [1, vocab] -> (draft token, its distribution [1, vocab] or None if greedy). A
+    sampled draft comes with the distribution it was drawn from: rejection sampling needs it."""
+    if req.params.is_greedy:
+        return int(logits[0].argmax()), None
+    probs = sampler.probs(req, logits)
+    noise = exponential_noise(1, probs.shape[1], [req.generator])
+    return int(sample_from_probs(probs, noise)[0]), probs

@@ -12,9 +12,8 @@ import torch
 from chatserve.batch import BatchItem
 from chatserve.config import SpecConfig
 from chatserve.request import Request
-from chatserve.spec_methods.base import Offer
+from chatserve.spec_methods.base import Offer, sample_draft
 from spec.adaptive import AcceptanceEMA, geometric_gains
-from spec.sampling import exponential_noise, sample_from_probs
 
 
 class DraftModelMethod:
@@ -22,6 +21,7 @@ class DraftModelMethod:
     label = "draft model"
     mixable = False
     keeps_kv = True
+    reads_features = False
 
     def __init__(self, runner, sampler):
         self.runner = runner
@@ -58,7 +58,7 @@ class DraftModelMethod:
                 req.num_draft_computed_tokens = items[row].start_pos + len(items[row].token_ids)
                 if not ks[i]:
                     continue
-                token, token_probs = self._draft_one(req, logits[cu_logits[row] : cu_logits[row] + 1])
+                token, token_probs = sample_draft(self.sampler, req, logits[cu_logits[row] : cu_logits[row] + 1])
                 req.draft_token_ids.append(token)
                 if token_probs is not None:
                     probs[i].append(token_probs)
@@ -69,14 +69,6 @@ class DraftModelMethod:
             active, items = next_active, next_items
         for req, rows in zip(reqs, probs):
             req.draft_probs = torch.cat(rows) if rows else None  # [k, vocab]
-
-    def _draft_one(self, req: Request, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
-        """logits [1, vocab] -> (draft token, its distribution [1, vocab] or None if greedy)."""
-        if req.params.is_greedy:
-            return int(logits[0].argmax()), None
-        probs = self.sampler.probs(req, logits)
-        noise = exponential_noise(1, probs.shape[1], [req.generator])
-        return int(sample_from_probs(probs, noise)[0]), probs
 
     def finish(self, req: Request) -> None:
         pass

@@ -14,6 +14,7 @@ class NgramMethod:
     label = "n-gram"
     mixable = False
     keeps_kv = False
+    reads_features = False
 
     def __init__(self, config: SpecConfig):
         self.lookup = NgramProposer(config.ngram_min, config.ngram_max, config.num_draft_tokens)

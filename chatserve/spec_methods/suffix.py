@@ -19,6 +19,7 @@ class SuffixMethod:
     name = "suffix"
     label = "suffix decoding"
     keeps_kv = False
+    reads_features = False
     mixable = True  # a draft-model request takes a suffix proposal when it promises more
 
     def __init__(self, config: SpecConfig):

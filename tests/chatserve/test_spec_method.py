@@ -187,7 +187,7 @@ def test_unavailable_method_is_a_clear_error(tiny_llama_dir):
     with pytest.raises(ValueError, match="spec_method: this engine runs without speculation"):
         no_spec.add_request(ids, NGRAM)
     with pytest.raises(ValueError, match="spec_method: must be one of 'draft', 'ngram'"):
-        SamplingParams(spec_method="eagle")
+        SamplingParams(spec_method="medusa")
     for engine in (ngram_engine, no_spec):
         assert_pool_empty(engine)
 

@@ -14,12 +14,12 @@ from .fake_engine import FakeEngine
 def test_protocol_parses_and_validates_spec_method():
     assert P.build_sampling_params(P.parse_settings({"spec_method": "ngram"}), 100).spec_method == "ngram"
     assert P.build_sampling_params(P.parse_settings({"spec_method": None}), 100).spec_method is None
-    for bad in ("eagle", 1, True, ["draft"]):
+    for bad in ("medusa", 1, True, ["draft"]):
         with pytest.raises(P.ProtocolError) as e:
             P.parse_settings({"spec_method": bad})
         assert e.value.code == P.INVALID_PARAMS and e.value.param == "spec_method"
     with pytest.raises(P.ProtocolError) as e:  # OpenAI bodies go through SamplingParams' own check
-        P.parse_chat_completion_request({"messages": [{"role": "user", "content": "x"}], "spec_method": "eagle"}, 10)
+        P.parse_chat_completion_request({"messages": [{"role": "user", "content": "x"}], "spec_method": "medusa"}, 10)
     assert e.value.param == "spec_method"
     draft = P.build_sampling_params({"spec_method": "draft"}, 100)
     P.check_spec_method(draft, ("draft", "ngram"))

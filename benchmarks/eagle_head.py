@@ -1,0 +1,117 @@
+"""An EAGLE head against its target (issue #14): the cost of one head draft step as a fraction of
+a one-row target step, then acceptance, mean accepted length and decode speed with speculation
+off, the EAGLE head and (if given) a draft model, at T = 0 on the held-out prompts of
+chatserve/data/prompts.json (the head is trained on data/head_prompts.json), at batch 1 and 2,
+in-process, one run. Greedy outputs are checked equal to speculation off.
+
+    python benchmarks/eagle_head.py --model qwen2.5-coder-1.5b-instruct \
+        --draft-model qwen2.5-coder-0.5b-instruct --out benchmarks/results/eagle_qwen.json
+"""
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from chatserve.batch import BatchItem  # noqa: E402
+from chatserve.block_manager import BlockTable  # noqa: E402
+from chatserve.config import EngineConfig, SpecConfig  # noqa: E402
+from chatserve.engine import Engine  # noqa: E402
+from chatserve.sampling_params import SamplingParams  # noqa: E402
+
+PROMPTS = json.loads((ROOT / "chatserve/data/prompts.json").read_text())
+
+
+def best_ms(fn, reps: int = 5) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times) * 1e3
+
+
+@torch.inference_mode()
+def step_costs(engine: Engine, context: int) -> dict:
+    """One-row target forward vs one head draft step (layer + norm + LM head), both at `context`."""
+    models, table = engine.models, BlockTable()
+    assert engine.block_manager.allocate(table, context + 1)
+    try:
+        runner, head = models.eagle_runner, models.eagle_runner.head
+        item = BatchItem([0], context, table.block_ids, 1)
+        feature = torch.zeros(1, head.hidden_size, dtype=runner.block_features.dtype)
+        target_ms = best_ms(lambda: models.target_runner.run([item]))
+        head_ms = best_ms(lambda: head.compute_logits(head.norm(runner.run([item], feature))))
+    finally:
+        engine.block_manager.free(table)
+    return {"context": context, "target_ms": target_ms, "head_step_ms": head_ms, "ratio": head_ms / target_ms}
+
+
+def decode_run(engine: Engine, prompts: list[list[int]], batch: int, max_tokens: int) -> dict:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    outs, start = [], time.perf_counter()
+    for i in range(0, len(prompts), batch):
+        outs += engine.generate(prompts[i : i + batch], params)
+    seconds = time.perf_counter() - start
+    drafted = sum(o["stats"].num_drafted for o in outs)
+    accepted = sum(o["stats"].num_accepted for o in outs)
+    spec_steps = sum(o["stats"].num_spec_steps for o in outs)
+    tokens = sum(len(o["token_ids"]) for o in outs)
+    return {"batch": batch, "tokens": tokens, "seconds": seconds, "tok_per_s": tokens / seconds,
+            "acceptance": accepted / drafted if drafted else None, "num_drafted": drafted,
+            "mean_accepted_length": (accepted + spec_steps) / spec_steps if spec_steps else None,  # tokens per step
+            "token_ids": [o["token_ids"] for o in outs]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
+    ap.add_argument("--eagle-head", default=None, help="default: the cache's head for the model's weights")
+    ap.add_argument("--draft-model", default=None)
+    ap.add_argument("--quantization", default="int4")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    common = dict(model=args.model, dtype=args.dtype, quantization=args.quantization, kv_cache_memory=1 << 30)
+    configs = {"off": None, "eagle": SpecConfig(method="eagle", eagle_head=args.eagle_head)}
+    if args.draft_model:
+        configs["draft"] = SpecConfig(method="draft", draft_model=args.draft_model)
+    results: dict = {"model": args.model, "runs": {}}
+    expected = {}
+    for name, spec in configs.items():
+        engine = Engine(EngineConfig(**common, spec=spec))
+        tok = engine.tokenizer
+        engine.generate([tok.encode("warm-up")], SamplingParams(max_tokens=8, temperature=0.0))
+        if name == "eagle":
+            results["step_costs"] = [step_costs(engine, c) for c in (128, 1024)]
+            results["head"] = engine.models.eagle_runner.head.info
+            print(json.dumps(results["step_costs"]), file=sys.stderr)
+        for kind in ("code", "chat"):
+            prompts = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS[kind]]
+            for batch in (1, 2):
+                run = decode_run(engine, prompts, batch, args.max_tokens)
+                key = f"{kind}/b{batch}"
+                if name == "off":
+                    expected[key] = run["token_ids"]
+                run["greedy_equal"] = run["token_ids"] == expected[key]
+                results["runs"].setdefault(key, {})[name] = {k: v for k, v in run.items() if k != "token_ids"}
+                print(f"{name:6s} {key}: {run['tok_per_s']:.2f} tok/s, acceptance {run['acceptance']}, "
+                      f"equal {run['greedy_equal']}", file=sys.stderr)
+    for runs in results["runs"].values():
+        for run in runs.values():
+            run["speedup_vs_off"] = run["tok_per_s"] / runs["off"]["tok_per_s"]
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=1))
+    print(json.dumps(results["runs"], indent=1))
+
+
+if __name__ == "__main__":
+    main()

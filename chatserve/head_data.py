@@ -1,0 +1,152 @@
+"""Training data for an EAGLE head, made on this machine with no network: token sequences with
+the target's features (final-norm outputs) at every position.
+
+Sources, interleaved until a token or time budget runs out:
+- the target's own greedy replies to prompts: those shipped in data/head_prompts.json (chat and
+  code, kept apart from the benchmark prompts), then tasks on snippets of the Python standard
+  library's source ("explain this code", ...). The head learns what the target says.
+- plain standard-library source, for code as it is written.
+Features come from the engine's own runner (ModelRunner.run_with_features, in scratch blocks of
+its pool), so a head is trained on exactly what it reads when serving (same dtype, quantization).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+import sysconfig
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from chatserve.batch import BatchItem
+from chatserve.block_manager import BlockTable
+from chatserve.sampling_params import SamplingParams
+
+PROMPTS_FILE = Path(__file__).parent / "data" / "head_prompts.json"
+SNIPPET_LINES = 40  # lines of stdlib source per "source task" prompt
+RAW_TOKENS = 768  # tokens per plain source sequence
+FEATURE_DTYPE = torch.bfloat16  # stored features: half the memory of float32, float32's range
+
+
+@dataclass
+class Sequence:
+    token_ids: torch.Tensor  # [T] int64
+    features: torch.Tensor  # [T, hidden] FEATURE_DTYPE: the target's final-norm output at each position
+    num_prompt_tokens: int  # the target's reply starts here (len(token_ids) for plain text)
+
+
+def stdlib_sources(seed: int) -> Iterator[str]:
+    """The standard library's .py files (no tests, no site-packages), in a seeded order, read lazily."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"test", "tests", "site-packages", "idlelib", "lib2to3"}
+    files = sorted(p for p in root.rglob("*.py") if not skip & set(p.relative_to(root).parts))
+    random.Random(seed).shuffle(files)
+    for path in files:
+        try:
+            yield path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+
+
+def snippets(text: str, num_lines: int) -> list[str]:
+    """Pieces of about num_lines lines, cut at blank lines."""
+    pieces, current = [], []
+    for line in text.splitlines():
+        current.append(line)
+        if len(current) >= num_lines and not line.strip():
+            pieces.append("\n".join(current).strip("\n"))
+            current = []
+    if current:
+        pieces.append("\n".join(current).strip("\n"))
+    return [p for p in pieces if p.strip()]
+
+
+def user_turns(seed: int) -> Iterator[str]:
+    """The user turns to answer: the shipped prompts (seeded order), then tasks on the first two
+    snippets of each stdlib file."""
+    data = json.loads(PROMPTS_FILE.read_text())
+    shipped = data["chat"] + data["code"]
+    random.Random(seed).shuffle(shipped)
+    yield from shipped
+    tasks = itertools.cycle(data["source_tasks"])
+    for text in stdlib_sources(seed + 1):
+        for piece in snippets(text, SNIPPET_LINES)[:2]:
+            yield next(tasks).format(code=piece)
+
+
+def plain_sources(tokenizer, seed: int) -> Iterator[list[int]]:
+    """Stdlib source as token sequences of RAW_TOKENS (a file's short tail is dropped)."""
+    for text in stdlib_sources(seed):
+        ids = tokenizer.encode(text)
+        for i in range(0, len(ids) - RAW_TOKENS // 4, RAW_TOKENS):
+            yield ids[i : i + RAW_TOKENS]
+
+
+def target_features(engine, token_ids: list[int]) -> torch.Tensor:
+    """[T, hidden] FEATURE_DTYPE: the target's features for token_ids, one prefill in scratch
+    blocks of the engine's pool (given back)."""
+    bm, table = engine.block_manager, BlockTable()
+    if not bm.allocate(table, len(token_ids)):
+        raise ValueError(f"train-head: the KV pool cannot hold a {len(token_ids)}-token sequence")
+    try:
+        _, _, features = engine.models.target_runner.run_with_features([BatchItem(token_ids, 0, table.block_ids, 1)])
+    finally:
+        bm.free(table)
+    return features.to(FEATURE_DTYPE)
+
+
+def collect(engine, *, max_tokens: int, seconds: float, reply_tokens: int, seed: int = 0, batch: int = 4,
+            progress=None) -> list[Sequence]:
+    """Sequences of about max_tokens tokens in all, or what `seconds` allow: each round answers
+    `batch` prompts (greedy, up to reply_tokens each) and adds one plain source sequence.
+    progress(num_tokens) is called after each sequence."""
+    tok = engine.tokenizer
+    turns, raw = user_turns(seed), plain_sources(tok, seed)
+    params = SamplingParams(max_tokens=reply_tokens, temperature=0.0)
+    sequences: list[Sequence] = []
+    num_tokens, start = 0, time.perf_counter()
+
+    def add(token_ids: list[int], num_prompt: int) -> None:
+        nonlocal num_tokens
+        sequences.append(Sequence(torch.tensor(token_ids), target_features(engine, token_ids), num_prompt))
+        num_tokens += len(token_ids)
+        if progress:
+            progress(num_tokens)
+
+    while num_tokens < max_tokens and time.perf_counter() - start < seconds:
+        prompts = [tok.apply_chat_template([{"role": "user", "content": m}]) for m in itertools.islice(turns, batch)]
+        for prompt, out in zip(prompts, engine.generate(prompts, params) if prompts else []):
+            add(prompt + out["token_ids"], len(prompt))
+        text = next(raw, None)
+        if text:
+            add(text, len(text))
+        if not prompts and not text:
+            break
+    return sequences
+
+
+def choose_vocab(sequences: list[Sequence], vocab_size: int, num_kept: int, always: list[int]) -> torch.Tensor:
+    """The head's vocabulary: the num_kept ids that the data's next tokens use most (replies
+    counted twice: drafting predicts replies), ties and the rest filled by the lowest ids
+    (byte-level BPE ranks merges by frequency), plus `always` (end of turn...). Sorted."""
+    counts: Counter[int] = Counter()
+    for seq in sequences:
+        counts.update(seq.token_ids.tolist())
+        counts.update(seq.token_ids[seq.num_prompt_tokens :].tolist())
+    num_kept = min(num_kept, vocab_size)
+    ranked = sorted(range(vocab_size), key=lambda t: (-counts[t], t))[:num_kept]
+    return torch.tensor(sorted(set(ranked) | {t for t in always if 0 <= t < vocab_size}), dtype=torch.long)
+
+
+def coverage(sequences: list[Sequence], head_token_ids: torch.Tensor) -> float:
+    """Share of reply tokens (all tokens when there are no replies) inside the head's vocabulary."""
+    kept = set(head_token_ids.tolist())
+    replies = [s.token_ids[s.num_prompt_tokens :] for s in sequences if s.num_prompt_tokens < len(s.token_ids)]
+    tokens = torch.cat(replies or [s.token_ids for s in sequences]).tolist()
+    return sum(t in kept for t in tokens) / max(len(tokens), 1)

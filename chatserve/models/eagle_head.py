@@ -1,0 +1,86 @@
+"""EagleHead: an EAGLE-style drafter (Li et al. 2024, arXiv:2401.15077) that reads the target's
+features, i.e. the final norm's output (what the target's LM head reads) at each position.
+
+Row i of the head takes the target's feature at position i - 1 and the embedding of token i
+(the target's own embedding table, shared) and predicts the target's feature at position i:
+
+    x_i = fc([f_{i-1}; embed(t_i)])        f_{-1} = 0
+    y_i = decoder_layer(x_i)                one layer of the target's shape, its own KV
+    f^_i = norm(y_i)                        ~ f_i, so f^_i feeds row i + 1 when drafting
+    logits_i = lm_head(f^_i)                over `head_token_ids` only (trimmed vocabulary)
+
+The head's KV at position i is a function of tokens 0..i alone (f_{i-1} depends on tokens up
+to i - 1), like the target's, so it lives in the same paged blocks and a block's head KV is as
+shareable as its target KV. forward() is the paged path the engine runs; forward_dense() the
+same maths over whole sequences with autograd, for training (and as the paged path's reference).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from chatserve.batch import AttnMetadata
+from chatserve.models.layers import Linear, RMSNorm, Rotary
+from chatserve.models.llama import DecoderLayer, rope_inv_freq
+
+
+class EagleHead(nn.Module):
+    def __init__(self, cfg, max_positions: int, head_token_ids: torch.Tensor, rotary: Rotary | None = None):
+        """`rotary`: the target's tables, shared (the same cfg makes the same ones), else new."""
+        super().__init__()
+        hidden = cfg.hidden_size
+        arch = (getattr(cfg, "architectures", None) or ["LlamaForCausalLM"])[0]
+        qkv_bias = arch == "Qwen2ForCausalLM" or bool(getattr(cfg, "attention_bias", False))
+        self.hidden_size = hidden
+        self.vocab_size = cfg.vocab_size
+        self.head_dim = getattr(cfg, "head_dim", None) or hidden // cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.fc = Linear(2 * hidden, hidden, bias=True)
+        rotary = rotary or Rotary(*rope_inv_freq(cfg, self.head_dim), max_positions)
+        self.layer = DecoderLayer(cfg, rotary, qkv_bias)
+        self.norm = RMSNorm(hidden, cfg.rms_norm_eps)
+        self.lm_head = Linear(hidden, len(head_token_ids), bias=False)  # rows of the target's LM head
+        self.register_buffer("head_token_ids", head_token_ids.long())  # [num_kept]
+
+    def forward(self, features, embeds, positions, attn: AttnMetadata, kv_cache) -> torch.Tensor:
+        """features [T, hidden] (f_{i-1} per row), embeds [T, hidden] (embed(t_i)) -> y [T, hidden],
+        the layer's output before the norm; K and V of each row are stored by attn.slot_mapping."""
+        x = self.fc(torch.cat((features, embeds), dim=-1))  # [T, hidden]
+        x, delta = self.layer(positions, x, attn, kv_cache)
+        return x + delta
+
+    def compute_logits(self, predicted: torch.Tensor) -> torch.Tensor:
+        """predicted features [N, hidden] (after self.norm) -> [N, vocab] float32 logits, -inf
+        outside the head's vocabulary."""
+        kept = self.lm_head(predicted).float()  # [N, num_kept]
+        logits = kept.new_full((predicted.shape[0], self.vocab_size), float("-inf"))
+        logits[:, self.head_token_ids] = kept
+        return logits
+
+    def forward_dense(self, features: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
+        """The paged forward over whole sequences with causal attention, differentiable.
+        features, embeds: [B, T, hidden] (row j at position j) -> y [B, T, hidden]."""
+        layer, attn = self.layer, self.layer.self_attn
+        b, t, _ = features.shape
+        x = F.linear(torch.cat((features, embeds), dim=-1), self.fc.weight, self.fc.bias)
+        h = _rms_norm(x, layer.input_layernorm)
+        qkv = F.linear(h, attn.qkv_proj.weight, attn.qkv_proj.bias)
+        qkv = qkv.view(b, t, attn.num_heads + 2 * attn.num_kv_heads, attn.head_dim)  # (B, T, H + 2 Hkv, D)
+        num_qk = attn.num_heads + attn.num_kv_heads
+        positions = torch.arange(t)
+        qk = attn.rotary(positions, qkv[:, :, :num_qk].transpose(0, 1).reshape(t, b * num_qk, -1))
+        qk = qk.view(t, b, num_qk, -1).transpose(0, 1)  # (B, T, H + Hkv, D)
+        q, k = qk.split([attn.num_heads, attn.num_kv_heads], dim=2)
+        v = qkv[:, :, num_qk:]
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                           is_causal=True, scale=attn.scale, enable_gqa=True)  # (B, H, T, D)
+        x = x + F.linear(o.transpose(1, 2).reshape(b, t, attn.q_size), attn.o_proj.weight)
+        mlp = layer.mlp
+        gate, up = F.linear(_rms_norm(x, layer.post_attention_layernorm), mlp.gate_up_proj.weight).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, mlp.down_proj.weight)
+
+
+def _rms_norm(x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+    return F.rms_norm(x, norm.weight.shape, norm.weight, norm.eps)

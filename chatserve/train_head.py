@@ -1,0 +1,258 @@
+"""`chatserve train-head`: train an EAGLE head (chatserve/models/eagle_head.py) for a target, on
+this CPU, within a wall-clock budget, resumably.
+
+Loss as in EAGLE (arXiv:2401.15077): for every position i, the head reads (f_{i-1}, t_i) and
+predicts f^_i; loss = smooth-L1(f^_i, f_i) + 0.1 * cross-entropy(softmax(lm(f_i)), lm(f^_i)),
+where lm is the head's LM head (the target's rows for the kept ids, frozen) and f the target's
+features. The target's embedding is shared and frozen too; fc, the layer and its norm train.
+Inputs get uniform noise (+-0.1, as EAGLE) so that the head tolerates its own predicted features
+when it drafts in a chain. Windows of `window` positions are cut from the data (features of the
+whole sequence, so a window's first row still sees the true previous feature).
+
+Files (beside the head, by default in the cache dir keyed by the target's weight hash):
+<head>-data.pt (the collected data, made once), <head>-checkpoint.pt (head, optimizer, step,
+seconds; written every checkpoint_seconds and at the end) and the head itself. Running the
+command again continues from the checkpoint for another --minutes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from chatserve.head_data import Sequence, choose_vocab, collect, coverage
+from chatserve.head_store import default_head_path, save_head, weights_hash, write_atomic
+from chatserve.models.eagle_head import EagleHead
+
+CHECKPOINT_FORMAT = 1
+FEATURE_NOISE = 0.1  # EAGLE's uniform noise on input features
+CE_WEIGHT = 0.1  # EAGLE's weight of the token loss next to the feature loss
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    minutes: float = 30.0  # this run's wall-clock budget (data collection included)
+    max_steps: int | None = None  # stop at this many optimizer steps in all (tests, smoke runs)
+    data_share: float = 0.3  # of the budget for collecting data, when none is saved yet
+    max_data_tokens: int = 200_000
+    reply_tokens: int = 256  # max_tokens of each of the target's greedy replies
+    head_vocab_size: int = 32768  # N: the head's LM head rows
+    window: int = 256
+    batch_tokens: int = 2048
+    lr: float = 3e-4
+    warmup_steps: int = 20
+    seed: int = 0
+    checkpoint_seconds: float = 120.0
+    fresh: bool = False  # start over even if a checkpoint exists
+
+
+def new_head(target, target_dir: Path, max_positions: int, head_token_ids: torch.Tensor, seed: int) -> EagleHead:
+    """A float32 head: fc and the layer at random (HF's init), the norm at 1, the LM head the
+    target's rows for head_token_ids, read from the checkpoint (a quantized target has no float rows)."""
+    from chatserve.models.loader import read_tensor
+
+    cfg = target.config
+    torch.manual_seed(seed)
+    head = EagleHead(cfg, max_positions, head_token_ids).float()
+    std = getattr(cfg, "initializer_range", 0.02)
+    for name, p in head.named_parameters():
+        if p.dim() == 2:
+            torch.nn.init.normal_(p, std=std)
+        elif name.endswith("bias"):
+            torch.nn.init.zeros_(p)
+    name = "embed_tokens.weight" if target.tie_word_embeddings else "lm_head.weight"
+    with torch.no_grad():
+        head.lm_head.weight.copy_(read_tensor(target_dir, name)[head_token_ids])
+    head.lm_head.weight.requires_grad_(False)
+    return head
+
+
+def batch_windows(sequences: list[Sequence], num_windows: int, window: int, gen: torch.Generator):
+    """num_windows windows of up to `window` positions, sequences picked by length, padded at the
+    end -> (features_in [B, W, hidden] f_{i-1}, token_ids [B, W] t_i, targets [B, W, hidden] f_i,
+    mask [B, W] bool)."""
+    lengths = torch.tensor([len(s.token_ids) for s in sequences], dtype=torch.float)
+    hidden = sequences[0].features.shape[1]
+    features_in = torch.zeros(num_windows, window, hidden)
+    targets = torch.zeros(num_windows, window, hidden)
+    token_ids = torch.zeros(num_windows, window, dtype=torch.long)
+    mask = torch.zeros(num_windows, window, dtype=torch.bool)
+    for b, i in enumerate(torch.multinomial(lengths, num_windows, replacement=True, generator=gen).tolist()):
+        seq = sequences[i]
+        n = len(seq.token_ids)
+        start = int(torch.randint(max(n - window, 0) + 1, (1,), generator=gen))
+        w = min(window, n - start)
+        token_ids[b, :w] = seq.token_ids[start : start + w]
+        targets[b, :w] = seq.features[start : start + w].float()
+        lo = max(start - 1, 0)
+        features_in[b, lo - start + 1 : w] = seq.features[lo : start + w - 1].float()  # row 0 at start 0: zeros
+        mask[b, :w] = True
+    return features_in, token_ids, targets, mask
+
+
+def loss_fn(head: EagleHead, embed, features_in, token_ids, targets, mask, noise_gen=None):
+    """-> (loss, metrics): EAGLE's feature regression + 0.1 x token cross-entropy over the valid rows."""
+    if noise_gen is not None:
+        features_in = features_in + (torch.rand(features_in.shape, generator=noise_gen) - 0.5) * 2 * FEATURE_NOISE
+    with torch.no_grad():
+        embeds = embed(token_ids).float()  # [B, W, hidden]
+        target_logp = F.log_softmax(F.linear(targets[mask], head.lm_head.weight), -1)  # [rows, kept]
+    predicted = F.rms_norm(head.forward_dense(features_in, embeds), head.norm.weight.shape, head.norm.weight,
+                           head.norm.eps)[mask]  # [rows, hidden]
+    logp = F.log_softmax(F.linear(predicted, head.lm_head.weight), -1)
+    feature_loss = F.smooth_l1_loss(predicted, targets[mask])
+    token_loss = -(target_logp.exp() * logp).sum(-1).mean()
+    agree = (logp.argmax(-1) == target_logp.argmax(-1)).float().mean()
+    loss = feature_loss + CE_WEIGHT * token_loss
+    metrics = {"loss": loss, "feature": feature_loss, "token": token_loss, "top1": agree}
+    return loss, {name: float(value.detach()) for name, value in metrics.items()}
+
+
+def train(head: EagleHead, embed, sequences: list[Sequence], cfg: TrainConfig, seconds: float, state: dict,
+          save=None, progress=None) -> dict:
+    """Optimize head on sequences for `seconds` (or up to cfg.max_steps in all). state: {"step",
+    "seconds", "optimizer"} from a checkpoint, or empty; updated. save(state) is called every
+    cfg.checkpoint_seconds and at the end; progress(metrics) after every step."""
+    params = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    if state.get("optimizer"):
+        opt.load_state_dict(state["optimizer"])
+    state.setdefault("step", 0)
+    state.setdefault("seconds", 0.0)
+    gen = torch.Generator().manual_seed(cfg.seed * 1000003 + state["step"])
+    num_windows = max(cfg.batch_tokens // cfg.window, 1)
+    start = last_save = time.perf_counter()
+    metrics: dict = {}
+    head.train()
+    while time.perf_counter() - start < seconds and (cfg.max_steps is None or state["step"] < cfg.max_steps):
+        for group in opt.param_groups:
+            group["lr"] = cfg.lr * min(1.0, (state["step"] + 1) / cfg.warmup_steps)
+        with torch.enable_grad():
+            loss, metrics = loss_fn(head, embed, *batch_windows(sequences, num_windows, cfg.window, gen), noise_gen=gen)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 0.5)
+        opt.step()
+        if not math.isfinite(metrics["loss"]):
+            raise FloatingPointError(f"train-head: loss {metrics['loss']} at step {state['step']}")
+        state["step"] += 1
+        if progress:
+            progress({**metrics, "step": state["step"]})
+        if save and time.perf_counter() - last_save > cfg.checkpoint_seconds:
+            state.update(seconds=state["seconds"] + time.perf_counter() - last_save, optimizer=opt.state_dict())
+            save(state)
+            last_save = time.perf_counter()
+    head.eval()
+    state.update(seconds=state["seconds"] + time.perf_counter() - last_save, optimizer=opt.state_dict(),
+                 metrics=metrics)
+    if save:
+        save(state)
+    return state
+
+
+def run(engine, model: str, target_dir: Path, cfg: TrainConfig, out: Path | None = None,
+        show_progress: bool = True) -> Path:
+    """The whole command on a loaded engine (speculation off): data (collected, or read back),
+    head (new, or from the checkpoint), training, and the servable head file. -> its path."""
+    target_hash = weights_hash(target_dir)
+    head_path = Path(out) if out else default_head_path(target_hash)
+    data_path = head_path.with_name(head_path.stem + "-data.pt")
+    ckpt_path = head_path.with_name(head_path.stem + "-checkpoint.pt")
+    budget_start = time.perf_counter()
+    seconds = cfg.minutes * 60
+    target = engine.models.target
+    sequences = _load_data(data_path, target_hash) if not cfg.fresh else None
+    if sequences is None:
+        sequences = _collect(engine, cfg, seconds * cfg.data_share, show_progress)
+        _save(data_path, {"target_hash": target_hash, "sequences": [dataclasses.astuple(s) for s in sequences]})
+    ckpt = _load_checkpoint(ckpt_path, target_hash) if not cfg.fresh else None
+    head, state = _resume(engine, ckpt) if ckpt else (_new(engine, target_dir, sequences, cfg), {})
+    info = {"model": model, "num_sequences": len(sequences), "num_tokens": sum(len(s.token_ids) for s in sequences),
+            "coverage": coverage(sequences, head.head_token_ids), "num_kept": len(head.head_token_ids),
+            "dtype": engine.config.dtype, "quantization": engine.config.quantization,
+            "train_config": dataclasses.asdict(cfg)}
+
+    def save(state: dict) -> None:
+        _save(ckpt_path, {"format": CHECKPOINT_FORMAT, "target_hash": target_hash, "head": head.state_dict(),
+                          "state": state})
+
+    remaining = max(seconds - (time.perf_counter() - budget_start), 0.0)
+    bar = _bar(show_progress, total=round(remaining), unit="s", desc="training")
+    train_start = time.perf_counter()
+
+    def progress(metrics: dict) -> None:
+        if bar is not None:
+            bar.update(max(min(int(time.perf_counter() - train_start), bar.total) - bar.n, 0))
+            bar.set_postfix(step=metrics["step"], loss=f"{metrics['loss']:.3f}", top1=f"{metrics['top1']:.2f}")
+
+    state = train(head, target.embed_tokens, sequences, cfg, remaining, state, save, progress)
+    if bar is not None:
+        bar.close()
+    info.update(steps=state["step"], train_seconds=round(state["seconds"], 1), final=state.get("metrics", {}))
+    save_head(head_path, head, target_hash, info)
+    return head_path
+
+
+def _new(engine, target_dir: Path, sequences: list[Sequence], cfg: TrainConfig) -> EagleHead:
+    target = engine.models.target
+    ids = choose_vocab(sequences, target.vocab_size, cfg.head_vocab_size, engine.tokenizer.special_token_ids)
+    return new_head(target, target_dir, engine.max_model_len, ids, cfg.seed)
+
+
+def _resume(engine, ckpt: dict) -> tuple[EagleHead, dict]:
+    head = EagleHead(engine.models.target.config, engine.max_model_len, ckpt["head"]["head_token_ids"]).float()
+    head.load_state_dict(ckpt["head"])
+    head.lm_head.weight.requires_grad_(False)
+    return head, ckpt["state"]
+
+
+def _collect(engine, cfg: TrainConfig, seconds: float, show_progress: bool) -> list[Sequence]:
+    bar = _bar(show_progress, total=cfg.max_data_tokens, unit="tok", desc="data (target replies + source)")
+
+    def progress(num_tokens: int) -> None:
+        if bar is not None:
+            bar.update(min(num_tokens, bar.total) - bar.n)
+
+    try:
+        return collect(engine, max_tokens=cfg.max_data_tokens, seconds=seconds, reply_tokens=cfg.reply_tokens,
+                       seed=cfg.seed, progress=progress)
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def _bar(show: bool, **kwargs):
+    if not show:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(file=sys.stderr, dynamic_ncols=True, **kwargs)
+
+
+def _load_data(path: Path, target_hash: str) -> list[Sequence] | None:
+    if not path.is_file():
+        return None
+    record = torch.load(path, weights_only=True)
+    if record["target_hash"] != target_hash:
+        return None
+    return [Sequence(*fields) for fields in record["sequences"]]
+
+
+def _load_checkpoint(path: Path, target_hash: str) -> dict | None:
+    if not path.is_file():
+        return None
+    record = torch.load(path, weights_only=True)
+    if record.get("format") != CHECKPOINT_FORMAT or record["target_hash"] != target_hash:
+        return None
+    return record
+
+
+def _save(path: Path, record: dict) -> None:
+    write_atomic(path, lambda tmp: torch.save(record, tmp))

@@ -1,0 +1,312 @@
+"""The EAGLE head (issue #14) on tiny random targets: a head trained for a few steps in the test
+keeps greedy output equal to speculation off over turns (prefix cache included), sampled
+tokens follow the target (chi-square), the pool stays whole through drafts, rollbacks,
+preemption and aborts, and a head for other weights is refused. An "oracle" head, exact for a
+one-layer target, must have every draft accepted: its KV is right wherever it reads."""
+
+import contextlib
+import dataclasses
+import os
+import random
+
+import pytest
+import torch
+
+from chatserve.batch import BatchItem
+from chatserve.config import EngineConfig, SpecConfig
+from chatserve.engine import Engine
+from chatserve.head_data import Sequence, choose_vocab, target_features
+from chatserve.head_store import save_head, weights_hash
+from chatserve.models.eagle_head import EagleHead
+from chatserve.sampling_params import SamplingParams
+from chatserve.train_head import TrainConfig, new_head, train
+from tests.chatserve.test_engine import assert_pool_empty
+from tests.chi_square import chi_square_p_value
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+EAGLE = dataclasses.replace(GREEDY, spec_method="eagle")
+PROMPTS = ["Hello there", "def add(a, b):", "1, 2, 3, 4,", "The quick brown fox jumps over", "SELECT * FROM", "x"]
+HISTORY = "def f(x):\n    return x + 1\n" * 6
+QUESTIONS = (" Again:", " And once more:", " Last:")
+
+
+def make_engine(model_dir, head_path=None, method="eagle", adaptive=False, **kw):
+    spec = None
+    if method:
+        spec = SpecConfig(method=method, num_draft_tokens=4, adaptive=adaptive,
+                          eagle_head=str(head_path) if head_path else None)
+    kw.setdefault("kv_cache_memory", 8 << 20)
+    return Engine(EngineConfig(model=str(model_dir), spec=spec, **kw))
+
+
+@contextlib.contextmanager
+def one_thread():
+    """Tiny ops on one thread: with two, a busy machine stalls each op for milliseconds."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cache_dir(tmp_path_factory):
+    """A cache dir of the module's own: heads and the weight-hash memo go there, not to ~/.cache."""
+    old = os.environ.get("CHATSERVE_CACHE")
+    os.environ["CHATSERVE_CACHE"] = str(tmp_path_factory.mktemp("cache"))
+    yield
+    if old is None:
+        del os.environ["CHATSERVE_CACHE"]
+    else:
+        os.environ["CHATSERVE_CACHE"] = old
+
+
+@pytest.fixture(scope="module")
+def conversation(tiny_llama_dir):
+    """Three turns of one conversation (prompt, greedy reply) with speculation off."""
+    engine = make_engine(tiny_llama_dir, method=None)
+    tok, history, turns = engine.tokenizer, engine.tokenizer.encode(HISTORY), []
+    for question in QUESTIONS:
+        prompt = history + tok.encode(question)
+        reply = engine.generate([prompt], GREEDY)[0]["token_ids"]
+        turns.append((prompt, reply))
+        history = prompt + reply
+    return turns
+
+
+@pytest.fixture(scope="module")
+def trained_head(tiny_llama_dir, conversation, tmp_path_factory):
+    """A head trained for 100 steps (~5 s) on the target's greedy continuations of the test
+    prompts and conversation, over a trimmed vocabulary (200 of 272 ids)."""
+    engine = make_engine(tiny_llama_dir, method=None)
+    tok, target = engine.tokenizer, engine.models.target
+    params = dataclasses.replace(GREEDY, max_tokens=48)
+    texts = [tok.encode(p) for p in PROMPTS]
+    texts = [p + engine.generate([p], params)[0]["token_ids"] for p in texts]
+    texts += [prompt + reply for prompt, reply in conversation]
+    sequences = [Sequence(torch.tensor(ids), target_features(engine, ids), 0) for ids in texts]
+    head_ids = choose_vocab(sequences, target.vocab_size, 200, tok.special_token_ids)
+    head = new_head(target, tiny_llama_dir, engine.max_model_len, head_ids, seed=0)
+    cfg = TrainConfig(max_steps=100, window=64, batch_tokens=512, lr=1e-3, warmup_steps=10)
+    with one_thread():
+        state = train(head, target.embed_tokens, sequences, cfg, 300.0, {})
+    assert state["step"] == 100 and state["metrics"]["top1"] > 0.3
+    path = tmp_path_factory.mktemp("head") / "eagle-head.pt"
+    save_head(path, head, weights_hash(tiny_llama_dir), {"steps": 100})
+    return path
+
+
+@pytest.fixture(scope="module")
+def oracle(tmp_path_factory):
+    """(one-layer target dir, head path): fc passes the token's embedding through and ignores the
+    feature, the layer, norm and LM head are the target's own, so the head computes exactly the
+    target's feature for every row: every greedy draft must be accepted."""
+    model_dir = tmp_path_factory.mktemp("tiny_one_layer")
+    from tests.tiny_models import make_tiny_model
+
+    make_tiny_model(model_dir, "llama", seed=5, num_layers=1)
+    target = make_engine(model_dir, method=None).models.target
+    vocab, hidden = target.vocab_size, target.config.hidden_size
+    head = EagleHead(target.config, 2048, torch.arange(vocab))
+    with torch.no_grad():
+        head.fc.weight.zero_()
+        head.fc.weight[:, hidden:] = torch.eye(hidden)
+        head.fc.bias.zero_()
+    head.layer.load_state_dict(target.layers[0].state_dict())
+    head.norm.load_state_dict(target.norm.state_dict())
+    head.lm_head.load_state_dict(target.lm_head.state_dict())
+    path = model_dir / "oracle-head.pt"
+    save_head(path, head, weights_hash(model_dir), {})
+    return model_dir, path
+
+
+def fill_with_noise(engine):
+    """Head KV and block features full of noise: a row read before it is written shows."""
+    runner, noise = engine.models.eagle_runner, torch.Generator().manual_seed(0)
+    runner.kv_cache.pool.copy_(torch.randn(runner.kv_cache.pool.shape, generator=noise) * 30)
+    runner.block_features.copy_(torch.randn(runner.block_features.shape, generator=noise) * 30)
+
+
+def test_dense_forward_matches_the_paged_one(oracle, trained_head, tiny_llama_dir):
+    """forward_dense (training) and the paged forward (serving) are the same maths, in one prefill
+    and row by row (decode-like, reading the rows before from the pool)."""
+    engine = make_engine(tiny_llama_dir, trained_head)
+    runner = engine.models.eagle_runner
+    ids = engine.tokenizer.encode("Dense and paged, both ways. " * 2)
+    features = target_features(engine, ids).float()  # [T, hidden]
+    inputs = torch.cat([torch.zeros(1, features.shape[1]), features[:-1]])  # f_{i-1}
+    with torch.no_grad():
+        dense = runner.head.forward_dense(inputs[None], engine.models.target.embed_tokens(torch.tensor(ids))[None])[0]
+    blocks = list(range(-(-len(ids) // 16)))
+    paged = runner.run([BatchItem(ids, 0, blocks, 0)], inputs)
+    torch.testing.assert_close(paged, dense, atol=1e-4, rtol=1e-4)
+    rows = torch.cat([runner.run([BatchItem([t], i, blocks, 0)], inputs[i : i + 1]) for i, t in enumerate(ids)])
+    torch.testing.assert_close(rows, dense, atol=1e-4, rtol=1e-4)
+
+
+def test_the_oracle_head_has_every_draft_accepted_over_turns(oracle):
+    """Greedy, fp32, on pools full of noise: output equals speculation off, every draft is
+    accepted (chain drafts and bonus tokens included), turn after turn from the prefix cache."""
+    model_dir, head_path = oracle
+    plain = make_engine(model_dir, method=None)
+    engine = make_engine(model_dir, head_path)
+    fill_with_noise(engine)
+    tok = engine.tokenizer
+    prompt = tok.encode(HISTORY)
+    for turn, question in enumerate(QUESTIONS):
+        prompt = prompt + tok.encode(question)
+        expected = plain.generate([prompt], GREEDY)[0]["token_ids"]
+        out = engine.generate([prompt], GREEDY)[0]
+        assert out["token_ids"] == expected
+        assert out["stats"].num_accepted == out["stats"].num_drafted > 0
+        if turn:
+            assert out["stats"].cached_tokens >= (len(prompt) - 20) // 16 * 16
+        prompt = prompt + out["token_ids"]
+    outs = engine.generate([tok.encode(p) for p in PROMPTS], EAGLE)  # batched
+    assert all(o["stats"].num_accepted == o["stats"].num_drafted > 0 for o in outs)
+    assert_pool_empty(engine)
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_greedy_output_is_equal_over_turns(tiny_llama_dir, trained_head, conversation, adaptive):
+    from tests.chatserve.test_long_context import FIXED_COSTS
+
+    engine = make_engine(tiny_llama_dir, trained_head, adaptive=adaptive)
+    if adaptive:
+        engine.spec.costs = FIXED_COSTS  # the tiny model's measured costs are noise on a busy machine
+    outs = []
+    for turn, (prompt, expected) in enumerate(conversation):
+        outs.append(engine.generate([prompt], GREEDY)[0])
+        assert outs[-1]["token_ids"] == expected
+        if turn:
+            assert outs[-1]["stats"].cached_tokens >= len(conversation[turn - 1][0]) // 16 * 16
+    prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
+    plain = make_engine(tiny_llama_dir, method=None)
+    outs += engine.generate(prompts, GREEDY)  # batched
+    assert [o["token_ids"] for o in outs[3:]] == [o["token_ids"] for o in plain.generate(prompts, GREEDY)]
+    drafted, accepted = (sum(getattr(o["stats"], name) for o in outs) for name in ("num_drafted", "num_accepted"))
+    assert drafted > accepted > 0  # both sides of verification
+    assert_pool_empty(engine)
+
+
+def head_kv_by_position(engine, prompt, params) -> torch.Tensor:
+    """Run one request; -> the head's K at positions [0, num_computed_tokens) read back from
+    the pool through the request's block table, [positions, num_kv_heads, head_dim]."""
+    rid = engine.add_request(prompt, params)
+    req, blocks = engine.requests[rid], []
+    while engine.has_unfinished():
+        blocks, computed = list(req.table.block_ids), req.num_computed_tokens
+        engine.step()
+    num = min(computed, len(prompt))
+    k_cache = engine.models.eagle_runner.kv_cache.layers[0].k_cache  # [num_blocks, block_size, Hkv, D]
+    return torch.stack([k_cache[blocks[p // 16], p % 16] for p in range(num)])
+
+
+def test_head_kv_from_the_prefix_cache_equals_a_cold_run(tiny_llama_dir, trained_head, conversation):
+    """The second turn starts at a block boundary inside the first turn's blocks: its first row
+    reads the cached block's last feature. Every head row of its prompt must equal a cold
+    engine's (prefix cache off), and so must the drafts."""
+    (prompt1, reply1), (prompt2, _) = conversation[:2]
+    warm = make_engine(tiny_llama_dir, trained_head)
+    fill_with_noise(warm)
+    warm.generate([prompt1], GREEDY)
+    cold = make_engine(tiny_llama_dir, trained_head, enable_prefix_caching=False)
+    params = dataclasses.replace(GREEDY, max_tokens=8)
+    cached_kv, cold_kv = head_kv_by_position(warm, prompt2, params), head_kv_by_position(cold, prompt2, params)
+    torch.testing.assert_close(cached_kv, cold_kv, atol=1e-4, rtol=1e-4)
+    assert len(cached_kv) == len(prompt2)
+    assert_pool_empty(warm)
+
+
+def test_sampled_tokens_follow_the_target(tiny_llama_dir, trained_head):
+    """T = 0.5, 2000 seeded requests of one prompt, 3 tokens each: the first from the prefill,
+    the second from verifying one draft sampled from the head. The second must follow the
+    target's marginal sum_t1 P(t1) P(t2 | t1) (transformers computes it), drafts accepted and
+    rejected both."""
+    from transformers import AutoModelForCausalLM
+
+    temperature, n = 0.5, 2000
+    engine = make_engine(tiny_llama_dir, trained_head)
+    prompt = engine.tokenizer.encode(PROMPTS[3])
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32).eval()
+    vocab = engine.models.vocab_size
+    with torch.no_grad():
+        first_probs = torch.softmax(hf(torch.tensor([prompt])).logits[0, -1].double() / temperature, -1)  # [vocab]
+        seconds = torch.tensor([prompt + [t] for t in range(vocab)])  # [vocab, len(prompt) + 1]
+        second_probs = torch.softmax(hf(seconds).logits[:, -1].double() / temperature, -1)  # [vocab, vocab]
+    params = [SamplingParams(max_tokens=3, temperature=temperature, seed=seed, ignore_eos=True) for seed in range(n)]
+    with one_thread():
+        outs = engine.generate([prompt] * n, params)
+    assert all(len(o["token_ids"]) == 3 and o["stats"].num_drafted == 1 for o in outs)
+    p_value = chi_square_p_value(torch.tensor([o["token_ids"][1] for o in outs]), first_probs @ second_probs)
+    assert p_value > 1e-6, p_value
+    accepted = sum(o["stats"].num_accepted for o in outs) / n
+    assert 0.1 < accepted < 0.95, accepted
+    assert_pool_empty(engine)
+
+
+def test_pool_stays_whole_with_drafts_rollbacks_preemption_and_aborts(tiny_llama_dir, trained_head):
+    """EAGLE, suffix, n-gram and plain requests, greedy and sampled, in a pool small enough to
+    preempt, with random aborts: the block manager's invariants hold after every step, and
+    every block comes back."""
+    probe = make_engine(tiny_llama_dir, trained_head)
+    runner = probe.models.eagle_runner
+    per_block = (probe.models.target_runner.kv_cache.num_bytes + runner.num_bytes) // probe.block_manager.num_blocks
+    engine = make_engine(tiny_llama_dir, trained_head, kv_cache_memory=24 * per_block)
+    assert engine.block_manager.num_blocks == 24
+    tok, rng = engine.tokenizer, random.Random(0)
+    base = [SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True),
+            SamplingParams(max_tokens=48, temperature=0.8, seed=1, ignore_eos=True)]
+    methods = [{"spec_method": "eagle"}, {"spec_method": "suffix"}, {"spec_method": "eagle"}, {"num_draft_tokens": 0},
+               {"spec_method": "ngram"}]
+    live = set()
+    for i in range(15):
+        prompt = tok.encode(f"item {i % 3}: a b c a b c " * (2 + i % 4))
+        live.add(engine.add_request(prompt, dataclasses.replace(base[i % 2], **methods[i % 5])))
+    while engine.has_unfinished():
+        for d in engine.step():
+            if d.finished:
+                live.discard(d.request_id)
+        engine.block_manager.check_invariants([r.table for r in engine.requests.values()])
+        if live and rng.random() < 0.08:
+            victim = rng.choice(sorted(live))
+            engine.abort(victim)
+            live.discard(victim)
+            engine.block_manager.check_invariants([r.table for r in engine.requests.values()])
+    assert engine.scheduler.num_preemptions > 0
+    stats = engine.spec.stats_by_method["eagle"]
+    assert stats.num_draft_tokens > stats.num_accepted_tokens > 0
+    assert_pool_empty(engine)
+
+
+def test_a_head_for_other_weights_is_refused(tiny_llama_dir, tiny_draft_dir, trained_head, tmp_path, monkeypatch):
+    monkeypatch.setenv("CHATSERVE_CACHE", str(tmp_path))
+    with pytest.raises(ValueError, match="trained for other weights.*chatserve train-head --model"):
+        make_engine(tiny_draft_dir, trained_head)
+    with pytest.raises(ValueError, match="no EAGLE head for .*chatserve train-head --model"):
+        make_engine(tiny_draft_dir)  # none in the cache for these weights
+    engine = make_engine(tiny_llama_dir, method="ngram")
+    with pytest.raises(ValueError, match="spec_method: 'eagle' needs an EAGLE head"):
+        engine.add_request([1, 2, 3], EAGLE)
+
+
+def test_train_head_command_saves_by_weight_hash_and_resumes(tiny_llama_dir, tmp_path, monkeypatch):
+    """`chatserve train-head` on the tiny model: data (its own replies + stdlib source), a few
+    steps, the head in the cache under the weights' hash, where `--draft eagle` finds it; run
+    again, it continues from the checkpoint."""
+    from chatserve.cli import main
+    from chatserve.head_store import default_head_path
+
+    monkeypatch.setenv("CHATSERVE_CACHE", str(tmp_path))
+    args = ["train-head", "--model", str(tiny_llama_dir), "--dtype", "float32", "-q", "none", "--quiet",
+            "--max-data-tokens", "1500", "--reply-tokens", "16", "--head-vocab-size", "100", "--minutes", "1"]
+    assert main([*args, "--max-steps", "2"]) == 0
+    path = default_head_path(weights_hash(tiny_llama_dir))
+    first = torch.load(path, weights_only=True)
+    assert first["info"]["steps"] == 2 and first["info"]["num_kept"] >= 100
+    assert main([*args, "--max-steps", "4"]) == 0
+    assert torch.load(path, weights_only=True)["info"]["steps"] == 4
+    engine = make_engine(tiny_llama_dir)  # no head named: the cache's, for these weights
+    prompt = engine.tokenizer.encode(PROMPTS[1])
+    assert engine.generate([prompt], EAGLE)[0]["stats"].num_drafted > 0
