@@ -120,13 +120,16 @@ def collect(engine, *, max_tokens: int, seconds: float, reply_tokens: int, seed:
             progress(num_tokens)
 
     while num_tokens < max_tokens and time.perf_counter() - start < seconds:
-        prompts = [tok.apply_chat_template([{"role": "user", "content": m}]) for m in itertools.islice(turns, batch)]
+        asked = [tok.apply_chat_template([{"role": "user", "content": m}]) for m in itertools.islice(turns, batch)]
+        # a snippet is cut at blank lines, and a file without any (a data table) makes one longer
+        # than the context: skip it rather than fail the run
+        prompts = [p for p in asked if len(p) + reply_tokens <= engine.models.max_model_len]
         for prompt, out in zip(prompts, engine.generate(prompts, params) if prompts else []):
             add(prompt + out["token_ids"], len(prompt))
         text = next(raw, None)
         if text:
             add(text, len(text))
-        if not prompts and not text:
+        if not asked and not text:
             break
     return sequences
 

@@ -310,3 +310,16 @@ def test_train_head_command_saves_by_weight_hash_and_resumes(tiny_llama_dir, tmp
     engine = make_engine(tiny_llama_dir)  # no head named: the cache's, for these weights
     prompt = engine.tokenizer.encode(PROMPTS[1])
     assert engine.generate([prompt], EAGLE)[0]["stats"].num_drafted > 0
+
+
+def test_training_data_skips_prompts_longer_than_the_context(tiny_llama_dir, monkeypatch):
+    """A stdlib snippet without blank lines can exceed the context: collect() skips it (a real
+    SmolLM2 run failed on a 5,795-token prompt)."""
+    from chatserve import head_data
+
+    engine = Engine(EngineConfig(model=str(tiny_llama_dir), max_model_len=256, kv_cache_memory=8 << 20))
+    turns = iter(["short question", "x " * 400, "another short one"])
+    monkeypatch.setattr(head_data, "user_turns", lambda seed: turns)
+    monkeypatch.setattr(head_data, "plain_sources", lambda tok, seed: iter([]))
+    sequences = head_data.collect(engine, max_tokens=10**6, seconds=60, reply_tokens=8, batch=2)
+    assert len(sequences) == 2 and all(len(s.token_ids) <= 256 for s in sequences)
