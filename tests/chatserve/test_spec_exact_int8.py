@@ -7,9 +7,7 @@ and in tests/quant/test_int4.py)."""
 import pytest
 import torch
 
-from chatserve.config import EngineConfig, SpecConfig
-from chatserve.engine import Engine
-from chatserve.sampling_params import SamplingParams
+from tests.spec_equality import check_greedy_speculation_equals_plain
 
 PROMPTS = ["Hello there", "def add(a, b):", "1, 2, 3, 4, 1, 2, 3,", "abcabcabcabc", "SELECT * FROM"]
 
@@ -26,22 +24,7 @@ def test_int8_gemv_rows_do_not_depend_on_the_row_count(generator):
 @pytest.mark.parametrize("weights", [("bfloat16", "int8"), ("float32", "int4")], ids=["bf16-int8", "fp32-int4"])
 @pytest.mark.parametrize("method", ["ngram", "self-draft"])
 def test_greedy_speculation_equals_plain_in_fast_formats(tiny_llama_dir, method, weights):
-    fast = dict(dtype=weights[0], quantization=weights[1], kv_cache_memory=8 << 20)
-    plain = Engine(EngineConfig(model=str(tiny_llama_dir), **fast))
-    if method == "ngram":
-        spec = SpecConfig(method="ngram", num_draft_tokens=4, adaptive=False)
-    else:
-        spec = SpecConfig(method="draft", draft_model=str(tiny_llama_dir), num_draft_tokens=4, adaptive=False)
-    engine = Engine(EngineConfig(model=str(tiny_llama_dir), spec=spec, **fast))
-    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    prompts = [plain.tokenizer.encode(p) for p in PROMPTS]
-    expected = [plain.generate([p], params)[0]["token_ids"] for p in prompts]
-    got = [engine.generate([p], params)[0] for p in prompts]
-    assert [g["token_ids"] for g in got] == expected
-    assert sum(g["stats"].num_drafted for g in got) > 0
-    if method == "self-draft":
-        assert all(g["stats"].num_accepted == g["stats"].num_drafted for g in got)
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    check_greedy_speculation_equals_plain(tiny_llama_dir, method, *weights, PROMPTS)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

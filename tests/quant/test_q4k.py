@@ -9,14 +9,12 @@ import pytest
 import torch
 from torch import nn
 
-from chatserve.config import EngineConfig, SpecConfig
-from chatserve.engine import Engine
 from chatserve.gguf_convert import GgufBlocks
-from chatserve.sampling_params import SamplingParams
 from kernels import quant_matmul as kernel
 from quant.apply import quantize_module
 from quant.int4 import Int4Linear, dequantize_int4, make_params, pack_codes, quantize_int4
 from quant.q4k import BLOCK_BYTES, Q4KLinear, blocks_to_layout, dequantize_q4k, quantize_q4k
+from tests.spec_equality import check_greedy_speculation_equals_plain
 from tests.tiny_models import make_tiny_model
 
 
@@ -121,23 +119,9 @@ def tiny_q4k_dir(tmp_path_factory):
 
 @pytest.mark.parametrize("method", ["ngram", "self-draft"])
 def test_greedy_speculation_equals_plain_on_q4k(tiny_q4k_dir, method):
-    fast = dict(dtype="float32", quantization="int4", kv_cache_memory=8 << 20)
-    plain = Engine(EngineConfig(model=str(tiny_q4k_dir), **fast))
+    plain = check_greedy_speculation_equals_plain(tiny_q4k_dir, method, "float32", "int4",
+                                                  ["Hello there", "def add(a, b):", "abcabcabcabc " * 20])
     assert sum(isinstance(m, Q4KLinear) for m in plain.models.target.modules()) == 2 * 4
-    if method == "ngram":
-        spec = SpecConfig(method="ngram", num_draft_tokens=4, adaptive=False)
-    else:
-        spec = SpecConfig(method="draft", draft_model=str(tiny_q4k_dir), num_draft_tokens=4, adaptive=False)
-    engine = Engine(EngineConfig(model=str(tiny_q4k_dir), spec=spec, **fast))
-    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    prompts = [plain.tokenizer.encode(p) for p in ("Hello there", "def add(a, b):", "abcabcabcabc " * 20)]
-    expected = [plain.generate([p], params)[0]["token_ids"] for p in prompts]
-    got = [engine.generate([p], params)[0] for p in prompts]
-    assert [g["token_ids"] for g in got] == expected
-    assert sum(g["stats"].num_drafted for g in got) > 0
-    if method == "self-draft":
-        assert all(g["stats"].num_accepted == g["stats"].num_drafted for g in got)
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
 def test_one_call_linear_equals_quantize_then_matmul_plus_bias(generator):
