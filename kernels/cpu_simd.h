@@ -1,6 +1,8 @@
 // Small AVX2 helpers shared by the C++ CPU kernels (kernels/cpu_ext.py builds them).
 #pragma once
 #include <immintrin.h>
+#include <cstdint>
+#include <type_traits>
 
 namespace chatserve {
 
@@ -36,6 +38,20 @@ inline __m256 exp256(__m256 x) {
   y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+// Calls tile(std::integral_constant<int, R>{}, r0) over rows [0, M) in tiles of 4, then one of the
+// remaining 1-3 rows: the register tiling every matmul kernel here shares.
+template <typename F>
+inline void for_row_tiles(int64_t M, F&& tile) {
+  int64_t r = 0;
+  for (; r + 4 <= M; r += 4) tile(std::integral_constant<int, 4>{}, r);
+  switch (M - r) {
+    case 3: tile(std::integral_constant<int, 3>{}, r); break;
+    case 2: tile(std::integral_constant<int, 2>{}, r); break;
+    case 1: tile(std::integral_constant<int, 1>{}, r); break;
+    default: break;
+  }
 }
 
 }  // namespace chatserve

@@ -142,14 +142,7 @@ void q4k_run(const int8_t* q, const float* d, const int16_t* bs, const uint8_t* 
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t nb = n0; nb < n1; nb += chunk) {
       const int64_t ne = std::min(nb + chunk, n1);
-      int64_t r = 0;
-      for (; r + 4 <= M; r += 4) tiles<4>(c, sb, dn, q, d, bs, bias, out, K, N, r, nb, ne, shuf);
-      switch (M - r) {
-        case 3: tiles<3>(c, sb, dn, q, d, bs, bias, out, K, N, r, nb, ne, shuf); break;
-        case 2: tiles<2>(c, sb, dn, q, d, bs, bias, out, K, N, r, nb, ne, shuf); break;
-        case 1: tiles<1>(c, sb, dn, q, d, bs, bias, out, K, N, r, nb, ne, shuf); break;
-        default: break;
-      }
+      chatserve::for_row_tiles(M, [&](auto rows, int64_t r) { tiles<decltype(rows)::value>(c, sb, dn, q, d, bs, bias, out, K, N, r, nb, ne, shuf); });
     }
   });
 }

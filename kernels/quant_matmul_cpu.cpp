@@ -224,14 +224,7 @@ torch::Tensor q4_matmul(torch::Tensor xq, torch::Tensor xd, torch::Tensor xs, to
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t nb = n0; nb < n1; nb += chunk) {
       const int64_t ne = std::min(nb + chunk, n1);
-      int64_t r = 0;
-      for (; r + 4 <= M; r += 4) tile<4>(c, p, q, d, s, out, K, N, r, nb, ne);
-      switch (M - r) {
-        case 3: tile<3>(c, p, q, d, s, out, K, N, r, nb, ne); break;
-        case 2: tile<2>(c, p, q, d, s, out, K, N, r, nb, ne); break;
-        case 1: tile<1>(c, p, q, d, s, out, K, N, r, nb, ne); break;
-        default: break;
-      }
+      chatserve::for_row_tiles(M, [&](auto rows, int64_t r) { tile<decltype(rows)::value>(c, p, q, d, s, out, K, N, r, nb, ne); });
     }
   });
   return y;
@@ -255,14 +248,7 @@ torch::Tensor q8_matmul(torch::Tensor xq, torch::Tensor xd, torch::Tensor qweigh
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t nb = n0; nb < n1; nb += chunk) {
       const int64_t ne = std::min(nb + chunk, n1);
-      int64_t r = 0;
-      for (; r + 4 <= M; r += 4) tile8<4>(w, ws, q, d, out, K, N, r, nb, ne);
-      switch (M - r) {
-        case 3: tile8<3>(w, ws, q, d, out, K, N, r, nb, ne); break;
-        case 2: tile8<2>(w, ws, q, d, out, K, N, r, nb, ne); break;
-        case 1: tile8<1>(w, ws, q, d, out, K, N, r, nb, ne); break;
-        default: break;
-      }
+      chatserve::for_row_tiles(M, [&](auto rows, int64_t r) { tile8<decltype(rows)::value>(w, ws, q, d, out, K, N, r, nb, ne); });
     }
   });
   return y;
@@ -282,14 +268,7 @@ torch::Tensor f32_matmul(torch::Tensor x, torch::Tensor w) {
   at::parallel_for(0, N, 4, [&](int64_t n0, int64_t n1) {
     for (int64_t nb = n0; nb < n1; nb += chunk) {
       const int64_t ne = std::min(nb + chunk, n1);
-      int64_t r = 0;
-      for (; r + 4 <= M; r += 4) tile_f32<4>(wp, xp, out, K, N, r, nb, ne);
-      switch (M - r) {
-        case 3: tile_f32<3>(wp, xp, out, K, N, r, nb, ne); break;
-        case 2: tile_f32<2>(wp, xp, out, K, N, r, nb, ne); break;
-        case 1: tile_f32<1>(wp, xp, out, K, N, r, nb, ne); break;
-        default: break;
-      }
+      chatserve::for_row_tiles(M, [&](auto rows, int64_t r) { tile_f32<decltype(rows)::value>(wp, xp, out, K, N, r, nb, ne); });
     }
   });
   return y;
