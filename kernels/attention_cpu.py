@@ -144,20 +144,21 @@ def _attend(out, query, keys, values, k_mults, v_mults, scale) -> None:
 def _attend_sdpa(query, keys, values, k_mults, v_mults, scale) -> torch.Tensor:
     """Long chunks, in the query dtype: dequantize the gathered context once (amortized
     over q_len rows); keys, values [Hkv, S, D]."""
-    q_len, num_heads, _ = query.shape
-    num_kv_heads, seq_len = keys.shape[:2]
+    q_len, seq_len = query.shape[0], keys.shape[1]
     if k_mults is not None:
         keys = keys * k_mults[..., None]
         values = values * v_mults[..., None]
-    group = num_heads // num_kv_heads
-    q = query.transpose(0, 1)  # [H, q_len, D]
-    k = keys.to(query.dtype).repeat_interleave(group, dim=0)  # [H, S, D]
-    v = values.to(query.dtype).repeat_interleave(group, dim=0)
+    # 4-D, with a batch of one: given 3-D tensors, torch takes its math backend (scores
+    # materialized, ~3x slower: 86 vs 27 ms a layer for a 512-row chunk over 2k keys, SmolLM2's
+    # shape); 4-D ones take the flash kernel, which also reads the kv heads in place (enable_gqa).
+    q = query.transpose(0, 1)[None]  # [1, H, q_len, D]
+    k, v = keys.to(query.dtype)[None], values.to(query.dtype)[None]  # [1, Hkv, S, D]
     if q_len == seq_len:
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
     else:
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=_causal_mask(q_len, seq_len), scale=scale)
-    return o.transpose(0, 1)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=_causal_mask(q_len, seq_len), scale=scale,
+                                           enable_gqa=True)
+    return o[0].transpose(0, 1)
 
 
 @functools.lru_cache(maxsize=64)

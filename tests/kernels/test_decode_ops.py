@@ -72,6 +72,7 @@ CASES = [
     (([30, 6, 70], [1, 6, 20], 16), (9, 3, 64)),  # a decode, a whole prompt, a chunk; SmolLM2's GQA
     (([300], [1], 16), (14, 2, 64)),  # a longer context; the 0.5B's group of 7 (two passes of heads)
     (([100, 80], [PREFILL_Q_LEN + 6, 3], 16), (6, 2, 64)),  # a long chunk (SDPA) beside C++ rows
+    (([600, 514], [1, 5], 16), (9, 3, 64)),  # 3 key partitions of 256; verification rows across an edge
 ]
 
 
@@ -85,14 +86,16 @@ def test_paged_attention_rows_match_the_reference(batch, shape, generator):
     torch.testing.assert_close(out, paged_attention_ref(*case.args()), rtol=1e-4, atol=2e-5)
 
 
-def test_a_row_does_not_depend_on_the_rows_beside_it(generator):
+@pytest.mark.parametrize("seq_len", [40, 260])  # 260: rows on both sides of the first partition's edge (256)
+def test_a_row_does_not_depend_on_the_rows_beside_it(seq_len, generator):
     """A verification row equals the decode step at its position, bit for bit."""
-    case = make_paged_case([40], [9], 6, 2, 128, 8, torch.float32, "auto", generator)
+    case = make_paged_case([seq_len], [9], 6, 2, 128, 8, torch.float32, "auto", generator)
+    first = seq_len - 8
     together = decode_ops.paged_attention_rows(case.query, case.k_cache, case.v_cache, case.block_tables,
-                                               [0] * 9, list(range(32, 41)), case.scale)
+                                               [0] * 9, list(range(first, seq_len + 1)), case.scale)
     for i in range(9):
         alone = decode_ops.paged_attention_rows(case.query[i : i + 1].contiguous(), case.k_cache, case.v_cache,
-                                                case.block_tables, [0], [32 + i], case.scale)
+                                                case.block_tables, [0], [first + i], case.scale)
         assert torch.equal(together[i : i + 1], alone), i
 
 
