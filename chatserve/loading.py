@@ -112,12 +112,13 @@ def _load(model_dir: Path, model_cfg, dtype: torch.dtype, max_model_len: int, co
     quantized model plus one float layer). `head_transform` (a draft's subset head) applies to
     the LM head before it is quantized."""
     from chatserve.gguf_convert import GgufBlocks
-    from quant.apply import NATIVE_SCHEMES, prepare, quantize_module
+    from quant.apply import NATIVE_SCHEMES, prepare, quantize_module, share_tied_rows
 
     scheme = config.quantization
     head_transform = head_transform or (lambda head: head)
 
     blocks = GgufBlocks.for_model(model_dir) if scheme == "int4" else None  # the file's own 4-bit weights
+    built = {}  # name -> the quantized layer
 
     def transform(name: str, module):
         if name == "lm_head":
@@ -128,7 +129,10 @@ def _load(model_dir: Path, model_cfg, dtype: torch.dtype, max_model_len: int, co
         if scheme not in NATIVE_SCHEMES:
             return module
         rows = blocks.layer_rows(name) if blocks is not None else None
-        return quantize_module(module, scheme, is_head=name.startswith("lm_head"), file_rows=rows)
+        built[name] = quantize_module(module, scheme, is_head=name.startswith("lm_head"), file_rows=rows)
+        if name == "lm_head":
+            return share_tied_rows(built.get("embed_tokens"), built[name])
+        return built[name]
 
     if scheme in NATIVE_SCHEMES:
         prepare(scheme)

@@ -85,6 +85,16 @@ def quantize_module(module: nn.Module, scheme: str, is_head: bool = False, file_
     return module
 
 
+def share_tied_rows(embedding: nn.Module | None, head: nn.Module) -> nn.Module:
+    """A tied LM head and embedding table quantized to the same int8 rows keep one copy of them
+    (the embedding reads the head's): 233 MB less for Qwen2.5-1.5B. Returns head."""
+    if (isinstance(embedding, Int8Embedding) and isinstance(head, Int8Linear)
+            and head.qweight.shape == embedding.qweight.shape
+            and torch.equal(head.qweight, embedding.qweight) and torch.equal(head.scales, embedding.scales)):
+        embedding.qweight, embedding.scales = head.qweight, head.scales
+    return head
+
+
 def _from_file(kind: str, rows, linear: nn.Module) -> nn.Module | None:
     """The file's blocks as a layer, if they are exactly `linear`'s weight (else None)."""
     if kind == "Q4_K" and USE_Q4K and linear.in_features % SUPER == 0:

@@ -120,8 +120,6 @@ def test_without_the_kernel_the_layer_dequantizes(monkeypatch, generator):
 def test_quantize_weights_int4_swaps_every_layer(generator):
     """Linears with in_features % 64 == 0 become int4 (others int8), the embedding int8 rows; a
     tied head keeps its own copy of the table's values."""
-    from quant.int8 import Int8Embedding, Int8Linear
-
     from quant.int8 import Int8Embedding, Int8Linear, dequantize_int8
 
     class Tiny(nn.Module):
@@ -165,6 +163,23 @@ def test_int4_engine_logits_stay_close_to_fp32(tiny_llama_dir):
     out = q4.generate([ref.tokenizer.encode("Hello")], SamplingParams(max_tokens=8, temperature=0.0))[0]
     assert len(out["token_ids"]) == 8
     assert q4.block_manager.num_free_blocks == q4.block_manager.num_blocks
+
+
+def test_a_tied_int4_model_keeps_one_copy_of_the_table(tiny_llama_dir, tiny_qwen_dir):
+    """The tied head is transformed right after the embedding (so the float table is freed
+    before the layers load), and the two share their int8 rows; an untied model's do not."""
+    from chatserve.loading import read_config
+    from chatserve.models.loader import load_model
+
+    order = []
+    load_model(tiny_llama_dir, read_config(tiny_llama_dir), torch.float32, 64,
+               lambda name, module: order.append(name) or module)
+    assert order[:2] == ["embed_tokens", "lm_head"]
+    tied = Engine(EngineConfig(model=str(tiny_llama_dir), quantization="int4", kv_cache_memory=8 << 20)).models.target
+    assert tied.embed_tokens.qweight.data_ptr() == tied.lm_head.qweight.data_ptr()
+    assert tied.embed_tokens.scales.data_ptr() == tied.lm_head.scales.data_ptr()
+    untied = Engine(EngineConfig(model=str(tiny_qwen_dir), quantization="int4", kv_cache_memory=8 << 20)).models.target
+    assert untied.embed_tokens.qweight.data_ptr() != untied.lm_head.qweight.data_ptr()
 
 
 def test_dense_path_is_the_dequantized_matmul_across_row_chunks(generator):
