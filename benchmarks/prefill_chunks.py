@@ -1,0 +1,65 @@
+"""One prompt's prefill through ModelRunner in chunks (as the scheduler feeds it), seconds for the
+whole prompt, and torch.profiler's top operators for its last chunk (where attention over the
+longest context costs most).
+
+    .venv/bin/python benchmarks/prefill_chunks.py --model smollm2-135m-instruct --tokens 2048 --chunk 512 \
+        --json benchmarks/results/prefill_chunks_smollm2.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from chatserve.batch import BatchItem  # noqa: E402
+from chatserve.config import EngineConfig  # noqa: E402
+from chatserve.engine import Engine  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--quantization", default="int4")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--tokens", type=int, default=2048)
+    p.add_argument("--chunk", type=int, default=512)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--profile", action="store_true")
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args()
+    engine = Engine(EngineConfig(model=args.model, quantization=None if args.quantization == "none" else args.quantization,
+                                 dtype=args.dtype, num_threads=args.threads, kv_cache_memory=512 << 20))
+    runner = engine.models.target_runner
+    blocks = list(range(args.tokens // runner.block_size + 4))
+    tokens = list(range(100, 100 + args.tokens))
+
+    def prefill() -> float:
+        start = time.perf_counter()
+        for s in range(0, args.tokens, args.chunk):
+            runner.run([BatchItem(tokens[s : s + args.chunk], s, blocks, 1)])
+        return time.perf_counter() - start
+
+    prefill()  # warm-up
+    seconds = [prefill() for _ in range(args.repeats)]
+    result = {"model": args.model, "tokens": args.tokens, "chunk": args.chunk, "best_s": min(seconds),
+              "tokens_per_s": args.tokens / min(seconds)}
+    print(json.dumps(result))
+    if args.profile:
+        last = args.tokens - args.chunk
+        with torch.profiler.profile() as prof:
+            runner.run([BatchItem(tokens[last:], last, blocks, 1)])
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
