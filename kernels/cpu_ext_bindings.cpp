@@ -3,6 +3,7 @@
 
 std::vector<torch::Tensor> quantize_rows(torch::Tensor x);
 torch::Tensor q4_matmul(torch::Tensor xq, torch::Tensor xd, torch::Tensor xs, torch::Tensor codes, torch::Tensor params);
+torch::Tensor int4_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor params, c10::optional<torch::Tensor> bias);
 torch::Tensor q8_matmul(torch::Tensor xq, torch::Tensor xd, torch::Tensor qweight, torch::Tensor scales);
 torch::Tensor q4_dequantize(torch::Tensor codes, torch::Tensor params, torch::Tensor w);
 int64_t parallel_threads(int64_t items);
@@ -24,6 +25,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_rows", &quantize_rows, "per-row, per-32 int8 quantization of activations");
   m.def("q4_dequantize", &q4_dequantize, "int4 (groups of 32) weight -> float32");
   m.def("q4_matmul", &q4_matmul, "int4 (groups of 32) weight x int8 activation matmul");
+  m.def("int4_linear", &int4_linear, "int4 linear layer (groups of 32): quantize, multiply, add the bias, in one call",
+        py::arg("x"), py::arg("codes"), py::arg("params"), py::arg("bias") = py::none());
   m.def("f32_matmul", &f32_matmul, "float32 matmul for few rows, each row independent of the row count");
   m.def("quantize_rows_k", &quantize_rows_k, "per-row, per-256 int8 quantization of activations (Q8_K)");
   m.def("q4k_matmul", &q4k_matmul, "Q4_K weight x Q8_K activation matmul");

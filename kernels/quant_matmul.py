@@ -63,6 +63,13 @@ def int4_matmul(x: torch.Tensor,  # [M, K] float32
     return ext.q4_matmul(xq, xd, xs, codes, params)
 
 
+def int4_linear(x: torch.Tensor, codes: torch.Tensor, params: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """int4_matmul (+ bias, float32 [N]) in one C++ call that allocates only its output: the
+    int4 layer's decode path (SmolLM2's 120 layers a step, where the separate calls showed)."""
+    return _extension().int4_linear(x.contiguous(), codes, params, bias)
+
+
 def int8_matmul(x: torch.Tensor,  # [M, K] float32, K % 32 == 0
                 qweight: torch.Tensor,  # [N, K] int8, |q| <= 127
                 scales: torch.Tensor,  # [N] float32

@@ -168,19 +168,11 @@ void tile_f32(const float* w, const float* x, float* y, int64_t K, int64_t N, in
 
 }  // namespace
 
-// x [M, K] float32 -> (xq [M, K] int8, xd [M, K/32] float32, xs [M, K/32] float32)
-std::vector<torch::Tensor> quantize_rows(torch::Tensor x) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous());
-  const int64_t M = x.size(0), K = x.size(1), G = K / kGroup;
-  TORCH_CHECK(K % kGroup == 0);
-  auto xq = torch::empty({M, K}, x.options().dtype(torch::kInt8));
-  auto xd = torch::empty({M, G}, x.options());
-  auto xs = torch::empty({M, G}, x.options());
-  const float* src = x.data_ptr<float>();
-  int8_t* q = xq.data_ptr<int8_t>();
-  float* d = xd.data_ptr<float>();
-  float* s = xs.data_ptr<float>();
-  at::parallel_for(0, M * G, 256, [&](int64_t i0, int64_t i1) {
+namespace {
+
+// Activations per row and group of 32: q int8, d the group's scale, s = d * sum(q).
+void quantize_rows_raw(const float* src, int64_t M, int64_t K, int8_t* q, float* d, float* s) {
+  at::parallel_for(0, M * (K / kGroup), 256, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const float* v = src + i * kGroup;
       float amax = 0.f;
@@ -197,26 +189,11 @@ std::vector<torch::Tensor> quantize_rows(torch::Tensor x) {
       s[i] = scale * static_cast<float>(sum);
     }
   });
-  return {xq, xd, xs};
 }
 
-// y [M, N] float32 = x @ W.T for the quantized activations of quantize_rows.
-torch::Tensor q4_matmul(torch::Tensor xq, torch::Tensor xd, torch::Tensor xs, torch::Tensor codes,
-                        torch::Tensor params) {
-  TORCH_CHECK(xq.scalar_type() == torch::kInt8 && codes.scalar_type() == torch::kUInt8);
-  TORCH_CHECK(params.scalar_type() == torch::kHalf && xd.scalar_type() == torch::kFloat32);
-  TORCH_CHECK(xq.is_contiguous() && xd.is_contiguous() && xs.is_contiguous() && codes.is_contiguous() &&
-              params.is_contiguous());
-  const int64_t M = xq.size(0), K = xq.size(1), N = codes.size(0);
-  TORCH_CHECK(K % (2 * kGroup) == 0 && codes.size(1) * 2 == K && params.size(0) == N && params.size(1) == 2 &&
-              params.size(2) * kGroup == K);
-  auto y = torch::empty({M, N}, xd.options());
-  const uint8_t* c = codes.data_ptr<uint8_t>();
-  const at::Half* p = params.data_ptr<at::Half>();
-  const int8_t* q = xq.data_ptr<int8_t>();
-  const float* d = xd.data_ptr<float>();
-  const float* s = xs.data_ptr<float>();
-  float* out = y.data_ptr<float>();
+// out [M, N] = x @ W.T (+ bias) for activations quantized by quantize_rows_raw.
+void q4_run(const int8_t* q, const float* d, const float* s, const uint8_t* c, const at::Half* p, const float* bias,
+            float* out, int64_t M, int64_t K, int64_t N) {
   // Split the output features over threads. Each thread walks its rows of W in chunks small
   // enough to stay in L2 (~128 KiB of codes) and runs every activation row over a chunk before
   // the next (tiles of 4 activation rows share each unpacked group): W is read from memory once.
@@ -225,8 +202,68 @@ torch::Tensor q4_matmul(torch::Tensor xq, torch::Tensor xd, torch::Tensor xs, to
     for (int64_t nb = n0; nb < n1; nb += chunk) {
       const int64_t ne = std::min(nb + chunk, n1);
       chatserve::for_row_tiles(M, [&](auto rows, int64_t r) { tile<decltype(rows)::value>(c, p, q, d, s, out, K, N, r, nb, ne); });
+      if (bias != nullptr)
+        for (int64_t r = 0; r < M; ++r)
+          for (int64_t n = nb; n < ne; ++n) out[r * N + n] += bias[n];
     }
   });
+}
+
+void check_q4_weight(const torch::Tensor& codes, const torch::Tensor& params, int64_t K) {
+  TORCH_CHECK(codes.scalar_type() == torch::kUInt8 && params.scalar_type() == torch::kHalf);
+  TORCH_CHECK(codes.is_contiguous() && params.is_contiguous());
+  const int64_t N = codes.size(0);
+  TORCH_CHECK(K % (2 * kGroup) == 0 && codes.size(1) * 2 == K && params.size(0) == N && params.size(1) == 2 &&
+              params.size(2) * kGroup == K);
+}
+
+}  // namespace
+
+// x [M, K] float32 -> (xq [M, K] int8, xd [M, K/32] float32, xs [M, K/32] float32)
+std::vector<torch::Tensor> quantize_rows(torch::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous());
+  const int64_t M = x.size(0), K = x.size(1), G = K / kGroup;
+  TORCH_CHECK(K % kGroup == 0);
+  auto xq = torch::empty({M, K}, x.options().dtype(torch::kInt8));
+  auto xd = torch::empty({M, G}, x.options());
+  auto xs = torch::empty({M, G}, x.options());
+  quantize_rows_raw(x.data_ptr<float>(), M, K, xq.data_ptr<int8_t>(), xd.data_ptr<float>(), xs.data_ptr<float>());
+  return {xq, xd, xs};
+}
+
+// y [M, N] float32 = x @ W.T for the quantized activations of quantize_rows.
+torch::Tensor q4_matmul(torch::Tensor xq, torch::Tensor xd, torch::Tensor xs, torch::Tensor codes,
+                        torch::Tensor params) {
+  TORCH_CHECK(xq.scalar_type() == torch::kInt8 && xd.scalar_type() == torch::kFloat32);
+  TORCH_CHECK(xq.is_contiguous() && xd.is_contiguous() && xs.is_contiguous());
+  const int64_t M = xq.size(0), K = xq.size(1), N = codes.size(0);
+  check_q4_weight(codes, params, K);
+  auto y = torch::empty({M, N}, xd.options());
+  q4_run(xq.data_ptr<int8_t>(), xd.data_ptr<float>(), xs.data_ptr<float>(), codes.data_ptr<uint8_t>(),
+         params.data_ptr<at::Half>(), nullptr, y.data_ptr<float>(), M, K, N);
+  return y;
+}
+
+// The int4 layer in one call: quantize x [M, K] float32 (thread-local scratch), multiply, add the
+// bias [N] float32 if given. The same numbers as quantize_rows + q4_matmul + bias, ~3 calls fewer.
+torch::Tensor int4_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor params, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous());
+  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
+  check_q4_weight(codes, params, K);
+  const float* b = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == N);
+    b = bias->data_ptr<float>();
+  }
+  thread_local std::vector<int8_t> q;
+  thread_local std::vector<float> d, s;
+  q.resize(M * K);
+  d.resize(M * (K / kGroup));
+  s.resize(M * (K / kGroup));
+  quantize_rows_raw(x.data_ptr<float>(), M, K, q.data(), d.data(), s.data());
+  auto y = torch::empty({M, N}, x.options());
+  q4_run(q.data(), d.data(), s.data(), codes.data_ptr<uint8_t>(), params.data_ptr<at::Half>(), b, y.data_ptr<float>(),
+         M, K, N);
   return y;
 }
 

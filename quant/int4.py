@@ -122,10 +122,7 @@ class Int4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)  # [M, in]
         if kernel.is_available() and rows.shape[0] <= SMALL_M:
-            y = kernel.int4_matmul(rows.float(), self.packed, self.params)  # [M, out] float32
-            if self.bias is not None:
-                y += self.bias
-            y = y.to(x.dtype)
+            y = kernel.int4_linear(rows.float(), self.packed, self.params, self.bias).to(x.dtype)  # [M, out]
         elif kernel.is_available():  # a prefill chunk: compute-bound, so a dense fp32 GEMM wins
             y = kernel.int4_dense_matmul(rows.float(), self.packed, self.params)
             if self.bias is not None:

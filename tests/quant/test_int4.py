@@ -73,6 +73,16 @@ def test_kernel_matches_its_reference(rows, generator):
                                rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("rows", [1, 5, 45])
+def test_one_call_layer_equals_the_separate_calls(rows, generator):
+    """kernel.int4_linear (quantize, multiply, bias in one call) gives int4_matmul + bias exactly."""
+    w = torch.randn(80, 192, generator=generator)
+    packed, params = pack_codes(quantize_int4(w)[0]), make_params(*quantize_int4(w)[1:])
+    x, bias = torch.randn(rows, 192, generator=generator), torch.randn(80, generator=generator)
+    assert torch.equal(kernel.int4_linear(x, packed, params), kernel.int4_matmul(x, packed, params))
+    assert torch.equal(kernel.int4_linear(x, packed, params, bias), kernel.int4_matmul(x, packed, params) + bias)
+
+
 def test_reference_is_close_to_the_float_matmul(generator):
     """Activation quantization (int8 per 32) costs well under 1% of the output's scale."""
     _, packed, params = random_layer(64, 256, generator)
