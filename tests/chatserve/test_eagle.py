@@ -7,7 +7,6 @@ one-layer target, must have every draft accepted: its KV is right wherever it re
 import contextlib
 import dataclasses
 import os
-import random
 
 import pytest
 import torch
@@ -20,7 +19,7 @@ from chatserve.head_store import save_head, weights_hash
 from chatserve.models.eagle_head import EagleHead
 from chatserve.sampling_params import SamplingParams
 from chatserve.train_head import TrainConfig, new_head, train
-from tests.chatserve.test_engine import assert_pool_empty
+from tests.chatserve.test_engine import assert_pool_empty, run_with_random_aborts
 from tests.chi_square import chi_square_p_value
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -255,25 +254,9 @@ def test_pool_stays_whole_with_drafts_rollbacks_preemption_and_aborts(tiny_llama
     per_block = (probe.models.target_runner.kv_cache.num_bytes + runner.num_bytes) // probe.block_manager.num_blocks
     engine = make_engine(tiny_llama_dir, trained_head, kv_cache_memory=24 * per_block)
     assert engine.block_manager.num_blocks == 24
-    tok, rng = engine.tokenizer, random.Random(0)
-    base = [SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True),
-            SamplingParams(max_tokens=48, temperature=0.8, seed=1, ignore_eos=True)]
     methods = [{"spec_method": "eagle"}, {"spec_method": "suffix"}, {"spec_method": "eagle"}, {"num_draft_tokens": 0},
                {"spec_method": "ngram"}]
-    live = set()
-    for i in range(15):
-        prompt = tok.encode(f"item {i % 3}: a b c a b c " * (2 + i % 4))
-        live.add(engine.add_request(prompt, dataclasses.replace(base[i % 2], **methods[i % 5])))
-    while engine.has_unfinished():
-        for d in engine.step():
-            if d.finished:
-                live.discard(d.request_id)
-        engine.block_manager.check_invariants([r.table for r in engine.requests.values()])
-        if live and rng.random() < 0.08:
-            victim = rng.choice(sorted(live))
-            engine.abort(victim)
-            live.discard(victim)
-            engine.block_manager.check_invariants([r.table for r in engine.requests.values()])
+    run_with_random_aborts(engine, methods, 15)
     assert engine.scheduler.num_preemptions > 0
     stats = engine.spec.stats_by_method["eagle"]
     assert stats.num_draft_tokens > stats.num_accepted_tokens > 0

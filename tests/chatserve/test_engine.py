@@ -1,5 +1,8 @@
 """Engine behaviour on tiny random models: batching, preemption, prefix reuse, stops, errors."""
 
+import dataclasses
+import random
+
 import pytest
 
 from chatserve.config import EngineConfig, SpecConfig
@@ -29,6 +32,29 @@ def assert_pool_empty(engine):
     bm.check_invariants()
     assert bm.num_free_blocks == bm.num_blocks, "blocks leaked"
     assert not engine.requests
+
+
+def run_with_random_aborts(engine, methods: list[dict], num_requests: int, seed: int = 0) -> None:
+    """Requests i = 0..num_requests-1 (greedy and sampled in turn, methods[i % len(methods)]
+    applied to their SamplingParams), run to the end with ~8% of steps aborting a random live
+    one; the block manager's invariants are checked after every step and every abort."""
+    tok, rng = engine.tokenizer, random.Random(seed)
+    base = [SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True),
+            SamplingParams(max_tokens=48, temperature=0.8, seed=1, ignore_eos=True)]
+    live = set()
+    for i in range(num_requests):
+        prompt = tok.encode(f"item {i % 3}: a b c a b c " * (2 + i % 4))
+        live.add(engine.add_request(prompt, dataclasses.replace(base[i % 2], **methods[i % len(methods)])))
+    while engine.has_unfinished():
+        for d in engine.step():
+            if d.finished:
+                live.discard(d.request_id)
+        engine.block_manager.check_invariants([r.table for r in engine.requests.values()])
+        if live and rng.random() < 0.08:
+            victim = rng.choice(sorted(live))
+            engine.abort(victim)
+            live.discard(victim)
+            engine.block_manager.check_invariants([r.table for r in engine.requests.values()])
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,6 @@ chunks (the stream never stops for it), and the pool whole after suffix proposal
 aborts."""
 
 import dataclasses
-import random
 
 import pytest
 import torch
@@ -13,7 +12,7 @@ from chatserve.config import EngineConfig, SpecConfig
 from chatserve.engine import Engine
 from chatserve.sampling_params import SamplingParams
 from chatserve.spec_costs import SpecCosts
-from tests.chatserve.test_engine import assert_pool_empty
+from tests.chatserve.test_engine import assert_pool_empty, run_with_random_aborts
 from tests.chi_square import chi_square_p_value
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -179,24 +178,8 @@ def test_pool_stays_whole_with_suffix_proposals_mixing_preemption_and_aborts(tin
     per_block = sum(r.kv_cache.num_bytes // probe.block_manager.num_blocks
                     for r in (probe.models.target_runner, probe.models.draft_runner))
     engine = make_engine(tiny_llama_dir, tiny_draft_dir, "draft", kv_cache_memory=24 * per_block)
-    tok, rng = engine.tokenizer, random.Random(0)
-    base = [SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True),
-            SamplingParams(max_tokens=48, temperature=0.8, seed=1, ignore_eos=True)]
     methods = [{"spec_method": "draft"}, {"spec_method": "suffix"}, {"spec_method": "ngram"}, {"num_draft_tokens": 0}]
-    live = set()
-    for i in range(12):
-        prompt = tok.encode(f"item {i % 3}: a b c a b c " * (2 + i % 4))
-        live.add(engine.add_request(prompt, dataclasses.replace(base[i % 2], **methods[i % 4])))
-    while engine.has_unfinished():
-        for d in engine.step():
-            if d.finished:
-                live.discard(d.request_id)
-        engine.block_manager.check_invariants([r.table for r in engine.requests.values()])
-        if live and rng.random() < 0.08:
-            victim = rng.choice(sorted(live))
-            engine.abort(victim)
-            live.discard(victim)
-            engine.block_manager.check_invariants([r.table for r in engine.requests.values()])
+    run_with_random_aborts(engine, methods, 12)
     assert engine.scheduler.num_preemptions > 0
     assert engine.spec.stats_by_method["suffix"].num_draft_tokens > 0
     assert_pool_empty(engine)
