@@ -142,7 +142,7 @@ def _load(model_dir: Path, model_cfg, dtype: torch.dtype, max_model_len: int, co
     head_transform = head_transform or (lambda head: head)
 
     blocks = GgufBlocks.for_model(model_dir) if scheme == "int4" else None  # the file's own 4-bit weights
-    built = {}  # name -> the quantized layer
+    table = {}  # the quantized embedding, for a tied head to share
 
     def transform(name: str, module):
         if name == "lm_head":
@@ -153,12 +153,14 @@ def _load(model_dir: Path, model_cfg, dtype: torch.dtype, max_model_len: int, co
         if scheme not in NATIVE_SCHEMES:
             return module
         rows = blocks.layer_rows(name) if blocks is not None else None
-        built[name] = quantize_module(module, scheme, is_head=name.startswith("lm_head"), file_rows=rows)
+        layer = quantize_module(module, scheme, is_head=name.startswith("lm_head"), file_rows=rows)
+        if name == "embed_tokens":
+            table["embed_tokens"] = layer
         if name == "lm_head":
-            built[name] = share_tied_rows(built.get("embed_tokens"), built[name])
-        if built[name] is not module and sum(p.nbytes for p in module.parameters()) >= 32 << 20:
+            layer = share_tied_rows(table.get("embed_tokens"), layer)
+        if layer is not module and sum(p.nbytes for p in module.parameters()) >= 32 << 20:
             release_free_memory()  # what the float layers read before this one left in the heap
-        return built[name]
+        return layer
 
     if scheme in NATIVE_SCHEMES:
         prepare(scheme)
