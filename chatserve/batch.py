@@ -19,6 +19,17 @@ class AttnMetadata:
     seq_lens: list[int]  # [batch] context length including the new tokens
     cu_q_lens: list[int]  # [batch + 1] query row offsets
 
+    def query_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """seqs, contexts [num_tokens] int64: each query row's sequence (block_tables row) and
+        how many keys it attends to (its causal context)."""
+        seqs: list[int] = []
+        contexts: list[int] = []
+        for b, seq_len in enumerate(self.seq_lens):
+            q_len = self.cu_q_lens[b + 1] - self.cu_q_lens[b]
+            seqs += [b] * q_len
+            contexts += range(seq_len - q_len + 1, seq_len + 1)
+        return torch.tensor(seqs, dtype=torch.int64), torch.tensor(contexts, dtype=torch.int64)
+
 
 @dataclass
 class Batch:

@@ -19,7 +19,8 @@ from pathlib import Path
 from kernels.cpu_features import cpu_flags
 
 _DIR = Path(__file__).parent
-SOURCES = ("quant_matmul_cpu.cpp", "q4k_matmul_cpu.cpp", "decode_ops_cpu.cpp", "cpu_ext_bindings.cpp")
+SOURCES = ("quant_matmul_cpu.cpp", "q4k_matmul_cpu.cpp", "decode_ops_cpu.cpp", "decode_stack_cpu.cpp",
+           "cpu_ext_bindings.cpp")
 CPU_FLAGS = ("avx2", "fma", "f16c")
 NAME = "chatserve_cpu"
 STALE_LOCK_SECONDS = 600  # a build takes ~1-3 min; an older lock was left by a killed build

@@ -20,7 +20,10 @@ void store_kv(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, tor
 void paged_attention_rows(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                           torch::Tensor block_tables, torch::Tensor seq, torch::Tensor ctx, double scale);
 
+void bind_decode_stack(pybind11::module& m);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  bind_decode_stack(m);
   m.def("parallel_threads", &parallel_threads, "threads at::parallel_for uses here");
   m.def("quantize_rows", &quantize_rows, "per-row, per-32 int8 quantization of activations");
   m.def("q4_dequantize", &q4_dequantize, "int4 (groups of 32) weight -> float32");

@@ -21,6 +21,20 @@ import torch.nn.functional as F
 from kernels import cpu_ext
 
 
+# DecodeStack (kernels/decode_stack_cpu.cpp): the decoder's layers in one call for steps of up to
+# STACK_MAX_ROWS float32 rows; a linear layer is (kind, a, b, c, bias), kinds as below.
+STACK_MAX_ROWS = 32
+LINEAR_INT4, LINEAR_Q4K, LINEAR_F32, LINEAR_INT8 = range(4)
+NO_TENSOR = torch.empty(0)
+
+
+def decode_stack(num_heads: int, num_kv_heads: int, head_dim: int, eps: float, scale: float,
+                 cos: torch.Tensor, sin: torch.Tensor):
+    """An empty DecodeStack; add_layer(ln1, ln2, k_cache, v_cache, [qkv, o, gate_up, down]) fills it
+    and forward(x, positions, slot_mapping, block_tables, seqs, contexts) runs it."""
+    return cpu_ext.extension().DecodeStack(num_heads, num_kv_heads, head_dim, eps, scale, cos, sin)
+
+
 def usable(x: torch.Tensor, *dims: int) -> bool:
     """Whether the C++ ops take this activation: float32, on the CPU, with the extension built,
     and the given sizes (hidden, head dim, intermediate) multiples of 16 (whole AVX2 vectors)."""

@@ -44,6 +44,8 @@ def quantize_weights(model: nn.Module, scheme: str) -> nn.Module:
             replacement = quantize_module(child, scheme, is_head=f"{parent_name}.{name}".lstrip(".").startswith("lm_head"))
             if replacement is not child:
                 setattr(parent, name, replacement)
+    if hasattr(model, "reset_decode_stack"):
+        model.reset_decode_stack()
     return model
 
 

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import decode_ops
 from kernels import quant_matmul as kernel
 
 GROUP_SIZE = 32
@@ -132,6 +133,12 @@ class Int4Linear(nn.Module):
             y = F.linear(rows, dequantize_int4(self.packed, self.params, rows.dtype),
                          None if self.bias is None else self.bias.to(rows.dtype))
         return y.view(*x.shape[:-1], self.out_features)
+
+    def stack_weights(self) -> tuple | None:
+        """This layer as a DecodeStack linear (kernels/decode_ops.py), or None without the kernel."""
+        if not kernel.is_available():
+            return None
+        return decode_ops.LINEAR_INT4, self.packed, self.params, decode_ops.NO_TENSOR, self.bias
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int4 groups of {GROUP_SIZE}"

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import decode_ops
 from kernels import quant_matmul as kernel
 
 COMPUTE_DTYPE = torch.bfloat16  # the packed kernel's fp32 path is ~100x slower here
@@ -80,6 +81,13 @@ class Int8Linear(nn.Module):
         if self.bias is not None:
             y = y + self.bias
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+    def stack_weights(self) -> tuple | None:
+        """This layer as a DecodeStack linear (kernels/decode_ops.py), or None where its few-row
+        path is not the C++ kernel."""
+        if self.in_features % kernel.GROUP_SIZE or not kernel.is_available():
+            return None
+        return decode_ops.LINEAR_INT8, self.qweight, self.scales, decode_ops.NO_TENSOR, self.bias
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-channel"

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import decode_ops
 from kernels import quant_matmul as kernel
 from quant.int4 import pack_codes, unpack_codes
 
@@ -126,6 +127,12 @@ class Q4KLinear(nn.Module):
         else:
             y = F.linear(rows, self.weight(rows.dtype), None if self.bias is None else self.bias.to(rows.dtype))
         return y.view(*x.shape[:-1], self.out_features)
+
+    def stack_weights(self) -> tuple | None:
+        """This layer as a DecodeStack linear (kernels/decode_ops.py), or None without the kernel."""
+        if not kernel.is_available():
+            return None
+        return decode_ops.LINEAR_Q4K, self.codes, self.subs, self.dd, self.bias
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, Q4_K"

@@ -34,6 +34,14 @@ class Linear(nn.Linear):
             return y.view(*x.shape[:-1], self.out_features)
         return F.linear(x, self.weight, self.bias)
 
+    def stack_weights(self) -> tuple | None:
+        """This layer as a DecodeStack linear (kernels/decode_ops.py), or None where its few-row
+        path is not the C++ kernel."""
+        if self.weight.dtype != torch.float32 or self.in_features % 8 or not quant_matmul.is_available():
+            return None
+        t = decode_ops.NO_TENSOR
+        return decode_ops.LINEAR_F32, self.weight.detach(), t, t, None if self.bias is None else self.bias.detach()
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
