@@ -23,7 +23,7 @@ from torch import nn
 
 from chatserve.batch import AttnMetadata
 from chatserve.models.layers import Linear, RMSNorm, Rotary
-from chatserve.models.llama import DecoderLayer, rope_inv_freq
+from chatserve.models.llama import DecoderLayer, LayerStack, rope_inv_freq
 
 
 class EagleHead(nn.Module):
@@ -43,11 +43,18 @@ class EagleHead(nn.Module):
         self.norm = RMSNorm(hidden, cfg.rms_norm_eps)
         self.lm_head = Linear(hidden, len(head_token_ids), bias=False)  # rows of the target's LM head
         self.register_buffer("head_token_ids", head_token_ids.long())  # [num_kept]
+        self.stack = LayerStack(hidden, self.head_dim, cfg.intermediate_size)  # its layer in one C++ call
+
+    def reset_decode_stack(self) -> None:
+        self.stack.reset()
 
     def forward(self, features, embeds, positions, attn: AttnMetadata, kv_cache) -> torch.Tensor:
         """features [T, hidden] (f_{i-1} per row), embeds [T, hidden] (embed(t_i)) -> y [T, hidden],
         the layer's output before the norm; K and V of each row are stored by attn.slot_mapping."""
         x = self.fc(torch.cat((features, embeds), dim=-1))  # [T, hidden]
+        out = self.stack.run([self.layer], x, positions, attn, [kv_cache])
+        if out is not None:
+            return out
         x, delta = self.layer(positions, x, attn, kv_cache)
         return x + delta
 

@@ -57,45 +57,63 @@ class DecoderLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         # Steps of few float32 rows run the layers as one C++ call (kernels/decode_stack_cpu.cpp)
         # with the same kernels in the same order as the modules below: same numbers, ~0.2 ms of
-        # Python per layer fewer. False: always the modules (the reference the tests hold it to).
-        self.use_decode_stack = True
-        self._stack_caches = None  # the kv_caches list the stack was built for
-        self._stack = None
+        # Python per layer fewer. stack.enabled = False: always the modules (the tests' reference).
+        self.stack = LayerStack(cfg.hidden_size, self.head_dim, cfg.intermediate_size)
 
     def reset_decode_stack(self) -> None:
         """Forget the stack: call after replacing layers (quantization) once a forward has run."""
-        self._stack_caches = self._stack = None
+        self.stack.reset()
 
     def forward(self, input_ids, positions, attn: AttnMetadata, kv_caches) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [T, hidden]
-        stack = self._decode_stack(x, kv_caches)
-        if stack is not None:
-            return stack.forward(x, positions, attn.slot_mapping, attn.block_tables, *attn.query_rows())
+        out = self.stack.run(self.layers, x, positions, attn, kv_caches)
+        if out is not None:
+            return out
         delta = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, delta = layer(positions, x, attn, kv_cache, delta)
         return x + delta
 
-    def _decode_stack(self, x: torch.Tensor, kv_caches):
-        """The DecodeStack for this step, or None where the modules must run it."""
-        if not self.use_decode_stack or x.shape[0] > decode_ops.STACK_MAX_ROWS or not x.is_contiguous():
-            return None
-        if kv_caches is not self._stack_caches:
-            self._stack_caches, self._stack = kv_caches, self._build_decode_stack(kv_caches)
-        if self._stack is None or not decode_ops.usable(x, x.shape[-1]):
-            return None
-        return self._stack
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [N, hidden] (only the rows that need logits) -> [N, vocab] float32."""
+        return self.lm_head(self.norm(hidden)).float()
 
-    def _build_decode_stack(self, kv_caches):
-        """Every layer's weights and caches in a DecodeStack, or None if any piece has no C++ path
-        (a quantized or smoothed KV cache, a non-float32 model, bitsandbytes layers)."""
-        first = self.layers[0].self_attn
-        if not decode_ops.usable(torch.empty(0), self.config.hidden_size, self.head_dim, self.config.intermediate_size):
+
+class LayerStack:
+    """Decoder layers as one kernels.decode_ops DecodeStack, built on first use for a list of KV
+    caches (and again when it changes), or never where a piece has no C++ path (a quantized or
+    smoothed KV cache, a non-float32 model, bitsandbytes layers)."""
+
+    def __init__(self, hidden: int, head_dim: int, intermediate: int):
+        self.dims = (hidden, head_dim, intermediate)
+        self.enabled = True
+        self.reset()
+
+    def reset(self) -> None:
+        self.caches: list | None = None  # the KV caches the stack was built for
+        self.built = None
+
+    def run(self, layers, x: torch.Tensor, positions, attn: AttnMetadata, kv_caches) -> torch.Tensor | None:
+        """The layers' output (x + the last delta) for this step, x updated in place as the modules
+        do; None where the modules must run it (then nothing was touched)."""
+        if (not self.enabled or x.shape[0] > decode_ops.STACK_MAX_ROWS or not x.is_contiguous()
+                or not decode_ops.usable(x, x.shape[-1])):
             return None
-        stack = decode_ops.decode_stack(first.num_heads, first.num_kv_heads, first.head_dim,
-                                        self.layers[0].input_layernorm.eps, first.scale,
-                                        first.rotary.cos, first.rotary.sin)
-        for layer, cache in zip(self.layers, kv_caches, strict=True):
+        if self.caches is None or len(self.caches) != len(kv_caches) or any(
+                a is not b for a, b in zip(self.caches, kv_caches)):
+            self.caches, self.built = list(kv_caches), self._build(layers, kv_caches)
+        if self.built is None:
+            return None
+        return self.built.forward(x, positions, attn.slot_mapping, attn.block_tables, *attn.query_rows())
+
+    def _build(self, layers, kv_caches):
+        if not decode_ops.usable(torch.empty(0), *self.dims):
+            return None
+        first = layers[0]
+        attn = first.self_attn
+        stack = decode_ops.decode_stack(attn.num_heads, attn.num_kv_heads, attn.head_dim, first.input_layernorm.eps,
+                                        attn.scale, attn.rotary.cos, attn.rotary.sin)
+        for layer, cache in zip(layers, kv_caches, strict=True):
             attn, mlp = layer.self_attn, layer.mlp
             norms = (layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach())
             linears = [getattr(m, "stack_weights", lambda: None)()
@@ -105,10 +123,6 @@ class DecoderLM(nn.Module):
                 return None
             stack.add_layer(*norms, cache.k_cache, cache.v_cache, linears)
         return stack
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [N, hidden] (only the rows that need logits) -> [N, vocab] float32."""
-        return self.lm_head(self.norm(hidden)).float()
 
 
 def rope_inv_freq(cfg, head_dim: int) -> tuple[torch.Tensor, float]:

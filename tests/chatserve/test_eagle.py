@@ -144,6 +144,24 @@ def test_dense_forward_matches_the_paged_one(oracle, trained_head, tiny_llama_di
     torch.testing.assert_close(rows, dense, atol=1e-4, rtol=1e-4)
 
 
+def test_the_heads_layer_through_the_decode_stack_equals_its_modules(trained_head, tiny_llama_dir):
+    """Rows of a drafting step run the head's layer as one C++ call (models/llama.LayerStack):
+    the same numbers as the modules, bit for bit."""
+    engine = make_engine(tiny_llama_dir, trained_head)
+    runner = engine.models.eagle_runner
+    ids = engine.tokenizer.encode("Stack and modules, the same numbers. " * 2)
+    features = target_features(engine, ids).float()
+    inputs = torch.cat([torch.zeros(1, features.shape[1]), features[:-1]])
+    blocks = list(range(-(-len(ids) // 16)))
+    runner.run([BatchItem(ids[:-3], 0, blocks, 0)], inputs[:-3])
+    out = {}
+    for use in (True, False):
+        runner.head.stack.enabled = use
+        out[use] = runner.run([BatchItem(ids[-3:], len(ids) - 3, blocks, 0)], inputs[-3:])
+    assert runner.head.stack.built is not None
+    assert torch.equal(out[True], out[False])
+
+
 def test_the_oracle_head_has_every_draft_accepted_over_turns(oracle):
     """Greedy, fp32, on pools full of noise: output equals speculation off, every draft is
     accepted (chain drafts and bonus tokens included), turn after turn from the prefix cache."""

@@ -1,6 +1,6 @@
 """DecodeStack (kernels/decode_stack_cpu.cpp): the decoder's layers in one C++ call for steps of
 few rows must give exactly the numbers of the modules it replaces (models/llama.py with
-use_decode_stack off), for every kind of linear layer, for decode and verification rows of
+stack.enabled = False), for every kind of linear layer, for decode and verification rows of
 several sequences in one step, and must stand aside where it has no path (quantized KV)."""
 
 import pytest
@@ -38,7 +38,7 @@ def steps_both_ways(model_dir, **config) -> tuple[list[torch.Tensor], list[torch
     out = {True: [], False: []}
     for items in steps:
         for use in (True, False):  # the same slots written twice with the same values
-            model.use_decode_stack = use
+            model.stack.enabled = use
             out[use].append(runner.run(items)[0])
     return out[True], out[False], model
 
@@ -48,7 +48,7 @@ def steps_both_ways(model_dir, **config) -> tuple[list[torch.Tensor], list[torch
 def test_the_stack_gives_the_modules_numbers_exactly(arch, quantization, tiny_llama_dir, tiny_qwen_dir):
     stack, modules, model = steps_both_ways(tiny_llama_dir if arch == "llama" else tiny_qwen_dir,
                                             quantization=quantization)
-    assert model._stack is not None, "the stack did not run"
+    assert model.stack.built is not None, "the stack did not run"
     for s, m in zip(stack, modules):
         assert torch.equal(s, m)
 
@@ -56,14 +56,14 @@ def test_the_stack_gives_the_modules_numbers_exactly(arch, quantization, tiny_ll
 def test_the_stack_takes_q4k_layers(tiny_q4k_dir):
     stack, modules, model = steps_both_ways(tiny_q4k_dir, quantization="int4")
     kinds = {type(m).__name__ for m in model.modules()}
-    assert "Q4KLinear" in kinds and model._stack is not None
+    assert "Q4KLinear" in kinds and model.stack.built is not None
     for s, m in zip(stack, modules):
         assert torch.equal(s, m)
 
 
 def test_a_quantized_kv_cache_keeps_the_modules(tiny_qwen_dir):
     stack, modules, model = steps_both_ways(tiny_qwen_dir, kv_cache_dtype="int8")
-    assert model._stack is None
+    assert model.stack.built is None
     for s, m in zip(stack, modules):
         assert torch.equal(s, m)
 
@@ -81,4 +81,4 @@ def test_a_step_past_the_row_limit_takes_the_modules(tiny_llama_dir):
     model = engine.models.target_runner.model
     ids = list(range(3, 3 + decode_ops.STACK_MAX_ROWS + 1))
     engine.models.target_runner.run([BatchItem(ids, 0, list(range(8)), 1)])
-    assert model._stack_caches is None  # never built: the only step had too many rows
+    assert model.stack.caches is None  # never built: the only step had too many rows
