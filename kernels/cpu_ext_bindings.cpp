@@ -1,26 +1,5 @@
 // Python bindings of the C++ CPU kernels (kernels/cpu_ext.py builds this with the *_cpu.cpp files).
-#include <torch/extension.h>
-
-std::vector<torch::Tensor> quantize_rows(torch::Tensor x);
-torch::Tensor q4_matmul(torch::Tensor xq, torch::Tensor xd, torch::Tensor xs, torch::Tensor codes, torch::Tensor params);
-torch::Tensor int4_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor params, c10::optional<torch::Tensor> bias);
-torch::Tensor q8_matmul(torch::Tensor xq, torch::Tensor xd, torch::Tensor qweight, torch::Tensor scales);
-torch::Tensor q4_dequantize(torch::Tensor codes, torch::Tensor params, torch::Tensor w);
-int64_t parallel_threads(int64_t items);
-std::vector<torch::Tensor> quantize_rows_k(torch::Tensor x);
-torch::Tensor q4k_matmul(torch::Tensor xq, torch::Tensor xd, torch::Tensor bsums, torch::Tensor codes,
-                         torch::Tensor subs, torch::Tensor dd);
-torch::Tensor q4k_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor subs, torch::Tensor dd,
-                         c10::optional<torch::Tensor> bias);
-torch::Tensor f32_matmul(torch::Tensor x, torch::Tensor w);
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps, c10::optional<torch::Tensor> residual);
-torch::Tensor silu_mul(torch::Tensor gate_up);
-void rope_(torch::Tensor x, int64_t heads, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin);
-void store_kv(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots);
-void paged_attention_rows(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                          torch::Tensor block_tables, torch::Tensor seq, torch::Tensor ctx, double scale);
-
-void bind_decode_stack(pybind11::module& m);
+#include "cpu_kernels.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   bind_decode_stack(m);

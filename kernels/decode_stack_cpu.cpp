@@ -6,22 +6,7 @@
 // (chatserve/models/llama.py, the reference it is tested against bit for bit): RMSNorm with the
 // residual, the QKV layer, RoPE in place, the KV store, one-query-row paged attention, the output
 // layer, RMSNorm, gate/up, SiLU * up, down. The GIL is released for the whole stack.
-#include <torch/extension.h>
-#include <vector>
-
-// The kernels it strings together (quant_matmul_cpu.cpp, q4k_matmul_cpu.cpp, decode_ops_cpu.cpp).
-std::vector<torch::Tensor> quantize_rows(torch::Tensor x);
-torch::Tensor int4_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor params, c10::optional<torch::Tensor> bias);
-torch::Tensor q8_matmul(torch::Tensor xq, torch::Tensor xd, torch::Tensor qweight, torch::Tensor scales);
-torch::Tensor q4k_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor subs, torch::Tensor dd,
-                         c10::optional<torch::Tensor> bias);
-torch::Tensor f32_matmul(torch::Tensor x, torch::Tensor w);
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps, c10::optional<torch::Tensor> residual);
-torch::Tensor silu_mul(torch::Tensor gate_up);
-void rope_(torch::Tensor x, int64_t heads, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin);
-void store_kv(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots);
-void paged_attention_rows(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                          torch::Tensor block_tables, torch::Tensor seq, torch::Tensor ctx, double scale);
+#include "cpu_kernels.h"
 
 namespace {
 
