@@ -37,14 +37,15 @@ def quantize_weights(model: nn.Module, scheme: str) -> nn.Module:
     if scheme.startswith("bnb-"):
         from quant.weights import quantize_model
 
-        return quantize_model(model, scheme.removeprefix("bnb-"))
-    prepare(scheme)
-    for parent_name, parent in list(model.named_modules()):
-        for name, child in list(parent.named_children()):
-            replacement = quantize_module(child, scheme, is_head=f"{parent_name}.{name}".lstrip(".").startswith("lm_head"))
-            if replacement is not child:
-                setattr(parent, name, replacement)
-    if hasattr(model, "reset_decode_stack"):
+        model = quantize_model(model, scheme.removeprefix("bnb-"))
+    else:
+        prepare(scheme)
+        for parent_name, parent in list(model.named_modules()):
+            for name, child in list(parent.named_children()):
+                replacement = quantize_module(child, scheme, is_head=f"{parent_name}.{name}".lstrip(".").startswith("lm_head"))
+                if replacement is not child:
+                    setattr(parent, name, replacement)
+    if hasattr(model, "reset_decode_stack"):  # a stack built before holds the old layers' weights
         model.reset_decode_stack()
     return model
 
