@@ -114,6 +114,8 @@ class Engine:
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
+        if self.spec and req.spec is not None:
+            self.spec.abort(req)
         self.scheduler.finish(req, "abort")
         req.stats.finish_time = time.perf_counter()
         return Delta(request_id, "", [], "abort", req.stats)

@@ -238,6 +238,13 @@ class SpecRunner:
         for method in self.methods.values():
             method.finish(req)
 
+    def abort(self, req: Request) -> None:
+        """req is aborted and still holds its blocks: methods that read features write what they
+        deferred for them."""
+        for method in self.methods.values():
+            if method.reads_features:
+                method.release(req)
+
     def record(self, req: Request, num_drafted: int, num_accepted: int) -> None:
         """A verification's outcome: the first num_accepted of num_drafted drafts were accepted."""
         method = req.spec.offer.method

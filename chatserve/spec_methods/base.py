@@ -100,6 +100,11 @@ class SpecMethod(Protocol):
         scheduled), features [num_tokens, hidden] for their rows."""
         ...
 
+    def release(self, req: Request) -> None:
+        """reads_features methods only: req is aborted, its blocks still held; write what was
+        deferred for them."""
+        ...
+
 
 def sample_draft(sampler, req: Request, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
     """logits [1, vocab] -> (draft token, its distribution [1, vocab] or None if greedy). A

@@ -3,32 +3,41 @@ on the target's features drafts k tokens in a chain, each step a forward of that
 
 Its KV follows the target's, so it has nothing to catch up on and needs no draft-KV marks:
 
-    head row i = fc([f_{i-1}; embed(t_i)])   written once the target has computed position i - 1
+    head row i = fc([f_{i-1}; embed(t_i)])   computable once the target has computed position i - 1
 
-    [0, num_computed_tokens)        head KV valid: observe() writes, after every target forward
-                                    (of every request, whatever its method), the rows of the
+    [0, num_computed_tokens)        head KV valid, or deferred: observe() takes, after every target
+                                    forward (of every request, whatever its method), the rows of the
                                     positions the target just computed, from their features
     [num_computed_tokens, +k)       written by propose() from its own predicted features and
-                                    drafts; the next observe() overwrites them with true rows
+                                    drafts; the next rows written there overwrite them with true ones
 
 So a committed block has valid head KV too (it is a function of the block's tokens and prefix,
 like the target's), and rollback is the target's integer: nothing of the head to undo.
-Design choices, the simplest correct ones (no measurement settled them yet):
+Design choices:
 - observe() runs after the step's tokens are appended, because row i needs t_i: the last row of
   a step is the token just sampled. The blocks of a request that finished in that step were
   released already; the engine hands over the block ids as scheduled, and nothing allocates
   before observe() writes them (a committed block among them must get its head rows before any
   request can attach it).
+- A decode step's rows are deferred (req.head_pending), not written at once: they join the first
+  forward of the request's next drafting step (propose feeds them before its newest token, one
+  forward where there were two: on SmolLM2 a head forward costs about as much for 1 row as for
+  16), or are written with the step's other rows once FLUSH_ROWS wait or the request
+  finishes, or by release() when it is aborted. Prompt chunks are written at once: a block of a shared
+  system prompt may be attached by another request in the next step. A block committed with
+  deferred rows that another request attaches before they are written (the same reply prefix
+  in two requests at once; a preempted request) gives that request's head stale rows there:
+  fewer accepted drafts, never other output (verification decides).
 - Row i needs f_{i-1}, a feature of the previous step: each request keeps its last one
   (req.last_feature). A request that starts from the prefix cache at position p (a block
   boundary) reads f_{p-1} from the pool's per-block feature (HeadRunner.block_features),
   written for every block's last position.
 - Drafts run in a chain, k forwards for k drafts over all drafting requests (no tree: issue
-  #14 asks for one only if it measurably pays on 2 cores). The first feeds the request's last
-  token with its last feature, each next one the draft just made with the head's predicted
-  feature. At T > 0 a draft is sampled from the head's distribution (the request's temperature
-  / top-k / top-p, over the head's trimmed vocabulary: 0 elsewhere), which rejection sampling
-  is given: lossless for any draft distribution.
+  #14 asks for one only if it measurably pays on 2 cores). The first feeds the request's
+  deferred rows and last token with its last feature, each next one the draft just made with
+  the head's predicted feature. At T > 0 a draft is sampled from the head's distribution (the
+  request's temperature / top-k / top-p, over the head's trimmed vocabulary: 0 elsewhere),
+  which rejection sampling is given: lossless for any draft distribution.
 - Priced like a free proposal (keeps_kv False): the head's steps are not in the measured costs
   yet (spec_costs.py), so adaptive k does not weigh them.
 """
@@ -39,10 +48,12 @@ import torch
 
 from chatserve.batch import BatchItem
 from chatserve.config import SpecConfig
-from chatserve.request import Request
+from chatserve.request import Request, Status
 from chatserve.scheduler import ScheduledSeq
 from chatserve.spec_methods.base import Offer, sample_draft
 from spec.adaptive import AcceptanceEMA, geometric_gains
+
+FLUSH_ROWS = 16  # deferred head rows of a request that does not draft are written at this many
 
 
 class EagleMethod:
@@ -70,23 +81,47 @@ class EagleMethod:
         return req.last_feature is not None and req.last_feature[0] == req.num_computed_tokens - 1
 
     def observe(self, scheduled: list[ScheduledSeq], items: list[BatchItem], features: torch.Tensor) -> None:
-        """Write the head's rows for the positions the target computed this step: request r fed
+        """Take the head's rows for the positions the target computed this step: request r fed
         positions [start, start + q_len) and now has num_computed_tokens = end (rejected drafts
         excluded), so its rows [start, end) take f_{start-1} (kept from before), then the
-        features of positions [start, end - 1), and tokens t_start .. t_{end-1}. One head
-        forward over all requests, no logits."""
+        features of positions [start, end - 1), and tokens t_start .. t_{end-1}. A running
+        decode's rows wait for its next drafting step (_defer); the rest are written now, in
+        one head forward over all requests, no logits."""
         head_items, inputs, row = [], [], 0
         block_size = self.runner.block_size
         for s, item in zip(scheduled, items):
             req, start, end = s.req, item.start_pos, s.req.num_computed_tokens
             fed = features[row : row + len(item.token_ids)]  # [q_len, hidden]: f_start, f_start+1, ...
             row += len(item.token_ids)
-            inputs += [self._feature_before(req, start, item.block_ids), fed[: end - start - 1]]
-            head_items.append(BatchItem(req.token_ids[start:end], start, item.block_ids, 0))
+            rows = torch.cat([self._feature_before(req, start, item.block_ids), fed[: end - start - 1]])
             req.last_feature = (end - 1, fed[end - start - 1].clone())
             for pos in range(start + block_size - 1 - start % block_size, end, block_size):  # blocks' last rows
                 self.runner.block_features[item.block_ids[pos // block_size]] = fed[pos - start]
-        self.runner.run(head_items, torch.cat(inputs))
+            start, rows = self._with_pending(req, start, rows)
+            if s.is_decode and req.status is Status.RUNNING and len(rows) < FLUSH_ROWS:
+                req.head_pending = (start, [rows])
+            else:
+                head_items.append(BatchItem(req.token_ids[start:end], start, item.block_ids, 0))
+                inputs.append(rows)
+        if head_items:
+            self.runner.run(head_items, torch.cat(inputs))
+
+    def _with_pending(self, req: Request, start: int, rows: torch.Tensor) -> tuple[int, torch.Tensor]:
+        """(start, rows) with req's deferred rows before them when those end at `start`, taking
+        them off the request; deferred rows that do not (the request was preempted and starts
+        over) are dropped unwritten."""
+        pending, req.head_pending = req.head_pending, None
+        if pending is None or pending[0] + sum(len(r) for r in pending[1]) != start:
+            return start, rows
+        return pending[0], torch.cat([*pending[1], rows])
+
+    def release(self, req: Request) -> None:
+        """req is aborted while it still holds its blocks: write its deferred rows (a finishing
+        request's are written by the step's observe())."""
+        pending, req.head_pending = req.head_pending, None
+        if pending is not None and pending[0] + sum(len(r) for r in pending[1]) == req.num_computed_tokens:
+            start, end = pending[0], req.num_computed_tokens
+            self.runner.run([BatchItem(req.token_ids[start:end], start, req.table.block_ids, 0)], torch.cat(pending[1]))
 
     def _feature_before(self, req: Request, start: int, block_ids: list[int]) -> torch.Tensor:
         """f_{start-1} as [1, hidden]: zeros at position 0, the request's own last feature, or,
@@ -107,12 +142,16 @@ class EagleMethod:
         for req in reqs:
             assert self._has_last_feature(req), "offer() checked it"
             pos = req.num_computed_tokens  # the last token's position: not fed to the target yet
-            items.append(BatchItem([req.token_ids[pos]], pos, req.table.block_ids, 1))
-            inputs.append(req.last_feature[1])
+            start, rows = self._with_pending(req, pos, req.last_feature[1][None])  # deferred rows first
+            items.append(BatchItem(req.token_ids[start : pos + 1], start, req.table.block_ids, 1))
+            inputs.append(rows)
         probs: list[list[torch.Tensor]] = [[] for _ in reqs]
-        active, features = list(range(len(reqs))), torch.stack(inputs)  # [drafting, hidden]
+        active, features = list(range(len(reqs))), torch.cat(inputs)  # [rows, hidden]
+        last_rows = torch.tensor([len(it.token_ids) for it in items]).cumsum(0) - 1  # each item's newest row
         while active:
-            predicted = self.runner.head.norm(self.runner.run(items, features))  # [drafting, hidden]
+            out = self.runner.run(items, features)
+            predicted = self.runner.head.norm(out if last_rows is None else out[last_rows])  # [drafting, hidden]
+            last_rows = None
             logits = self.runner.head.compute_logits(predicted)  # [drafting, vocab]
             next_active, next_items, next_rows = [], [], []
             for row, i in enumerate(active):
@@ -123,7 +162,7 @@ class EagleMethod:
                     probs[i].append(token_probs)
                 if len(req.draft_token_ids) < ks[i]:
                     next_active.append(i)
-                    next_items.append(BatchItem([token], items[row].start_pos + 1, req.table.block_ids, 1))
+                    next_items.append(BatchItem([token], items[row].start_pos + len(items[row].token_ids), req.table.block_ids, 1))
                     next_rows.append(row)
             active, items, features = next_active, next_items, predicted[next_rows]
         for req, rows in zip(reqs, probs):
