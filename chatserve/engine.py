@@ -114,7 +114,7 @@ class Engine:
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
-        if self.spec and req.spec is not None:
+        if self.spec:
             self.spec.abort(req)
         self.scheduler.finish(req, "abort")
         req.stats.finish_time = time.perf_counter()

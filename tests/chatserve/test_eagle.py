@@ -236,6 +236,27 @@ def test_head_kv_from_the_prefix_cache_equals_a_cold_run(tiny_llama_dir, trained
     assert_pool_empty(warm)
 
 
+def test_head_rows_deferred_by_an_aborted_request_are_written(tiny_llama_dir, trained_head, conversation):
+    """A request that does not draft defers its decode rows (fewer than FLUSH_ROWS here); aborted,
+    it writes them while it still holds its blocks, so a next turn over its committed blocks
+    reads the same head KV as a cold engine."""
+    prompt1 = conversation[0][0]
+    warm = make_engine(tiny_llama_dir, trained_head)
+    fill_with_noise(warm)
+    rid = warm.add_request(prompt1, dataclasses.replace(GREEDY, num_draft_tokens=0))
+    req = warm.requests[rid]
+    while req.num_output_tokens < 14:
+        warm.step()
+    assert req.head_pending is not None and req.num_computed_tokens // 16 > len(prompt1) // 16  # a committed block waits
+    warm.abort(rid)
+    prompt2 = req.token_ids + warm.tokenizer.encode(QUESTIONS[1])
+    cold = make_engine(tiny_llama_dir, trained_head, enable_prefix_caching=False)
+    params = dataclasses.replace(GREEDY, max_tokens=4)
+    cached_kv, cold_kv = head_kv_by_position(warm, prompt2, params), head_kv_by_position(cold, prompt2, params)
+    torch.testing.assert_close(cached_kv, cold_kv, atol=1e-4, rtol=1e-4)
+    assert_pool_empty(warm)
+
+
 def test_sampled_tokens_follow_the_target(tiny_llama_dir, trained_head):
     """T = 0.5, 2000 seeded requests of one prompt, 3 tokens each: the first from the prefill,
     the second from verifying one draft sampled from the head. The second must follow the
