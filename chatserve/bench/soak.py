@@ -54,7 +54,7 @@ class SoakPlan:
     seed: int = 0
     baseline_requests: int = 500  # resident memory is sampled after this many requests, and at the end
     max_rss_ratio: float = 1.2
-    timeout_s: float = 300.0  # per request
+    timeout_s: float = 600.0  # per request (queueing included: 64 clients on 2 cores wait minutes)
     progress_every: int = 250
 
     def __post_init__(self):
@@ -479,7 +479,7 @@ def add_arguments(p) -> None:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--baseline-requests", type=int, default=500, help="RSS baseline after this many requests")
     p.add_argument("--max-rss-ratio", type=float, default=1.2)
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds per request")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per request, queueing included")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write the summary as JSON here")
 
