@@ -186,6 +186,8 @@ class Soak:
         result, plan = self.result, self.plan
         result.outcomes.append(outcome)
         n = len(result.outcomes)
+        if outcome.kind != "drop" and not outcome.answered:  # said at once: a long run may never reach its end
+            self.progress(f"soak: unanswered {outcome.kind}/{outcome.endpoint} {outcome.detail}: {outcome.error}")
         if n == plan.baseline_requests:
             result.rss_baseline_bytes = read_rss(self.pid)
         if n % plan.progress_every == 0 or n == plan.baseline_requests:
