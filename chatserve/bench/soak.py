@@ -170,9 +170,8 @@ class Soak:
         self.plan, self.pid, self.progress = plan, server_pid, progress
         self.result = SoakResult()
         self.num_issued = 0
-        self.num_max_model_len = 8192
-        self.prompts = [turns for c in builtin_conversations(("chat", "code", "edit", "multiturn"))
-                        for turns in [c.user_turns]]
+        self.max_model_len = 8192
+        self.prompts = [c.user_turns for c in builtin_conversations(("chat", "code", "edit", "multiturn"))]
         self.started = time.perf_counter()
 
     # -- bookkeeping -----------------------------------------------------------------------
@@ -250,7 +249,7 @@ class Soak:
                 if ready.get("code") in RETRY_CODES:
                     raise _Refused(ready.get("code"))
                 raise ConnectionError(f"no ready: {ready}")
-            self.num_max_model_len = ready.get("max_model_len") or self.num_max_model_len
+            self.max_model_len = ready.get("max_model_len") or self.max_model_len
             for turn in range(num_turns):
                 if not self.take_ticket():
                     return
@@ -332,7 +331,7 @@ class Soak:
             "prompt_too_long", "invalid_prompt")
 
     def oversized_prompt(self) -> str:
-        return "hello " * (self.num_max_model_len + 64)  # one token a word: over the context
+        return "hello " * (self.max_model_len + 64)  # one token a word: over the context
 
     async def openai_conversation(self, rng: random.Random, http: httpx.AsyncClient, num_turns: int) -> None:
         history: list[dict] = []
