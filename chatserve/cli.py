@@ -185,7 +185,7 @@ def cmd_serve(args) -> int:
     print(f"loaded {config.model} (draft: {draft}; methods: {methods}) in {time.perf_counter() - start:.1f} s; "
           f"weights {config.quantization or config.dtype}: {mem['weights_bytes']:.2f} GiB, resident "
           f"{mem['rss_bytes']:.2f} GiB (peak {mem['peak_rss_bytes']:.2f}), KV pool {mem['kv_pool_bytes']:.2f} GiB "
-          f"reserved", file=sys.stderr)
+          f"(included)", file=sys.stderr)
     server_config = ServerConfig(
         host=args.host,
         port=args.port,

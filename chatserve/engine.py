@@ -272,8 +272,8 @@ class Engine:
 
     def memory_stats(self) -> dict:
         """Bytes: the process's resident set now and at its peak (Linux), the models' weights
-        (parameters and buffers, shared tensors once) and the KV pool (reserved; its pages
-        become resident as blocks are first written)."""
+        (parameters and buffers, shared tensors once) and the KV pool (zeroed when made, so
+        resident from the start: chatserve/kv_cache.py)."""
         models = [m for m in (self.models.target, self.models.draft) if m is not None]
         if self.models.eagle_runner is not None:
             models.append(self.models.eagle_runner.head)

@@ -12,6 +12,13 @@ layer-0 K outlier channels are handled by K smoothing instead, see docs/benchmar
 quantized cache may also carry per-layer K means (set_key_means, chatserve/kv_smooth.py): the
 attention layer subtracts them from post-RoPE K before storing it; they take no pool bytes.
 Views are made once here, never per step.
+
+The pool is zeroed when it is made, so its pages are committed (resident) from the start, as
+llama.cpp and vLLM hold theirs. torch.empty would map them lazily: the prefix cache keeps freed
+blocks' contents and hands out never-used blocks first, so the set of touched pages grows with
+traffic until the whole pool is resident. That read as a leak under a soak (issue #15: resident
+memory growing ~65 MiB per long conversation on SmolLM2 for hours) and hid the server's real
+footprint until then.
 """
 
 from __future__ import annotations
@@ -80,11 +87,11 @@ class KVCache:
         num_plain = shape.num_plain_layers
         dims = (2, num_blocks, block_size, shape.num_kv_heads)
         # [num_plain, 2, num_blocks, block_size, num_kv_heads, head_dim] in the model dtype
-        self.plain_pool = torch.empty((num_plain, *dims, shape.head_dim), dtype=shape.dtype)
+        self.plain_pool = torch.zeros((num_plain, *dims, shape.head_dim), dtype=shape.dtype)
         # [num_pooled, 2, num_blocks, block_size, num_kv_heads, head_dim] in the storage dtype
         num_pooled = shape.num_layers - num_plain
-        self.pool = torch.empty((num_pooled, *dims, shape.head_dim), dtype=kv_storage_dtype(shape.kv_format, shape.dtype))
-        self.scales = torch.empty((num_pooled, *dims), dtype=SCALE_DTYPE) if is_quantized(shape.kv_format) else None
+        self.pool = torch.zeros((num_pooled, *dims, shape.head_dim), dtype=kv_storage_dtype(shape.kv_format, shape.dtype))
+        self.scales = torch.zeros((num_pooled, *dims), dtype=SCALE_DTYPE) if is_quantized(shape.kv_format) else None
         self.layers = [LayerCache(p[0], p[1], None, None) for p in self.plain_pool]
         if self.scales is None:
             self.layers += [LayerCache(p[0], p[1], None, None) for p in self.pool]

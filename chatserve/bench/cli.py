@@ -42,6 +42,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--plots", default=None, help="directory for PNG plots (default: next to --out)")
     o.add_argument("--markdown", default=None, help="write the tables as Markdown here (for docs)")
     o.add_argument("--no-progress", action="store_true")
+    k = p.add_argument_group("soak (chatserve/bench/soak.py): --num-requests requests from --concurrency clients")
+    k.add_argument("--soak", action="store_true",
+                   help="misbehaving clients (cancels, drops, bad frames), then end checks: pool free, resident "
+                        "memory bounded, all answered, still serving; starts a server for --model, else --url")
+    k.add_argument("--cancel-rate", type=float, default=0.15)
+    k.add_argument("--drop-rate", type=float, default=0.07)
+    k.add_argument("--bad-rate", type=float, default=0.15)
+    k.add_argument("--openai-rate", type=float, default=0.3, help="share of soak conversations over /v1")
+    k.add_argument("--pid", type=int, default=None, help="with --url: the server's pid, to read its resident memory")
+    k.add_argument("--rss-baseline-requests", type=int, default=500, help="resident memory baseline after this many")
+    k.add_argument("--max-rss-ratio", type=float, default=1.2)
     s = p.add_argument_group("sweep: start a server per configuration")
     s.add_argument("--sweep", action="store_true", help="start/stop `chatserve serve` per --config")
     s.add_argument("--model", default=None, help="served model (sweep) / baseline model (default: the server's)")
@@ -98,6 +109,15 @@ def configs_from_args(args) -> list[tuple[str, list[str]]]:
 
 
 def cmd_bench(args) -> int:
+    if args.soak:
+        from chatserve.bench.soak import main as soak_main
+
+        return soak_main(argparse.Namespace(
+            url=None if args.model else args.url, pid=args.pid, model=args.model, server_args=args.server_args,
+            clients=int(args.concurrency), requests=args.num_requests, cancel_rate=args.cancel_rate,
+            drop_rate=args.drop_rate, bad_rate=args.bad_rate, openai_rate=args.openai_rate, max_turns=args.turns,
+            max_tokens=args.max_tokens, baseline_requests=args.rss_baseline_requests, max_rss_ratio=args.max_rss_ratio,
+            timeout=args.timeout, seed=args.seed, out=args.out))
     from chatserve.bench.report import format_summary, format_sweep_table, machine
     from chatserve.bench.sweep import SweepPlan, run_points
 

@@ -65,6 +65,20 @@ def test_pool_layout_and_views(fmt):
     assert cache.num_bytes == 5 * shape.bytes_per_block(8)
 
 
+@pytest.mark.parametrize("fmt", ["auto", "int8"])
+def test_pool_is_resident_from_the_start(fmt):
+    """Issue #15: a lazily mapped pool became resident block by block under traffic, which read
+    as a leak. Made zeroed, its pages count in the process's resident memory at once."""
+    from chatserve.engine import process_memory
+
+    shape = CacheShape(num_layers=4, num_kv_heads=4, head_dim=64, dtype=torch.float32, kv_format=fmt)
+    before = process_memory()["rss_bytes"]
+    cache = KVCache(shape, num_blocks=1024, block_size=16)  # 128 MiB (auto), ~34 MiB (int8 + scales)
+    grown = process_memory()["rss_bytes"] - before
+    assert grown >= 0.9 * cache.num_bytes, (grown, cache.num_bytes)
+    assert not cache.pool.any() and (cache.scales is None or not cache.scales.any())
+
+
 def test_first_layers_can_stay_unquantized():
     shape = CacheShape(3, 2, 16, torch.float32, "int8", num_unquantized_layers=1)
     cache = KVCache(shape, num_blocks=5, block_size=8)
