@@ -1,5 +1,5 @@
 """The C++ CPU kernels (AVX2): one extension built from kernels/*_cpu.cpp by torch.utils.cpp_extension
-on first use (~1-2 min, cached per machine in ~/.cache/torch_extensions), or None.
+on first use (~1-2 min, cached per machine and per source content in ~/.cache/torch_extensions), or None.
 
 None where it cannot be built (no compiler or ninja), on a CPU without AVX2/FMA/F16C, or when
 CHATSERVE_NO_CPU_KERNELS is set; every caller then takes its plain-torch path (correct, slower).
@@ -10,6 +10,7 @@ step's norms, RoPE, KV store, attention, SiLU).
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import shutil
 import sys
@@ -26,13 +27,25 @@ NAME = "chatserve_cpu"
 STALE_LOCK_SECONDS = 600  # a build takes ~1-3 min; an older lock was left by a killed build
 
 
-def _clear_stale_lock() -> None:
+def _build_directory() -> Path:
+    """One build directory per content of the sources and headers: two checkouts (or versions) of
+    chatserve on one machine each keep their own build instead of rebuilding the shared one in
+    turn (torch rebuilds whenever the source paths in build.ninja change)."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    digest = hashlib.sha256()
+    for path in sorted([*(_DIR / s for s in SOURCES), *_DIR.glob("*.h")]):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    directory = Path(_get_build_directory(NAME, verbose=False)).parent / f"{NAME}-{digest.hexdigest()[:12]}"
+    directory.mkdir(parents=True, exist_ok=True)
+    return directory
+
+
+def _clear_stale_lock(directory: Path) -> None:
     """torch's builder waits, forever, while the build directory holds a `lock` file, which a
     build killed midway (Ctrl-C at the first start) leaves behind: remove one that old."""
     try:
-        from torch.utils.cpp_extension import _get_build_directory
-
-        lock = Path(_get_build_directory(NAME, verbose=False)) / "lock"
+        lock = directory / "lock"
         if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_SECONDS:
             print(f"chatserve: removing a stale build lock ({lock})", file=sys.stderr)
             lock.unlink(missing_ok=True)
@@ -50,9 +63,11 @@ def extension():
     venv_bin = os.path.dirname(sys.executable)  # pip's ninja lives beside the interpreter
     if shutil.which("ninja") is None and os.path.exists(os.path.join(venv_bin, "ninja")):
         os.environ["PATH"] = venv_bin + os.pathsep + os.environ.get("PATH", "")
-    _clear_stale_lock()
     try:
         from torch.utils.cpp_extension import load
+
+        directory = _build_directory()
+        _clear_stale_lock(directory)
 
         print("chatserve: loading the C++ CPU kernels (built once per machine, ~1-2 min)", file=sys.stderr, flush=True)
         # -fopenmp: at::parallel_for is a header template around `#pragma omp parallel`; without
@@ -61,7 +76,7 @@ def extension():
         return load(name=NAME, sources=[str(_DIR / s) for s in SOURCES],
                     extra_include_paths=[str(_DIR)],
                     extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"], extra_ldflags=["-fopenmp"],
-                    verbose=False)
+                    build_directory=str(directory), verbose=False)
     except Exception as error:  # no compiler / ninja: the slow paths still work
         print(f"chatserve: the C++ CPU kernels could not be built ({type(error).__name__}: "
               f"{str(error).splitlines()[0] if str(error) else ''}); using the plain-torch paths",

@@ -167,14 +167,28 @@ def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, monkeypatc
     import os
     import time
 
-    import torch.utils.cpp_extension
-
-    monkeypatch.setattr(torch.utils.cpp_extension, "_get_build_directory", lambda name, verbose: str(tmp_path))
     lock = tmp_path / "lock"
     lock.touch()
-    cpu_ext._clear_stale_lock()
+    cpu_ext._clear_stale_lock(tmp_path)
     assert lock.exists()  # fresh: another process may be building right now
     old = time.time() - cpu_ext.STALE_LOCK_SECONDS - 60
     os.utime(lock, (old, old))
-    cpu_ext._clear_stale_lock()
+    cpu_ext._clear_stale_lock(tmp_path)
     assert not lock.exists()
+
+
+def test_the_build_directory_follows_the_sources_content(tmp_path, monkeypatch):
+    """Two checkouts with the same sources share one build; a changed source gets its own."""
+    import shutil
+
+    import torch.utils.cpp_extension
+
+    monkeypatch.setattr(torch.utils.cpp_extension, "_get_build_directory",
+                        lambda name, verbose: str(tmp_path / "ext" / name))
+    copy = tmp_path / "copy"
+    shutil.copytree(cpu_ext._DIR, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    here = cpu_ext._build_directory()
+    monkeypatch.setattr(cpu_ext, "_DIR", copy)
+    assert cpu_ext._build_directory() == here and here.parent == tmp_path / "ext"
+    (copy / cpu_ext.SOURCES[0]).write_text((copy / cpu_ext.SOURCES[0]).read_text() + "\n// changed\n")
+    assert cpu_ext._build_directory() != here
