@@ -175,8 +175,9 @@ def test_a_100mb_body_and_deep_json_are_refused_before_parsing(server):
     with socket.create_connection(("127.0.0.1", server.port)) as sock:
         sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Content-Length: 100000000\r\n\r\n" + b"[" * 1024)
-        head = sock.recv(4096).decode()
-    assert head.startswith("HTTP/1.1 413") and "too_large" in head
+        sock.settimeout(10)
+        answer = _read_response(sock)
+    assert answer.startswith("HTTP/1.1 413") and "too_large" in answer
     # Chunked (no length): refused once the bytes read pass the 1 MiB limit, long before 100 MB.
     num_sent, answer = _send_chunked_until_answered(server.port, total=100 << 20)
     assert answer.startswith("HTTP/1.1 413") and "too_large" in answer
@@ -216,4 +217,16 @@ def _send_chunked_until_answered(port: int, total: int) -> tuple[int, str]:
             pending, num_sent = pending[n:], num_sent + n
         sock.setblocking(True)
         sock.settimeout(10)
-        return num_sent, sock.recv(4096).decode(errors="replace")
+        return num_sent, _read_response(sock)
+
+
+def _read_response(sock: socket.socket) -> str:
+    """One HTTP response with a Content-Length: its head and body."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(4096)
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+    while len(body) < length:
+        body += sock.recv(4096)
+    return (head + b"\r\n\r\n" + body).decode(errors="replace")
