@@ -276,7 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-prompt-tokens", type=int, default=None)
     s.add_argument("--max-tokens-limit", type=int, default=4096)
     s.add_argument("--max-connections", type=int, default=64, help="open websockets + in-flight HTTP generations")
-    s.add_argument("--max-queued-requests", type=int, default=32, metavar="N",
+    s.add_argument("--max-queued-requests", type=int, default=48, metavar="N",
                    help="generations allowed to wait beyond --max-num-seqs; past it new ones get 429 + Retry-After")
     s.add_argument("--max-pending-output-bytes", type=_bytes, default=256 << 10, metavar="BYTES",
                    help="output a websocket client may leave unread before it is dropped (close code 4008), "

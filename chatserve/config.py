@@ -101,7 +101,7 @@ class ServerConfig:
     max_connections: int = 64  # open websockets + in-flight HTTP generations
     # Generations (websocket turns + HTTP completions) waiting beyond the engine's max_num_seqs;
     # past it a new one gets 429 + Retry-After instead of an unbounded wait.
-    max_queued_requests: int = 32
+    max_queued_requests: int = 48  # with the defaults, 16 + 48 = max_connections
     # Output bytes queued for a websocket that is not reading (beyond the socket's own buffers);
     # past it the connection is dropped with close code 4008 and its turn aborted.
     max_pending_output_bytes: int = 256 << 10
