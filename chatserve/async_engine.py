@@ -27,6 +27,7 @@ class AsyncEngine:
         self.model_name = model_name
         self.draft_name = draft_name
         self.max_model_len = engine.max_model_len
+        self.max_num_seqs = engine.config.max_num_seqs  # how many requests run at once; the rest wait
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._outboxes: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._wake = threading.Event()

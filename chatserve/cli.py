@@ -195,6 +195,9 @@ def cmd_serve(args) -> int:
         max_prompt_tokens=args.max_prompt_tokens,
         max_tokens_limit=args.max_tokens_limit,
         max_connections=args.max_connections,
+        max_queued_requests=args.max_queued_requests,
+        max_pending_output_bytes=args.max_pending_output_bytes,
+        shutdown_grace=args.shutdown_grace,
         served_model_name=args.served_model_name or config.model,
     )
     run_server(AsyncEngine(engine, server_config.served_model_name, draft), server_config)
@@ -272,7 +275,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-message-bytes", type=int, default=1 << 20)
     s.add_argument("--max-prompt-tokens", type=int, default=None)
     s.add_argument("--max-tokens-limit", type=int, default=4096)
-    s.add_argument("--max-connections", type=int, default=64)
+    s.add_argument("--max-connections", type=int, default=64, help="open websockets + in-flight HTTP generations")
+    s.add_argument("--max-queued-requests", type=int, default=48, metavar="N",
+                   help="generations allowed to wait beyond --max-num-seqs; past it new ones get 429 + Retry-After")
+    s.add_argument("--max-pending-output-bytes", type=_bytes, default=256 << 10, metavar="BYTES",
+                   help="output a websocket client may leave unread before it is dropped (close code 4008), "
+                        "e.g. 256K")
+    s.add_argument("--shutdown-grace", type=float, default=30.0, metavar="SECONDS",
+                   help="on SIGTERM, how long running generations may finish before they are aborted")
     s.add_argument("--served-model-name", default=None)
     s.set_defaults(func=cmd_serve)
 

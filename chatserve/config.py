@@ -98,8 +98,21 @@ class ServerConfig:
     max_message_bytes: int = 1 << 20
     max_prompt_tokens: int | None = None  # None = the model's context limit
     max_tokens_limit: int = 4096  # the largest max_tokens a client may ask for
-    max_connections: int = 64
+    max_connections: int = 64  # open websockets + in-flight HTTP generations
+    # Generations (websocket turns + HTTP completions) waiting beyond the engine's max_num_seqs;
+    # past it a new one gets 429 + Retry-After instead of an unbounded wait.
+    max_queued_requests: int = 48  # with the defaults, 16 + 48 = max_connections
+    # Output bytes queued for a websocket that is not reading (beyond the socket's own buffers);
+    # past it the connection is dropped with close code 4008 and its turn aborted.
+    max_pending_output_bytes: int = 256 << 10
+    shutdown_grace: float = 30.0  # seconds running generations get to finish after SIGTERM
     served_model_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_connections < 1 or self.max_queued_requests < 0:
+            raise ValueError("max_connections must be >= 1 and max_queued_requests >= 0")
+        if self.max_pending_output_bytes < 1 or self.shutdown_grace < 0:
+            raise ValueError("max_pending_output_bytes must be >= 1 and shutdown_grace >= 0")
 
     @classmethod
     def from_dict(cls, values: dict) -> "ServerConfig":

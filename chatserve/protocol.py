@@ -7,7 +7,10 @@ docs/protocol.md describes the same messages for clients.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from chatserve.sampling_params import RequestStats, SamplingParams
 from chatserve.spec_methods import SPEC_METHODS
@@ -29,6 +32,17 @@ FORBIDDEN_ORIGIN = "forbidden_origin"
 TOO_MANY_CONNECTIONS = "too_many_connections"
 MODEL_NOT_FOUND = "model_not_found"
 ENGINE_ERROR = "engine_error"
+QUEUE_FULL = "queue_full"  # max_num_seqs + max_queued_requests generations already in flight
+SHUTTING_DOWN = "shutting_down"  # the server is draining after SIGTERM
+TOO_DEEP = "too_deep"  # JSON nested deeper than MAX_JSON_DEPTH
+
+# Websocket close codes (RFC 6455 section 7.4; 4000-4999 belong to the application).
+CLOSE_GOING_AWAY = 1001  # the server is shutting down
+CLOSE_POLICY_VIOLATION = 1008  # refused for good: origin, API key
+CLOSE_TRY_AGAIN_LATER = 1013  # too many connections
+CLOSE_SLOW_READER = 4008  # the client left too much output unread; reconnecting is fine
+
+MAX_JSON_DEPTH = 32  # our messages nest 4 deep ({"messages": [{"content": [{"type": ...}]}]})
 
 ROLES = ("system", "user", "assistant")
 SETTINGS_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens",
@@ -40,10 +54,11 @@ class ProtocolError(Exception):
     """A client mistake: `code` is one of the constants above, `status` the HTTP status to use."""
 
     def __init__(self, code: str, message: str, status: int = 400, param: str | None = None,
-                 id: str | int | None = None):
+                 id: str | int | None = None, retry_after: int | None = None):
         super().__init__(message)
         self.code, self.message, self.status, self.param = code, message, status, param
         self.id = id  # the websocket turn it belongs to, if any
+        self.retry_after = retry_after  # seconds, for a Retry-After header (429, 503)
 
 
 # ---------------------------------------------------------------- websocket: client -> server
@@ -83,10 +98,7 @@ ClientMessage = ChatTurn | Settings | Cancel | Reset | Auth
 
 def parse_client_message(text: str) -> ClientMessage:
     """One websocket text frame -> a client message. Raises ProtocolError."""
-    try:
-        obj = json.loads(text)
-    except (json.JSONDecodeError, RecursionError) as e:
-        raise ProtocolError(BAD_JSON, f"message is not valid JSON: {e}") from None
+    obj = loads(text, "message")
     if not isinstance(obj, dict):
         raise ProtocolError(BAD_MESSAGE, "message must be a JSON object with a 'type' field")
     kind = obj.get("type")
@@ -279,6 +291,34 @@ def reset_message() -> dict:
     return {"type": "reset"}
 
 
+_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')  # a string literal may hold brackets
+_DEPTH_STEPS = np.zeros(256, np.int8)  # byte -> +1 for "[" "{", -1 for "]" "}", else 0
+_DEPTH_STEPS[[ord("["), ord("{")]], _DEPTH_STEPS[[ord("]"), ord("}")]] = 1, -1
+
+
+def loads(data: str | bytes, what: str) -> object:
+    """json.loads behind a nesting limit that is checked first, so "[[[[..." is refused without
+    being parsed (json's own limit is the interpreter's recursion depth, about 1000)."""
+    try:
+        text = data.decode("utf-8") if isinstance(data, bytes) else data
+    except UnicodeDecodeError as e:
+        raise ProtocolError(BAD_JSON, f"{what} is not valid UTF-8: {e}") from None
+    if text.count("[") + text.count("{") > MAX_JSON_DEPTH and json_depth(text) > MAX_JSON_DEPTH:
+        raise ProtocolError(TOO_DEEP, f"{what} nests JSON deeper than {MAX_JSON_DEPTH} levels")
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise ProtocolError(BAD_JSON, f"{what} is not valid JSON: {e}") from None
+
+
+def json_depth(text: str) -> int:
+    """The deepest array/object nesting in `text`: the running count of open brackets outside
+    string literals, at its maximum. O(n) in numpy (a 1 MiB body takes milliseconds), so it can
+    run before json.loads; text that is not JSON gets a number too, and json.loads the blame."""
+    codes = np.frombuffer(_JSON_STRING.sub('""', text).encode(), np.uint8)  # [num_bytes]
+    return int(np.cumsum(_DEPTH_STEPS[codes], dtype=np.int32).max(initial=0))
+
+
 def dumps(message: dict) -> str:
     return json.dumps(message, separators=(",", ":"), ensure_ascii=False)
 
@@ -287,7 +327,7 @@ def dumps(message: dict) -> str:
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
-               503: "service_unavailable_error"}
+               429: "rate_limit_error", 503: "service_unavailable_error"}
 _SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "stop",
                   "speculation", "spec_method", "num_draft_tokens", "ignore_eos")  # top_k on: extensions (vLLM's, ours)
 

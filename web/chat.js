@@ -51,18 +51,29 @@
     ws.onclose = (event) => onClose(ws, event);
   }
 
+  // Why the server closed the socket (close codes in docs/protocol.md); all but 1008 retry.
+  const CLOSE_REASONS = {
+    1001: { status: "Server shutting down", message: "The server is shutting down. This page reconnects when it is back." },
+    1012: { status: "Server restarting", message: "The server is restarting. This page reconnects when it is back." },
+    1013: { status: "Server busy", message: "The server has too many connections open. Retrying…" },
+    4008: { status: "Fell behind", message: "This page fell too far behind the reply stream and was disconnected. Reconnecting…" },
+  };
+
   function onClose(ws, event) {
     if (ws !== state.ws) return;
     state.ready = false;
-    if (state.running) endTurn({ note: "connection lost", keep: true });
+    const why = CLOSE_REASONS[event.code];
+    if (state.running) endTurn({ note: why ? why.status.toLowerCase() : "connection lost", keep: true });
     updateControls();
     if (event.code === 1008) {  // refused (origin, API key): retrying would not help
       setStatus("offline", "Disconnected");
       return;
     }
+    if (why) showError(why.message);
     const delay = Math.min(10000, 500 * 2 ** state.retries) * (0.8 + 0.4 * Math.random());
     state.retries += 1;
-    setStatus("connecting", `Reconnecting in ${Math.ceil(delay / 1000)}s…`);
+    const label = `${why ? `${why.status} · r` : "R"}econnecting in ${Math.ceil(delay / 1000)}s…`;
+    setStatus("connecting", label);
     state.retryTimer = setTimeout(connect, delay);
   }
 
@@ -99,13 +110,14 @@
         break;
       case "done":
         if (!turn || m.id !== turn.id) return;
-        endTurn({ stats: m.stats, note: m.finish_reason === "abort" ? "stopped" :
+        // an abort nobody asked for: the server ended it (shutting down; its close message follows)
+        endTurn({ stats: m.stats, note: m.finish_reason === "abort" ? (turn.isCancelled ? "stopped" : "interrupted") :
           m.finish_reason === "length" ? "max tokens" : null, keep: true });
         break;
       case "error":
         if (turn && m.id === turn.id) endTurn({ error: m.message, keep: false });
         else if (m.code === "unauthorized") showError("This server needs an API key: open it as /?api_key=YOUR_KEY");
-        else showError(m.message);
+        else if (m.code !== "shutting_down") showError(m.message);  // the close that follows says it
         break;
       default:  // "settings" and "reset" acknowledgements need nothing
         break;
@@ -411,7 +423,9 @@
     if (e.key === "Enter" && !e.shiftKey && !e.isComposing) { e.preventDefault(); sendTurn(); }
   });
   el.input.addEventListener("input", () => { autosize(); updateControls(); });
-  el.stop.addEventListener("click", () => { if (state.running) send({ type: "cancel", id: state.running.id }); });
+  el.stop.addEventListener("click", () => {
+    if (state.running && send({ type: "cancel", id: state.running.id })) state.running.isCancelled = true;
+  });
   el.newChat.addEventListener("click", newChat);
   el.settingsToggle.addEventListener("click", () => {
     const open = el.settingsPanel.hidden;

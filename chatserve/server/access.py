@@ -1,6 +1,7 @@
-"""Security and limits: Origin, API key, connection count, prompt length. No I/O.
+"""Security and limits: Origin, API key, prompt length, message size. No I/O.
 
 Every refusal is a ProtocolError carrying its HTTP status; the routes decide how to send it.
+How much work the server takes on (connections, generations) is admission.py's.
 """
 
 from __future__ import annotations
@@ -13,12 +14,11 @@ from chatserve.config import ServerConfig
 
 
 class AccessControl:
-    """The checks every route shares, and the count of open websockets + in-flight HTTP generations."""
+    """The checks every route shares."""
 
     def __init__(self, config: ServerConfig, max_prompt_tokens: int):
         self.config = config
         self.max_prompt_tokens = max_prompt_tokens
-        self.num_connections = 0
 
     def is_origin_allowed(self, headers) -> bool:
         """No Origin = not a browser. Otherwise it must name this host, or be listed in allowed_origins."""
@@ -38,15 +38,6 @@ class AccessControl:
             raise P.ProtocolError(P.FORBIDDEN_ORIGIN, f"origin {headers.get('origin')!r} is not allowed", 403)
         if not self.is_key_valid(bearer_token(headers)):
             raise P.ProtocolError(P.UNAUTHORIZED, "missing or invalid API key (Authorization: Bearer <key>)", 401)
-
-    def acquire_connection(self) -> None:
-        if self.num_connections >= self.config.max_connections:
-            raise P.ProtocolError(P.TOO_MANY_CONNECTIONS,
-                                  f"server busy: {self.config.max_connections} connections already open", 503)
-        self.num_connections += 1
-
-    def release_connection(self) -> None:
-        self.num_connections -= 1
 
     def check_prompt(self, prompt_ids: list[int]) -> None:
         if len(prompt_ids) > self.max_prompt_tokens:

@@ -16,6 +16,7 @@ from chatserve import protocol as P
 from chatserve.config import ServerConfig
 from chatserve.metrics import CONTENT_TYPE
 from chatserve.server.openai_api import OpenAIRoutes, error_response
+from chatserve.server.shutdown import UVICORN_GRACE, DrainingServer
 from chatserve.server.state import AppState
 from chatserve.server.websocket import Connection
 
@@ -36,8 +37,11 @@ def create_app(engine, config: ServerConfig) -> Starlette:
         except Exception as e:
             return JSONResponse({"status": "error", "message": f"engine.stats() failed: {e!r}"}, status_code=503)
         keys = ("num_running", "num_waiting", "num_blocks", "num_free_blocks", "kv_usage")
-        return JSONResponse({"status": "ok", "model": state.model_name, "draft": engine.draft_name,
-                             **{k: stats.get(k) for k in keys}, "num_connections": state.access.num_connections})
+        admission = state.admission
+        body = {"status": "draining" if admission.is_draining else "ok", "model": state.model_name,
+                "draft": engine.draft_name, **{k: stats.get(k) for k in keys},
+                "num_connections": admission.num_connections, "num_generations": admission.num_generations}
+        return JSONResponse(body, status_code=503 if admission.is_draining else 200)  # draining: route elsewhere
 
     async def metrics(request: Request) -> Response:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
@@ -67,16 +71,18 @@ async def _http_exception(request: Request, exc: HTTPException) -> Response:
                                           exc.status_code))
 
 
-def make_uvicorn_server(engine, config: ServerConfig, log_level: str = "info"):
-    """uvicorn with uvloop and sans-I/O websockets, serving create_app(engine, config)."""
+def make_uvicorn_server(engine, config: ServerConfig, log_level: str = "info") -> DrainingServer:
+    """uvicorn with uvloop and sans-I/O websockets, serving create_app(engine, config); SIGTERM
+    drains it (shutdown.py)."""
     import uvicorn
 
+    app = create_app(engine, config)
     # Frames up to 4x the limit reach the app and get a clear `too_large` error; bigger ones are
     # closed by the protocol layer with code 1009.
-    uv_config = uvicorn.Config(create_app(engine, config), host=config.host, port=config.port, loop="uvloop",
-                               ws="websockets-sansio", ws_max_size=4 * config.max_message_bytes,
-                               log_level=log_level)
-    return uvicorn.Server(uv_config)
+    uv_config = uvicorn.Config(app, host=config.host, port=config.port, loop="uvloop", ws="websockets-sansio",
+                               ws_max_size=4 * config.max_message_bytes, log_level=log_level,
+                               timeout_graceful_shutdown=UVICORN_GRACE)
+    return DrainingServer(uv_config, app.state.server)
 
 
 def run_server(engine, config: ServerConfig) -> None:

@@ -1,13 +1,13 @@
 """OpenAI-compatible routes: /v1/chat/completions and /v1/completions (SSE or whole), /v1/models.
 
-A request is checked (access, body, limits) and waits for its first delta before any header is
-sent, so refusals are proper OpenAI error responses; after that, errors are reported in-band.
+A request is checked (access, then admission: a full queue is a 429 before the body is read;
+then body, limits) and waits for its first delta before any header is sent, so refusals are
+proper OpenAI error responses; after that, errors are reported in-band.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from dataclasses import dataclass
@@ -40,25 +40,49 @@ class OpenAIRoutes:
         return JSONResponse(P.models_response(s.model_name, s.engine.max_model_len, s.created))
 
     async def _read_json(self, request: Request):
+        """The body, refused (413) from its Content-Length or as soon as the bytes read pass the
+        limit, so a 100 MB upload is never held; then parsed behind protocol.loads' depth limit."""
         limit = self.state.config.max_message_bytes
         too_large = P.ProtocolError(P.TOO_LARGE, f"request body is larger than the {limit}-byte limit", 413)
-        if int(request.headers.get("content-length") or 0) > limit:
+        try:
+            declared = int(request.headers.get("content-length") or 0)
+        except ValueError:
+            raise P.ProtocolError(P.BAD_MESSAGE, "Content-Length is not a number") from None
+        if declared > limit:
             raise too_large
         body = bytearray()
         async for chunk in request.stream():
             body += chunk
             if len(body) > limit:
                 raise too_large
-        try:
-            return json.loads(body)
-        except (ValueError, RecursionError) as e:
-            raise P.ProtocolError(P.BAD_JSON, f"request body is not valid JSON: {e}") from None
+        return P.loads(bytes(body), "request body")
 
     async def _complete(self, request: Request, is_chat: bool) -> Response:
         s = self.state
-        timer = s.metrics.start_request()
         try:
             s.access.check_http(request.headers)
+            s.admission.acquire_http()
+        except P.ProtocolError as e:
+            return error_response(e)
+        is_released = False
+
+        def release() -> None:  # exactly once, however the request ends
+            nonlocal is_released
+            if not is_released:
+                is_released = True
+                s.admission.release_http()
+
+        try:
+            return await self._admitted(request, is_chat, release)
+        except BaseException:
+            release()
+            raise
+
+    async def _admitted(self, request: Request, is_chat: bool, release) -> Response:
+        """_complete once admitted; `release` frees the admission, here or when a stream ends."""
+        s = self.state
+        timer = s.metrics.start_request()
+        try:
             body = await self._read_json(request)
             parse = P.parse_chat_completion_request if is_chat else P.parse_completion_request
             req = parse(body, s.config.max_tokens_limit)
@@ -71,15 +95,17 @@ class OpenAIRoutes:
             else:
                 prompt_ids = req.prompt_token_ids or await s.tokenize(req.prompt)
             s.access.check_prompt(prompt_ids)
-            s.access.acquire_connection()
         except P.ProtocolError as e:
+            release()
             return error_response(e)
         request_id = ("chatcmpl-" if is_chat else "cmpl-") + uuid.uuid4().hex
         deltas = s.generate(prompt_ids, req.params, request_id, timer)
 
         async def close() -> None:
-            await deltas.aclose()
-            s.access.release_connection()
+            try:
+                await deltas.aclose()
+            finally:
+                release()
 
         try:  # wait for the first delta before answering: the engine's ValueError (too long) becomes a 400
             first = await _until_disconnect(request, anext(deltas))
@@ -217,4 +243,6 @@ def _sse(obj: dict) -> str:
 
 
 def error_response(error: P.ProtocolError) -> JSONResponse:
-    return JSONResponse(P.openai_error(error.code, error.message, error.status, error.param), status_code=error.status)
+    headers = {"Retry-After": str(error.retry_after)} if error.retry_after is not None else None
+    return JSONResponse(P.openai_error(error.code, error.message, error.status, error.param), status_code=error.status,
+                        headers=headers)

@@ -1,4 +1,5 @@
-"""AppState: what all routes of one app share (engine, config, limits, metrics), and the engine calls.
+"""AppState: what all routes of one app share (engine, config, limits, metrics, what is open), and
+the engine calls.
 
 The event loop only awaits here: tokenization runs in a worker thread and generation on the
 engine's own thread. Closing a generation early (aclose, task cancel) aborts its request.
@@ -15,6 +16,7 @@ from chatserve.config import ServerConfig
 from chatserve.metrics import RequestTimer, ServerMetrics
 from chatserve.sampling_params import Delta, SamplingParams
 from chatserve.server.access import AccessControl
+from chatserve.server.admission import Admission
 
 
 class AppState:
@@ -22,8 +24,16 @@ class AppState:
         self.engine, self.config = engine, config
         self.metrics = ServerMetrics(engine)
         self.access = AccessControl(config, config.max_prompt_tokens or engine.max_model_len)
+        self.admission = Admission(config, engine.max_num_seqs)
         self.model_name = config.served_model_name or engine.model_name
         self.created = int(time.time())
+        self.connections: set = set()  # open websocket Connections, for the shutdown drain
+        self.request_ids: set[str] = set()  # engine requests being streamed, for the shutdown drain
+
+    def abort_all(self) -> None:
+        """Abort every running engine request; each stream then ends with finish_reason "abort"."""
+        for request_id in list(self.request_ids):
+            self.engine.abort(request_id)
 
     async def tokenize_chat(self, messages: list[dict]) -> list[int]:
         """The chat template runs in a worker thread. Any failure is the messages' fault (a template
@@ -48,6 +58,7 @@ class AppState:
         """
         deltas = self.engine.generate(prompt_ids, params, request_id)
         is_finished, num_deltas = False, 0
+        self.request_ids.add(request_id)
         try:
             async for delta in deltas:
                 num_deltas += 1
@@ -65,6 +76,7 @@ class AppState:
             timer.finish("error", len(prompt_ids), None)
             raise P.ProtocolError(P.ENGINE_ERROR, f"generation failed: {e}", 500) from None
         finally:
+            self.request_ids.discard(request_id)
             if not is_finished:
                 await deltas.aclose()
                 self.engine.abort(request_id)  # idempotent; the engine's own finally may have done it

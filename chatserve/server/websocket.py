@@ -1,23 +1,27 @@
 """The /ws chat route: one Connection per socket, holding its conversation, settings and running turn.
 
-Messages are parsed by protocol.py; every early exit (cancel, reset, disconnect) aborts the request.
-docs/protocol.md describes the conversation from the client's side.
+Messages are parsed by protocol.py and sent through an Outbox (outbox.py); every early exit (cancel,
+reset, disconnect, a client too slow to read, shutdown) aborts the request. docs/protocol.md
+describes the conversation from the client's side.
 """
 
 from __future__ import annotations
 
 import asyncio
 import uuid
-from contextlib import aclosing, suppress
+from contextlib import aclosing
 from dataclasses import dataclass, field
 
-from starlette.websockets import WebSocket, WebSocketDisconnect
+from starlette.websockets import WebSocket
 
 from chatserve import protocol as P
 from chatserve.metrics import RequestTimer
 from chatserve.sampling_params import Delta, SamplingParams
 from chatserve.server.access import bearer_token
+from chatserve.server.outbox import Outbox
 from chatserve.server.state import AppState
+
+CLOSE_TIMEOUT = 10.0  # seconds the last messages and the close frame get to leave (uvicorn's close_timeout)
 
 
 @dataclass
@@ -47,47 +51,71 @@ class Connection:
 
     def __init__(self, state: AppState, websocket: WebSocket):
         self.state, self.ws = state, websocket
+        self.outbox = Outbox(websocket, state.config.max_pending_output_bytes)
         self.history: list[dict] = []
         self.settings: dict = {}
         self.turn: _Turn | None = None
         self.num_turns = 0
-        self.send_lock = asyncio.Lock()  # the turn task and the receive loop both send
+        self.is_shutting_down = False
 
-    async def send(self, message: dict) -> None:
-        async with self.send_lock:
-            await self.ws.send_text(P.dumps(message))
+    def send(self, message: dict) -> None:
+        self.outbox.put(message)  # never waits: a client that does not read overflows the outbox instead
 
-    async def refuse(self, code: str, message: str, close_code: int) -> None:
-        await self.send(P.error_message(code, message))
-        await self.ws.close(close_code, message.encode()[:120].decode(errors="ignore"))  # reason <= 123 bytes
+    def refuse(self, code: str, message: str, close_code: int) -> None:
+        """An `error` message, then the close frame (the reason repeats the message, cut to fit)."""
+        self.send(P.error_message(code, message))
+        self.outbox.close(close_code, message)
+
+    def shut_down(self) -> None:
+        """The server is draining: close now if idle, else right after the running turn's `done`."""
+        self.is_shutting_down = True
+        if self.turn is None:
+            self.refuse(P.SHUTTING_DOWN, "server shutting down", P.CLOSE_GOING_AWAY)
 
     async def serve(self) -> None:
-        access = self.state.access
+        s = self.state
         await self.ws.accept()
+        self.outbox.start()
         try:
-            if not access.is_origin_allowed(self.ws.headers):
-                return await self.refuse(P.FORBIDDEN_ORIGIN, f"origin {self.ws.headers.get('origin')!r} is not "
-                                         "allowed; add it to allowed_origins", 1008)
+            if not s.access.is_origin_allowed(self.ws.headers):
+                return self.refuse(P.FORBIDDEN_ORIGIN, f"origin {self.ws.headers.get('origin')!r} is not "
+                                   "allowed; add it to allowed_origins", P.CLOSE_POLICY_VIOLATION)
             try:
-                access.acquire_connection()
+                s.admission.acquire_connection()
             except P.ProtocolError as e:
-                return await self.refuse(e.code, e.message, 1013)
+                is_draining = e.code == P.SHUTTING_DOWN
+                return self.refuse(e.code, e.message, P.CLOSE_GOING_AWAY if is_draining else P.CLOSE_TRY_AGAIN_LATER)
+            s.connections.add(self)
             try:
-                await self._serve_messages()
+                await self._serve_until_overflow()
             finally:
-                access.release_connection()
+                s.connections.discard(self)
+                s.admission.release_connection()
                 await self._stop_turn(reason="disconnect")
-        except WebSocketDisconnect:
-            pass  # the client left while we were sending
+        finally:
+            await self.outbox.finish(CLOSE_TIMEOUT)
+
+    async def _serve_until_overflow(self) -> None:
+        """The receive loop, cut short when the outbox overflows (the client stopped reading)."""
+        receiving = asyncio.create_task(self._serve_messages())
+        overflowed = asyncio.create_task(self.outbox.overflowed.wait())
+        try:
+            await asyncio.wait({receiving, overflowed}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            receiving.cancel()
+            overflowed.cancel()
+            await asyncio.gather(receiving, overflowed, return_exceptions=True)
+        if not receiving.cancelled() and receiving.exception() is not None:
+            raise receiving.exception()
 
     async def _serve_messages(self) -> None:
         access = self.state.access
         key = bearer_token(self.ws.headers) or self.ws.query_params.get("api_key")
         if key is not None and not access.is_key_valid(key):
-            return await self.refuse(P.UNAUTHORIZED, "invalid API key", 1008)
+            return self.refuse(P.UNAUTHORIZED, "invalid API key", P.CLOSE_POLICY_VIOLATION)
         is_authed = access.is_key_valid(key)
         if is_authed:
-            await self.send(self._ready())
+            self.send(self._ready())
         while True:
             frame = await self.ws.receive()
             if frame["type"] == "websocket.disconnect":
@@ -96,12 +124,12 @@ class Connection:
                 message = self._parse_frame(frame)
                 if not is_authed:
                     if not isinstance(message, P.Auth) or not access.is_key_valid(message.api_key):
-                        return await self.refuse(P.UNAUTHORIZED, "an API key is required: send "
-                                                 '{"type":"auth","api_key":...} first', 1008)
+                        return self.refuse(P.UNAUTHORIZED, "an API key is required: send "
+                                           '{"type":"auth","api_key":...} first', P.CLOSE_POLICY_VIOLATION)
                     is_authed = True
                 await self._dispatch(message)
             except P.ProtocolError as e:
-                await self.send(P.error_message(e.code, e.message, e.id))
+                self.send(P.error_message(e.code, e.message, e.id))
 
     def _parse_frame(self, frame: dict) -> P.ClientMessage:
         text = frame.get("text")
@@ -118,7 +146,7 @@ class Connection:
             params = P.build_sampling_params(merged, self.state.config.max_tokens_limit)  # validate before storing
             P.check_spec_method(params, self.state.engine.spec_methods)
             self.settings = merged
-            await self.send(P.settings_message(self.settings))
+            self.send(P.settings_message(self.settings))
         elif isinstance(message, P.Cancel):
             if self.turn is not None and message.id is not None and message.id != self.turn.id:
                 raise P.ProtocolError(P.UNKNOWN_ID, f"no running chat with id {message.id!r}", id=message.id)
@@ -126,9 +154,9 @@ class Connection:
         elif isinstance(message, P.Reset):
             await self._stop_turn(reason="reset")
             self.history = []
-            await self.send(P.reset_message())
+            self.send(P.reset_message())
         elif isinstance(message, P.Auth):
-            await self.send(self._ready())
+            self.send(self._ready())
 
     def _ready(self) -> dict:
         s = self.state
@@ -149,6 +177,11 @@ class Connection:
             messages = message.messages
         else:
             messages = [*self.history, {"role": "user", "content": message.content}]
+        try:
+            self.state.admission.acquire_generation()  # released when the turn's task ends
+        except P.ProtocolError as e:
+            e.id = message.id
+            raise
         self.num_turns += 1
         turn_id = message.id if message.id is not None else f"turn-{self.num_turns}"
         turn = _Turn(turn_id, f"ws-{uuid.uuid4().hex}", messages, self.state.metrics.start_request())
@@ -162,37 +195,39 @@ class Connection:
             turn.prompt_tokens = len(prompt_ids)
             async with aclosing(self.state.generate(prompt_ids, params, turn.request_id, turn.timer)) as deltas:
                 async for delta in deltas:
-                    await self._send_delta(turn, delta)
+                    self._send_delta(turn, delta)
         except P.ProtocolError as e:
             turn.is_finished = True
-            await self.send(P.error_message(e.code, e.message, turn.id))
-        except Exception as e:  # a send after disconnect, or an engine bug: never leave the turn hanging
+            self.send(P.error_message(e.code, e.message, turn.id))
+        except Exception as e:  # an engine bug: never leave the turn hanging
             turn.is_finished = True
-            with suppress(Exception):
-                await self.send(P.error_message(P.ENGINE_ERROR, f"generation failed: {e!r}", turn.id))
+            self.send(P.error_message(P.ENGINE_ERROR, f"generation failed: {e!r}", turn.id))
         else:
             if not turn.is_finished:  # the engine's stream ended without a final delta
                 turn.is_finished = True
-                await self.send(P.done_message(turn.id, "abort", turn.partial_stats()))
+                self.send(P.done_message(turn.id, "abort", turn.partial_stats()))
         finally:
+            self.state.admission.release_generation()
             if turn.is_finished and self.turn is turn:
                 self.turn = None
+                if self.is_shutting_down:
+                    self.shut_down()
 
-    async def _send_delta(self, turn: _Turn, delta: Delta) -> None:
+    def _send_delta(self, turn: _Turn, delta: Delta) -> None:
         turn.num_pending_tokens += len(delta.token_ids)
         if delta.text:
             turn.parts.append(delta.text)
-            await self.send(P.delta_message(turn.id, delta.text, turn.num_pending_tokens))
+            self.send(P.delta_message(turn.id, delta.text, turn.num_pending_tokens))
             turn.num_pending_tokens = 0
         if not delta.finished:
             return
         turn.is_finished = True  # from here a cancel waits for `done` instead of aborting
         if delta.finish_reason == "error":
-            await self.send(P.error_message(P.ENGINE_ERROR, f"generation failed: {delta.error}", turn.id))
+            self.send(P.error_message(P.ENGINE_ERROR, f"generation failed: {delta.error}", turn.id))
             return
         self.history = [*turn.messages, turn.reply()]
         stats = P.DoneStats.from_request_stats(delta.stats) if delta.stats else turn.partial_stats()
-        await self.send(P.done_message(turn.id, delta.finish_reason, stats))
+        self.send(P.done_message(turn.id, delta.finish_reason, stats))
 
     async def _stop_turn(self, reason: str) -> None:
         """Cancel the running turn (its generator's finally aborts the request), then report it.
@@ -211,4 +246,4 @@ class Connection:
             return
         if reason == "cancel":
             self.history = [*turn.messages, turn.reply()] if turn.parts else turn.messages
-        await self.send(P.done_message(turn.id, "abort", turn.partial_stats()))
+        self.send(P.done_message(turn.id, "abort", turn.partial_stats()))

@@ -73,6 +73,7 @@ class LiveServer:
 
     def __init__(self, engine: FakeEngine, port: int | None = None, **config):
         self.port = port or _free_port()
+        config.setdefault("shutdown_grace", 1.0)  # a test's leftover generation must not hold up __exit__
         self.server = make_uvicorn_server(engine, ServerConfig(port=self.port, **config), log_level="warning")
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.url = f"http://127.0.0.1:{self.port}"

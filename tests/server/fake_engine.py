@@ -21,8 +21,9 @@ class FakeEngine:
                  tokens_per_delta: int = 1, max_model_len: int = 2048, num_blocks: int = 256,
                  block_size: int = 16, model_name: str = "fake-model", draft_name: str | None = "ngram",
                  reply_fn: Callable[[str, SamplingParams], str] | None = None,
-                 spec_methods: tuple[str, ...] | None = None):
+                 spec_methods: tuple[str, ...] | None = None, max_num_seqs: int = 16):
         self.model_name, self.draft_name, self.max_model_len = model_name, draft_name, max_model_len
+        self.max_num_seqs = max_num_seqs
         if spec_methods is None:  # like the real engine: a named draft model also offers n-gram
             spec_methods = () if not draft_name else ("ngram",) if draft_name == "ngram" else ("draft", "ngram")
         self.spec_methods = spec_methods

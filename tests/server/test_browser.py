@@ -122,6 +122,26 @@ def test_chat_ui(browser, tmp_path):
     page.close()
 
 
+def test_server_shutdown_mid_reply_is_explained(browser):
+    """A drain with no grace ends the streaming reply ("interrupted", not the user's "stopped") and
+    closes with 1001; the page says the server is shutting down and keeps trying to reconnect."""
+    from playwright.sync_api import expect
+
+    engine = FakeEngine("tick " * 400, token_delay=0.02)
+    page = browser.new_page(viewport={"width": 1000, "height": 900})
+    with LiveServer(engine, shutdown_grace=0) as server:
+        page.goto(server.url)
+        expect(page.locator("#status")).to_have_attribute("data-state", "online")
+        send(page, "Count for me")
+        reply = page.locator(".msg.assistant").nth(0)
+        expect(reply.locator(".content")).to_contain_text("tick")
+        server.server.should_exit = True  # what SIGTERM sets
+        expect(reply.locator(".stats")).to_contain_text("interrupted")
+        expect(page.locator("#error")).to_contain_text("The server is shutting down")
+        expect(page.locator("#status")).to_contain_text("Server shutting down")
+    page.close()
+
+
 def test_narrow_screen_layout(browser):
     from playwright.sync_api import expect
 

@@ -31,7 +31,30 @@ def test_parse_client_messages():
     assert P.parse_client_message('{"type": "reset"}') == P.Reset()
     assert P.parse_client_message('{"type": "auth", "api_key": "k"}') == P.Auth("k")
     with pytest.raises(P.ProtocolError) as e:
-        P.parse_client_message("[" * 100_000)  # deep nesting is bad JSON, not a crash
+        P.parse_client_message("[" * 100_000)  # deep nesting is refused before json.loads, not a crash
+    assert e.value.code == P.TOO_DEEP and "32 levels" in e.value.message
+
+
+@pytest.mark.parametrize("text,depth", [
+    ("", 0), ("1", 0), ("[]", 1), ('{"a": [1, {"b": []}]}', 4), ('[[1], [2], [[3]]]', 3),
+    ('["[[[[", "]"]', 1),  # brackets inside strings do not count
+    ('["a\\"quote [[[", [2]]', 2),  # nor after an escaped quote
+    ('["a\\\\", [["]"]]]', 3),  # an escaped backslash ends the string
+    ("[" * 40 + "]" * 40, 40), ("[}" * 20, 1),  # not JSON: a number anyway, json.loads reports it
+])
+def test_json_depth(text, depth):
+    assert P.json_depth(text) == depth
+
+
+def test_json_depth_limit_is_exact_and_a_string_full_of_brackets_passes():
+    nested = lambda n: '{"a": ' * n + "1" + "}" * n  # noqa: E731
+    assert P.loads(nested(P.MAX_JSON_DEPTH), "x")
+    with pytest.raises(P.ProtocolError) as e:
+        P.loads(nested(P.MAX_JSON_DEPTH + 1), "x")
+    assert e.value.code == P.TOO_DEEP
+    assert P.loads('{"text": "' + "[" * 10_000 + '"}', "x") == {"text": "[" * 10_000}
+    with pytest.raises(P.ProtocolError) as e:
+        P.loads(b"\xff{}", "body")
     assert e.value.code == P.BAD_JSON
 
 

@@ -6,12 +6,7 @@ all blocks free (read from /health).
 The server steps at most 16 tokens at a time (--max-num-batched-tokens 16), so a long prompt's
 prefill takes many engine steps and a cancel can land inside it."""
 
-import contextlib
 import json
-import os
-import socket
-import subprocess
-import sys
 import time
 
 import httpx
@@ -21,11 +16,7 @@ from chatserve.config import EngineConfig
 from chatserve.engine import Engine
 from chatserve.sampling_params import SamplingParams
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from .real_server import RealServer, wait_pool_free, ws_connect
 
 
 @pytest.fixture(scope="module")
@@ -42,47 +33,10 @@ def long_prompt(tiny_llama_dir):
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir, tiny_draft_dir):
-    port = free_port()
-    cmd = [sys.executable, "-m", "chatserve.cli", "serve", "--model", str(tiny_llama_dir),
-           "--draft-model", str(tiny_draft_dir), "--no-adaptive", "--port", str(port),
-           "--kv-cache-memory", "8M", "--threads", "1", "--served-model-name", "tiny",
-           "--max-num-batched-tokens", "16"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    base = f"http://127.0.0.1:{port}"
-    for _ in range(300):
-        if proc.poll() is not None:
-            pytest.fail("server exited:\n" + proc.stdout.read())
-        try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    else:
-        proc.kill()
-        pytest.fail("server did not come up")
-    yield base
-    proc.terminate()
-    proc.wait(timeout=10)
-
-
-def wait_pool_free(base: str, timeout: float = 10.0) -> dict:
-    health = {}
-    for _ in range(int(timeout / 0.05)):
-        health = httpx.get(base + "/health").json()
-        if health["num_free_blocks"] == health["num_blocks"] and health["num_running"] == 0:
-            return health
-        time.sleep(0.05)
-    raise AssertionError(f"pool not back to free: {health}")
-
-
-@contextlib.contextmanager
-def ws_connect(base: str, **kwargs):
-    from websockets.sync.client import connect
-
-    with connect(base.replace("http", "ws") + "/ws", **kwargs) as ws:
-        assert json.loads(ws.recv())["type"] == "ready"
-        yield ws
+    srv = RealServer(tiny_llama_dir, "--draft-model", str(tiny_draft_dir), "--no-adaptive",
+                     "--max-num-batched-tokens", "16")
+    yield srv.base
+    srv.stop()
 
 
 def cancel_and_wait_done(ws, turn_id: str) -> dict:
