@@ -173,8 +173,10 @@ def cmd_generate(args) -> int:
 def cmd_serve(args) -> int:
     from chatserve.async_engine import AsyncEngine
     from chatserve.engine import Engine
+    from chatserve.loading import limit_malloc_arenas
     from chatserve.server import run_server
 
+    limit_malloc_arenas()  # before the engine's and uvicorn's threads exist
     config = engine_config(args)
     start = time.perf_counter()
     draft = None if not config.spec else (config.spec.draft_model or config.spec.method)
