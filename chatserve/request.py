@@ -50,9 +50,9 @@ class Request:
     # (position, [hidden]): the target's feature at its last computed position, kept when an EAGLE
     # head reads features (its row position + 1 needs it); None until then
     last_feature: tuple[int, torch.Tensor] | None = None
-    # (start, [[n, hidden], ...]): an EAGLE head's rows [start, start + n) deferred from decode
-    # steps, as the feature inputs f_{start-1} ... (spec_methods/eagle.py); None when none wait
-    head_pending: tuple[int, list[torch.Tensor]] | None = None
+    # (start, [n, hidden]): an EAGLE head's rows [start, start + n) deferred from decode steps, as
+    # their feature inputs f_{start-1} ... (spec_methods/eagle.py); None when none wait
+    head_pending: tuple[int, torch.Tensor] | None = None
     detok: object | None = None  # chatserve.tokenizer.IncrementalDetokenizer
 
     def __post_init__(self) -> None:

@@ -85,7 +85,7 @@ class EagleMethod:
         positions [start, start + q_len) and now has num_computed_tokens = end (rejected drafts
         excluded), so its rows [start, end) take f_{start-1} (kept from before), then the
         features of positions [start, end - 1), and tokens t_start .. t_{end-1}. A running
-        decode's rows wait for its next drafting step (_defer); the rest are written now, in
+        decode's rows wait for its next drafting step (req.head_pending); the rest are written now, in
         one head forward over all requests, no logits."""
         head_items, inputs, row = [], [], 0
         block_size = self.runner.block_size
@@ -99,29 +99,32 @@ class EagleMethod:
                 self.runner.block_features[item.block_ids[pos // block_size]] = fed[pos - start]
             start, rows = self._with_pending(req, start, rows)
             if s.is_decode and req.status is Status.RUNNING and len(rows) < FLUSH_ROWS:
-                req.head_pending = (start, [rows])
+                req.head_pending = (start, rows)
             else:
                 head_items.append(BatchItem(req.token_ids[start:end], start, item.block_ids, 0))
                 inputs.append(rows)
         if head_items:
             self.runner.run(head_items, torch.cat(inputs))
 
-    def _with_pending(self, req: Request, start: int, rows: torch.Tensor) -> tuple[int, torch.Tensor]:
-        """(start, rows) with req's deferred rows before them when those end at `start`, taking
-        them off the request; deferred rows that do not (the request was preempted and starts
-        over) are dropped unwritten."""
+    def _take_pending(self, req: Request, end: int) -> tuple[int, torch.Tensor] | None:
+        """req's deferred rows (start, [n, hidden]), taken off the request, when they end at `end`;
+        None when there are none or they do not (the request was preempted and starts over: they
+        are dropped unwritten)."""
         pending, req.head_pending = req.head_pending, None
-        if pending is None or pending[0] + sum(len(r) for r in pending[1]) != start:
-            return start, rows
-        return pending[0], torch.cat([*pending[1], rows])
+        return pending if pending is not None and pending[0] + len(pending[1]) == end else None
+
+    def _with_pending(self, req: Request, start: int, rows: torch.Tensor) -> tuple[int, torch.Tensor]:
+        """(start, rows) with req's deferred rows before them when those end at `start`."""
+        pending = self._take_pending(req, start)
+        return (start, rows) if pending is None else (pending[0], torch.cat([pending[1], rows]))
 
     def release(self, req: Request) -> None:
         """req is aborted while it still holds its blocks: write its deferred rows (a finishing
         request's are written by the step's observe())."""
-        pending, req.head_pending = req.head_pending, None
-        if pending is not None and pending[0] + sum(len(r) for r in pending[1]) == req.num_computed_tokens:
-            start, end = pending[0], req.num_computed_tokens
-            self.runner.run([BatchItem(req.token_ids[start:end], start, req.table.block_ids, 0)], torch.cat(pending[1]))
+        pending = self._take_pending(req, req.num_computed_tokens)
+        if pending is not None:
+            start, rows = pending
+            self.runner.run([BatchItem(req.token_ids[start : start + len(rows)], start, req.table.block_ids, 0)], rows)
 
     def _feature_before(self, req: Request, start: int, block_ids: list[int]) -> torch.Tensor:
         """f_{start-1} as [1, hidden]: zeros at position 0, the request's own last feature, or,
