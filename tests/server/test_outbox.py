@@ -29,6 +29,16 @@ def message(i: int, size: int = 100) -> dict:
     return {"type": "delta", "i": i, "text": "x" * size}
 
 
+def started_outbox(writable: bool) -> tuple[StalledSocket, Outbox]:
+    """A socket (reading or stalled) and a started Outbox over it with a 1000-byte cap."""
+    ws = StalledSocket()
+    if writable:
+        ws.is_writable.set()
+    outbox = Outbox(ws, max_pending_bytes=1000)
+    outbox.start()
+    return ws, outbox
+
+
 async def settle() -> None:
     for _ in range(5):
         await asyncio.sleep(0)
@@ -36,10 +46,7 @@ async def settle() -> None:
 
 def test_a_reader_keeping_up_gets_everything_in_order_then_the_close():
     async def run():
-        ws = StalledSocket()
-        ws.is_writable.set()
-        outbox = Outbox(ws, max_pending_bytes=1000)
-        outbox.start()
+        ws, outbox = started_outbox(writable=True)
         for i in range(50):  # 50 x ~130 bytes, far past the cap, but each leaves before the next comes
             outbox.put(message(i))
             await settle()
@@ -55,9 +62,7 @@ def test_a_reader_keeping_up_gets_everything_in_order_then_the_close():
 
 def test_a_stalled_reader_overflows_at_the_cap_and_gets_4008_once_it_reads():
     async def run():
-        ws = StalledSocket()
-        outbox = Outbox(ws, max_pending_bytes=1000)
-        outbox.start()
+        ws, outbox = started_outbox(writable=False)
         outbox.put(message(0))
         await settle()  # the writer took message 0 and is stuck sending it
         num_put = 1
@@ -78,10 +83,7 @@ def test_a_stalled_reader_overflows_at_the_cap_and_gets_4008_once_it_reads():
 
 def test_one_message_over_the_cap_still_goes_out_when_nothing_waits():
     async def run():
-        ws = StalledSocket()
-        ws.is_writable.set()
-        outbox = Outbox(ws, max_pending_bytes=1000)
-        outbox.start()
+        ws, outbox = started_outbox(writable=True)
         outbox.put(message(0, size=5000))  # e.g. a settings echo with long stop strings
         await outbox.finish(timeout=5)
         return ws, outbox
@@ -92,9 +94,7 @@ def test_one_message_over_the_cap_still_goes_out_when_nothing_waits():
 
 def test_finish_gives_a_reader_that_never_reads_no_more_than_the_timeout():
     async def run():
-        ws = StalledSocket()
-        outbox = Outbox(ws, max_pending_bytes=1000)
-        outbox.start()
+        ws, outbox = started_outbox(writable=False)
         outbox.put(message(0))
         outbox.close(1001, "server shutting down")
         await outbox.finish(timeout=0.05)  # returns: the writer is cancelled
