@@ -1,29 +1,36 @@
 // GGUF's Q4_K weights against activations quantized as llama.cpp's Q8_K, for x86 CPUs with AVX2
 // (kernels/quant_matmul.py, quant/q4k.py).
 //
-// Weight layout (K % 256 == 0), one row per output feature, superblocks of 256 weights made of 8
-// sub-blocks of 32:
-//   codes [N, K/2] uint8: GGUF's Q4_K `qs` (and quant/int4.py's codes): bytes [32p, 32p + 32)
-//         hold sub-block 2p in their low nibbles and 2p + 1 in their high nibbles
-//   subs  [N, K/256, 16] uint8: the 8 sub-block scales sc_j, then the 8 sub-block mins m_j
-//   dd    [N, K/256, 2] float32: d, dmin;   w = d * sc_j * code - dmin * m_j
+// A superblock of 256 weights has a float d and dmin and 8 sub-blocks of 32 with integer scales
+// sc_j and mins m_j: w = d * sc_j * code - dmin * m_j. The weight is stored interleaved by 8
+// output features (quant/q4k.interleave; K % 256 == 0, N % 8 == 0), for group g of 8 features and
+// superblock s:
+//   codes [G, S, 1024] uint8: sub-block j, step q (0..3) is 32 bytes at 128 j + 32 q; byte 4 n + i
+//         holds feature n's code for k = 32 j + 4 q + i in its low nibble, k + 16 in its high one
+//   subs  [G, S, 128] uint8: scales [8 j][8 n], then mins [4 jp][8 n][2] (sub-blocks 2 jp, 2 jp + 1)
+//   dd    [G, S, 16] float32: d [8 n], then dmin [8 n]
 // Activations, per row and superblock: xq [M, K] int8, xd [M, K/256] float (x ~= xd * xq), bsums
 // [M, K/32] int16 (the sum of xq over each sub-block), so that
 //   y[r, n] = sum_s xd[r, s] * (d[n, s] * sum_j sc_j * (code_j . xq_j) - dmin[n, s] * sum_j m_j * bsum_j)
-// The sub-block sums stay in int32 across a superblock (vpmaddubsw, then vpmaddwd by the integer
-// scale): one float multiply-add per 256 weights instead of one per 32 as in the int4 kernel of
-// quant_matmul_cpu.cpp, which left that kernel bound by its float chain. Rows never mix: every
-// output is computed the same way whatever M is (greedy speculation relies on it).
+//
+// Why interleaved: vpmaddubsw of one 32-byte step (8 features x 4 codes) against 4 activation
+// bytes broadcast gives 8 features' pair sums; the 8 steps of a sub-block add up in int16
+// (|sum| <= 8 * 2 * 15 * 127 = 30480) before one vpmaddwd applies the 8 features' scales. That
+// is 9 multiplies per 256 multiply-adds where the row-major layout (one feature's sub-block per
+// vpmaddubsw, each followed by its own vpmaddwd by the scale) needed 16; on Zen 3 both share the
+// same two pipes, and the kernel ran ~1.5x faster from 2 rows up (docs/benchmarks.md).
+// Rows never mix: every output is computed the same way whatever M is (greedy speculation
+// relies on it).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include "cpu_simd.h"
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 
 namespace {
 
-using chatserve::hsum;
 
 constexpr int kSuper = 256;
 constexpr int kSub = 32;
@@ -34,69 +41,64 @@ inline int hsum_epi32(__m128i v) {
   return _mm_cvtsi128_si32(v);
 }
 
-// vpshufb controls that broadcast int16 element j of each 128-bit lane to the whole lane.
-struct ScaleShuffles {
-  __m256i s[8];
-  ScaleShuffles() {
-    for (int j = 0; j < 8; ++j) s[j] = _mm256_set1_epi16(static_cast<int16_t>((2 * j) | ((2 * j + 1) << 8)));
-  }
-};
+constexpr int kGroup = 8;  // output features interleaved
+constexpr int64_t kCodeBytes = 1024, kSubBytes = 128, kDdFloats = 16;  // per group and superblock
 
-// Output y[r0 .. r0 + R, n]: each unpacked weight vector serves R activation rows. (Tiles of 2 or 4
-// weight rows as well were slower at every row count measured, 1 to 128: decode is bound by
-// memory, and more streams of W at once only lowered the read rate; docs/benchmarks.md.)
-template <int R>
-inline void tile(const uint8_t* codes, const uint8_t* subs, const float* dd, const int8_t* xq, const float* xd,
-                 const int16_t* bsums, const float* bias, float* y, int64_t K, int64_t N, int64_t r0, int64_t n,
-                 const ScaleShuffles& shuf) {
-  const int64_t S = K / kSuper;
-  const __m256i low4 = _mm256_set1_epi8(0x0F);
-  const uint8_t* row_codes = codes + n * (K / 2);
-  __m256 acc[R];
-  float mins[R];
-  for (int r = 0; r < R; ++r) {
-    acc[r] = _mm256_setzero_ps();
-    mins[r] = 0.f;
-  }
-  for (int64_t s = 0; s < S; ++s) {
-    const uint8_t* sb = subs + (n * S + s) * 16;
-    const __m256i scales = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sb))));
-    const __m128i mvec = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sb + 8)));
-    __m256i sumi[R];
-    for (int r = 0; r < R; ++r) sumi[r] = _mm256_setzero_si256();
-    for (int p = 0; p < 4; ++p) {  // sub-blocks 2p and 2p + 1: one 32-byte load
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row_codes + s * 128 + p * 32));
-      const __m256i wa = _mm256_and_si256(v, low4);
-      const __m256i wb = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-      const __m256i sa = _mm256_shuffle_epi8(scales, shuf.s[2 * p]);
-      const __m256i sc = _mm256_shuffle_epi8(scales, shuf.s[2 * p + 1]);
-      for (int r = 0; r < R; ++r) {
-        const int8_t* xr = xq + (r0 + r) * K + s * kSuper + p * 2 * kSub;
-        const __m256i xa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr));
-        const __m256i xb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + kSub));
-        // u8 x s8 pairs -> i16 (|.| <= 2 * 15 * 127), times the sub-block's scale -> i32
-        const __m256i pa = _mm256_madd_epi16(_mm256_maddubs_epi16(wa, xa), sa);
-        const __m256i pb = _mm256_madd_epi16(_mm256_maddubs_epi16(wb, xb), sc);
-        sumi[r] = _mm256_add_epi32(sumi[r], _mm256_add_epi32(pa, pb));
-      }
-    }
-    const float* dn = dd + (n * S + s) * 2;
-    for (int r = 0; r < R; ++r) {
-      const float x_d = xd[(r0 + r) * S + s];
-      const __m128i bs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bsums + (r0 + r) * (K / kSub) + s * 8));
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi[r]), _mm256_set1_ps(dn[0] * x_d), acc[r]);
-      mins[r] += dn[1] * x_d * static_cast<float>(hsum_epi32(_mm_madd_epi16(mvec, bs)));
-    }
-  }
-  const float b = bias != nullptr ? bias[n] : 0.f;
-  for (int r = 0; r < R; ++r) y[(r0 + r) * N + n] = hsum(acc[r]) - mins[r] + b;
+inline __m256i broadcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
 }
 
+// y[r0 .. r0 + R, 8 g .. 8 g + 8]: each unpacked step of the 8 features' codes serves R rows.
 template <int R>
-inline void tiles(const uint8_t* codes, const uint8_t* subs, const float* dd, const int8_t* xq, const float* xd,
-                  const int16_t* bsums, const float* bias, float* y, int64_t K, int64_t N, int64_t r0, int64_t n0,
-                  int64_t n1, const ScaleShuffles& shuf) {
-  for (int64_t n = n0; n < n1; ++n) tile<R>(codes, subs, dd, xq, xd, bsums, bias, y, K, N, r0, n, shuf);
+inline void tile(const uint8_t* codes, const uint8_t* subs, const float* dd, const int8_t* xq, const float* xd,
+                 const int16_t* bsums, const float* bias, float* y, int64_t K, int64_t N, int64_t r0, int64_t g) {
+  const int64_t S = K / kSuper;
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const uint8_t* cg = codes + g * S * kCodeBytes;
+  const uint8_t* sg = subs + g * S * kSubBytes;
+  const float* dg = dd + g * S * kDdFloats;
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t s = 0; s < S; ++s) {
+    __m256i sumi[R];
+    for (int r = 0; r < R; ++r) sumi[r] = _mm256_setzero_si256();
+    for (int j = 0; j < 8; ++j) {
+      // the 8 features' scales as int16 pairs (sc, sc), one per int32 lane
+      const __m256i sc32 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sg + s * kSubBytes + j * 8)));
+      const __m256i scale = _mm256_or_si256(sc32, _mm256_slli_epi32(sc32, 16));
+      __m256i sum16[R];
+      for (int r = 0; r < R; ++r) sum16[r] = _mm256_setzero_si256();
+      const uint8_t* cj = cg + s * kCodeBytes + j * 128;
+      for (int q = 0; q < 4; ++q) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cj + q * 32));
+        const __m256i lo = _mm256_and_si256(v, low4);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        for (int r = 0; r < R; ++r) {
+          const int8_t* xr = xq + (r0 + r) * K + s * kSuper + j * kSub + 4 * q;
+          const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, broadcast4(xr)),
+                                             _mm256_maddubs_epi16(hi, broadcast4(xr + 16)));
+          sum16[r] = _mm256_add_epi16(sum16[r], p);
+        }
+      }
+      for (int r = 0; r < R; ++r) sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(sum16[r], scale));
+    }
+    const __m256 d = _mm256_loadu_ps(dg + s * kDdFloats), dmin = _mm256_loadu_ps(dg + s * kDdFloats + 8);
+    __m256i mins[4];
+    for (int jp = 0; jp < 4; ++jp)
+      mins[jp] = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sg + s * kSubBytes + 64 + jp * 16)));
+    for (int r = 0; r < R; ++r) {
+      const int8_t* bs = reinterpret_cast<const int8_t*>(bsums + (r0 + r) * (K / kSub) + s * 8);
+      __m256i msum = _mm256_setzero_si256();
+      for (int jp = 0; jp < 4; ++jp) msum = _mm256_add_epi32(msum, _mm256_madd_epi16(mins[jp], broadcast4(bs + 4 * jp)));
+      const __m256 x_d = _mm256_set1_ps(xd[(r0 + r) * S + s]);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi[r]), _mm256_mul_ps(d, x_d), acc[r]);
+      acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_mul_ps(dmin, x_d), acc[r]);
+    }
+  }
+  const __m256 b = bias != nullptr ? _mm256_loadu_ps(bias + g * kGroup) : _mm256_setzero_ps();
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + (r0 + r) * N + g * kGroup, _mm256_add_ps(acc[r], b));
 }
 
 // Rows [0, M) of x [M, K] -> xq, xd, bsums (see quantize_rows_k), one superblock per item.
@@ -131,29 +133,34 @@ void quantize_k(const float* src, int64_t M, int64_t K, int8_t* q, float* d, int
   }
 }
 
-// y [M, N] = the quantized rows times the Q4_K weight (+ bias). Output features are split over
-// threads; each thread walks its rows of W in chunks that stay in L2 (~128 KiB of codes) and
-// runs every activation row over a chunk before the next: W is read from memory once per call
-// whatever M is.
+// y [M, N] = the quantized rows times the Q4_K weight (+ bias). Groups of 8 output features are
+// split over threads; each thread walks its groups in chunks that stay in L2 (~128 KiB of codes)
+// and runs every activation row over a chunk before the next: W is read from memory once per
+// call whatever M is.
 void q4k_run(const int8_t* q, const float* d, const int16_t* bs, const uint8_t* c, const uint8_t* sb,
              const float* dn, const float* bias, float* out, int64_t M, int64_t K, int64_t N) {
-  const ScaleShuffles shuf;
-  const int64_t chunk = std::max<int64_t>(16, (128 * 1024) / (K / 2));
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    for (int64_t nb = n0; nb < n1; nb += chunk) {
-      const int64_t ne = std::min(nb + chunk, n1);
-      chatserve::for_row_tiles(M, [&](auto rows, int64_t r) { tiles<decltype(rows)::value>(c, sb, dn, q, d, bs, bias, out, K, N, r, nb, ne, shuf); });
+  const int64_t groups = N / kGroup;
+  const int64_t chunk = std::max<int64_t>(1, (128 * 1024) / (K / 2 * kGroup));
+  at::parallel_for(0, groups, 2, [&](int64_t g0, int64_t g1) {
+    for (int64_t gb = g0; gb < g1; gb += chunk) {
+      const int64_t ge = std::min(gb + chunk, g1);
+      chatserve::for_row_tiles(M, [&](auto rows, int64_t r) {
+        for (int64_t g = gb; g < ge; ++g) tile<decltype(rows)::value>(c, sb, dn, q, d, bs, bias, out, K, N, r, g);
+      });
     }
   });
 }
 
-void check_weight(const torch::Tensor& codes, const torch::Tensor& subs, const torch::Tensor& dd, int64_t K) {
+// The weight's N (out_features), checked against K.
+int64_t check_weight(const torch::Tensor& codes, const torch::Tensor& subs, const torch::Tensor& dd, int64_t K) {
   TORCH_CHECK(codes.scalar_type() == torch::kUInt8 && subs.scalar_type() == torch::kUInt8 &&
               dd.scalar_type() == torch::kFloat32);
   TORCH_CHECK(codes.is_contiguous() && subs.is_contiguous() && dd.is_contiguous());
-  const int64_t N = codes.size(0), S = K / kSuper;
-  TORCH_CHECK(K % kSuper == 0 && codes.size(1) * 2 == K && subs.numel() == N * S * 16 && dd.numel() == N * S * 2,
-              "Q4_K weight and activations do not match");
+  TORCH_CHECK(codes.dim() == 3 && K % kSuper == 0, "Q4_K weight: interleaved codes [N/8, K/256, 1024] (quant/q4k.interleave)");
+  const int64_t G = codes.size(0), S = K / kSuper;
+  TORCH_CHECK(codes.size(1) == S && codes.size(2) == kCodeBytes && subs.numel() == G * S * kSubBytes &&
+              dd.numel() == G * S * kDdFloats, "Q4_K weight and activations do not match");
+  return G * kGroup;
 }
 
 }  // namespace
@@ -176,8 +183,8 @@ torch::Tensor q4k_matmul(torch::Tensor xq, torch::Tensor xd, torch::Tensor bsums
                          torch::Tensor subs, torch::Tensor dd) {
   TORCH_CHECK(xq.scalar_type() == torch::kInt8 && xd.scalar_type() == torch::kFloat32 &&
               bsums.scalar_type() == torch::kInt16 && xq.is_contiguous() && xd.is_contiguous() && bsums.is_contiguous());
-  const int64_t M = xq.size(0), K = xq.size(1), N = codes.size(0);
-  check_weight(codes, subs, dd, K);
+  const int64_t M = xq.size(0), K = xq.size(1);
+  const int64_t N = check_weight(codes, subs, dd, K);
   TORCH_CHECK(xd.numel() == M * (K / kSuper) && bsums.numel() == M * (K / kSub));
   auto y = torch::empty({M, N}, xd.options());
   q4k_run(xq.data_ptr<int8_t>(), xd.data_ptr<float>(), bsums.data_ptr<int16_t>(), codes.data_ptr<uint8_t>(),
@@ -190,8 +197,8 @@ torch::Tensor q4k_matmul(torch::Tensor xq, torch::Tensor xd, torch::Tensor bsums
 torch::Tensor q4k_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor subs, torch::Tensor dd,
                          c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous());
-  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
-  check_weight(codes, subs, dd, K);
+  const int64_t M = x.size(0), K = x.size(1);
+  const int64_t N = check_weight(codes, subs, dd, K);
   const float* b = nullptr;
   if (bias.has_value()) {
     TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == N);

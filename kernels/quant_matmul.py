@@ -161,16 +161,17 @@ SUPER = 256  # a Q4_K superblock: 8 sub-blocks of 32
 
 
 def q4k_matmul(x: torch.Tensor,  # [M, K] float32, K % 256 == 0
-               codes: torch.Tensor,  # [N, K/2] uint8
-               subs: torch.Tensor,  # [N, K/256, 16] uint8: 8 scales, 8 mins
-               dd: torch.Tensor,  # [N, K/256, 2] float32: d, dmin
+               codes: torch.Tensor,  # [N/8, K/256, 1024] uint8
+               subs: torch.Tensor,  # [N/8, K/256, 128] uint8: scales, mins
+               dd: torch.Tensor,  # [N/8, K/256, 16] float32: d, dmin
                ) -> torch.Tensor:  # [M, N] float32
-    """x @ W.T for a Q4_K weight (quant/q4k.py) through the C++ kernel: activations quantized per
-    row and superblock of 256 (llama.cpp's Q8_K), integer sums across each superblock."""
+    """x @ W.T for a Q4_K weight interleaved by 8 output features (quant/q4k.interleave) through
+    the C++ kernel: activations quantized per row and superblock of 256 (llama.cpp's Q8_K),
+    integer sums across each superblock."""
     ext = _extension()
     assert ext is not None, "q4k_matmul: the CPU kernel is not available (check is_available())"
     assert x.dim() == 2 and x.dtype == torch.float32 and x.shape[1] % SUPER == 0, (x.shape, x.dtype)
-    assert codes.dtype == torch.uint8 and codes.shape[1] * 2 == x.shape[1], (codes.shape, x.shape)
+    assert codes.dtype == torch.uint8 and codes.dim() == 3 and codes.shape[1] * 256 == x.shape[1], (codes.shape, x.shape)
     xq, xd, bsums = ext.quantize_rows_k(x.contiguous())
     return ext.q4k_matmul(xq, xd, bsums, codes, subs, dd)
 
@@ -195,8 +196,9 @@ def quantize_rows_k_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, to
 
 
 def q4k_matmul_ref(x: torch.Tensor, codes: torch.Tensor, subs: torch.Tensor, dd: torch.Tensor) -> torch.Tensor:
-    """The kernel's maths in plain torch (float64 sums): the same activation quantization and
-    formula; differs from the kernel only by float32 summation order."""
+    """The kernel's maths in plain torch (float64 sums) on the plain layout (quant/q4k.py): the
+    same activation quantization and formula; differs from the kernel only by float32 summation
+    order."""
     from quant.int4 import unpack_codes
 
     xq, xd, _ = quantize_rows_k_ref(x)

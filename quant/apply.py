@@ -21,7 +21,7 @@ from torch import nn
 
 from quant.int4 import Int4Linear
 from quant.int8 import Int8Embedding, Int8Linear
-from quant.q4k import SUPER, Q4KLinear
+from quant.q4k import Q4KLinear
 
 WEIGHT_QUANT_SCHEMES = ("int4", "int8", "bnb-int8", "bnb-nf4")
 NATIVE_SCHEMES = ("int4", "int8")
@@ -61,8 +61,8 @@ def prepare(scheme: str) -> None:
 def quantize_module(module: nn.Module, scheme: str, is_head: bool = False, file_rows=None) -> nn.Module:
     """The quantized twin of one layer, or the layer itself when the scheme leaves it alone.
 
-    int4: linear layers whose in_features is a multiple of 256 as Q4_K, other multiples of 64 in
-    groups of 32 (the int4 kernel's pairs of groups), the rest as int8. `file_rows` = (GGUF type,
+    int4: linear layers whose in_features is a multiple of 256 (and out_features of 8) as Q4_K,
+    other multiples of 64 in groups of 32 (the int4 kernel's pairs of groups), the rest as int8. `file_rows` = (GGUF type,
     blocks) of this layer from the model's GGUF file: Q4_K blocks become the Q4_K layer, Q4_1
     blocks the groups of 32, as they are, when they decode to the float weight read (a row
     order the converter changed, as llama's q and k, does not); else the float weight is
@@ -78,7 +78,7 @@ def quantize_module(module: nn.Module, scheme: str, is_head: bool = False, file_
             layer = _from_file(*file_rows, module)
             if layer is not None:
                 return layer
-        if scheme == "int4" and USE_Q4K and module.in_features % SUPER == 0:
+        if scheme == "int4" and USE_Q4K and Q4KLinear.fits(module.in_features, module.out_features):
             return Q4KLinear.from_linear(module)
         if scheme == "int4" and module.in_features % 64 == 0:
             return Int4Linear.from_linear(module)
@@ -100,7 +100,7 @@ def share_tied_rows(embedding: nn.Module | None, head: nn.Module) -> nn.Module:
 
 def _from_file(kind: str, rows, linear: nn.Module) -> nn.Module | None:
     """The file's blocks as a layer, if they are exactly `linear`'s weight (else None)."""
-    if kind == "Q4_K" and USE_Q4K and linear.in_features % SUPER == 0:
+    if kind == "Q4_K" and USE_Q4K and Q4KLinear.fits(linear.in_features, linear.out_features):
         layer = Q4KLinear.from_blocks(rows, linear.bias)
     elif kind == "Q4_1" and linear.in_features % 64 == 0:
         layer = Int4Linear.from_q4_1_blocks(rows, linear.bias)

@@ -10,9 +10,12 @@ superblock in int32 and pays one float multiply-add per 256 weights; quant/int4.
 with float16 d and m pay one per 32, and that float chain bounded its kernel on AVX2. Bytes per
 weight: 4.5 in the file, 4.75 here (sc, m as bytes and d, dmin as float32), against 5 for int4.
 
-Layout (K % 256 == 0): codes [N, K/2] uint8, as GGUF's `qs` and quant/int4.py's codes (bytes
-[32p, 32p + 32) of a superblock hold sub-block 2p in the low nibbles, 2p + 1 in the high ones);
-subs [N, K/256, 16] uint8 (8 scales, then 8 mins); dd [N, K/256, 2] float32 (d, dmin).
+The plain layout (K % 256 == 0): codes [N, K/2] uint8, as GGUF's `qs` and quant/int4.py's codes
+(bytes [32p, 32p + 32) of a superblock hold sub-block 2p in the low nibbles, 2p + 1 in the high
+ones); subs [N, K/256, 16] uint8 (8 scales, then 8 mins); dd [N, K/256, 2] float32 (d, dmin).
+Q4KLinear and the kernel keep the same bytes interleaved by 8 output features (`interleave`, laid
+out in kernels/q4k_matmul_cpu.cpp; N % 8 == 0): one vpmaddubsw then covers 8 features and their
+sub-block sums add up in int16, ~1.5x faster than the plain layout from 2 rows up.
 
 A GGUF Q4_K tensor keeps its codes, its 6-bit scales and mins and its d, dmin exactly (no float
 round trip). Other tensors (the file's Q6_K ones, safetensors checkpoints) are quantized from
@@ -84,6 +87,40 @@ def quantize_q4k(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torc
     return codes, subs, dd
 
 
+GROUP = 8  # output features interleaved
+
+
+def interleave(codes: torch.Tensor, subs: torch.Tensor, dd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The plain layout -> the kernel's (codes [N/8, S, 1024], subs [N/8, S, 128], dd [N/8, S, 16];
+    kernels/q4k_matmul_cpu.cpp says where each byte goes). The same bytes, reordered."""
+    n, s = subs.shape[:2]
+    assert n % GROUP == 0, f"out_features {n} is not a multiple of {GROUP}"
+    g = n // GROUP
+    # code index within a sub-block = 16 half + 4 q + i
+    w = unpack_codes(codes).view(g, GROUP, s, 8, 2, 4, 4)  # [g, n, s, j, half, q, i]
+    w = w.permute(0, 2, 3, 5, 1, 6, 4)  # [g, s, j, q, n, i, half]
+    codes8 = (w[..., 0] | (w[..., 1] << 4)).reshape(g, s, 1024)
+    scales = subs[..., :8].reshape(g, GROUP, s, 8).permute(0, 2, 3, 1)  # [g, s, j, n]
+    mins = subs[..., 8:].reshape(g, GROUP, s, 4, 2).permute(0, 2, 3, 1, 4)  # [g, s, jp, n, 2]
+    subs8 = torch.cat((scales.reshape(g, s, 64), mins.reshape(g, s, 64)), dim=2)
+    dd8 = dd.float().reshape(g, GROUP, s, 2).permute(0, 2, 3, 1).reshape(g, s, 16)  # [g, s, (d, dmin), n]
+    return codes8.contiguous(), subs8.contiguous(), dd8.contiguous()
+
+
+def deinterleave(codes8: torch.Tensor, subs8: torch.Tensor, dd8: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """interleave's inverse: the plain layout (codes [N, K/2], subs [N, S, 16], dd [N, S, 2])."""
+    g, s = subs8.shape[:2]
+    n = g * GROUP
+    b = codes8.view(g, s, 8, 4, GROUP, 4)  # [g, s, j, q, n, i]
+    w = torch.stack((b & 15, b >> 4), dim=-1)  # [g, s, j, q, n, i, half]
+    w = w.permute(0, 4, 1, 2, 6, 3, 5).reshape(n, s * SUPER)  # [g, n, s, j, half, q, i]
+    scales = subs8[..., :64].view(g, s, 8, GROUP).permute(0, 3, 1, 2)  # [g, n, s, j]
+    mins = subs8[..., 64:].view(g, s, 4, GROUP, 2).permute(0, 3, 1, 2, 4).reshape(g, GROUP, s, 8)
+    subs = torch.cat((scales, mins), dim=3).reshape(n, s, 16)
+    dd = dd8.view(g, s, 2, GROUP).permute(0, 3, 1, 2).reshape(n, s, 2)
+    return pack_codes(w).contiguous(), subs.contiguous(), dd.contiguous()
+
+
 def dequantize_q4k(codes: torch.Tensor, subs: torch.Tensor, dd: torch.Tensor,
                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The weight [N, K] the layout stands for."""
@@ -95,18 +132,25 @@ def dequantize_q4k(codes: torch.Tensor, subs: torch.Tensor, dd: torch.Tensor,
 
 
 class Q4KLinear(nn.Module):
-    """Drop-in for nn.Linear (no training): y = x @ W.T + bias, W in Q4_K superblocks.
+    """Drop-in for nn.Linear (no training): y = x @ W.T + bias, W in Q4_K superblocks, kept
+    interleaved by 8 output features (see the module docstring).
 
     Every row count goes through the kernel (decode, verification and prefill chunks alike), so
     a row's numbers never depend on the rows beside it. Takes and returns the activations' dtype."""
 
     def __init__(self, codes: torch.Tensor, subs: torch.Tensor, dd: torch.Tensor, bias: torch.Tensor | None):
+        """From the plain layout (blocks_to_layout, quantize_q4k)."""
         super().__init__()
         self.out_features, self.in_features = codes.shape[0], codes.shape[1] * 2
-        self.register_buffer("codes", codes.contiguous())
-        self.register_buffer("subs", subs.contiguous())
-        self.register_buffer("dd", dd.float().contiguous())
+        codes8, subs8, dd8 = interleave(codes, subs, dd)
+        self.register_buffer("codes", codes8)
+        self.register_buffer("subs", subs8)
+        self.register_buffer("dd", dd8)
         self.register_buffer("bias", None if bias is None else bias.detach().float())
+
+    @staticmethod
+    def fits(in_features: int, out_features: int) -> bool:
+        return in_features % SUPER == 0 and out_features % GROUP == 0
 
     @classmethod
     def from_linear(cls, linear: nn.Module) -> "Q4KLinear":
@@ -117,8 +161,12 @@ class Q4KLinear(nn.Module):
         """From a GGUF Q4_K tensor's bytes [N, K/256 * 144]."""
         return cls(*blocks_to_layout(raw), bias)
 
+    def layout(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The weight in the plain layout (codes, subs, dd)."""
+        return deinterleave(self.codes, self.subs, self.dd)
+
     def weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return dequantize_q4k(self.codes, self.subs, self.dd, dtype)
+        return dequantize_q4k(*self.layout(), dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)

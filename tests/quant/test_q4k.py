@@ -12,8 +12,8 @@ from torch import nn
 from chatserve.gguf_convert import GgufBlocks
 from kernels import quant_matmul as kernel
 from quant.apply import quantize_module
-from quant.int4 import Int4Linear, dequantize_int4, make_params, pack_codes, quantize_int4
-from quant.q4k import BLOCK_BYTES, Q4KLinear, blocks_to_layout, dequantize_q4k, quantize_q4k
+from quant.int4 import Int4Linear, dequantize_int4, make_params, pack_codes, quantize_int4, unpack_codes
+from quant.q4k import BLOCK_BYTES, Q4KLinear, blocks_to_layout, deinterleave, dequantize_q4k, interleave, quantize_q4k
 from tests.spec_equality import check_greedy_speculation_equals_plain
 from tests.tiny_models import make_tiny_model
 
@@ -53,14 +53,32 @@ def test_activation_quantization_matches_reference(generator):
 
 @pytest.mark.parametrize("k", [256, 1536])
 def test_kernel_matches_reference_and_rows_are_independent(k, generator):
-    codes, subs, dd = blocks_to_layout(random_blocks(37, k))
+    layout = blocks_to_layout(random_blocks(40, k))
+    packed = interleave(*layout)
     x = torch.randn(9, k, generator=generator)
-    y = kernel.q4k_matmul(x, codes, subs, dd)
-    ref = kernel.q4k_matmul_ref(x, codes, subs, dd)
+    y = kernel.q4k_matmul(x, *packed)
+    ref = kernel.q4k_matmul_ref(x, *layout)
     assert (y - ref).abs().max() <= 1e-5 * ref.abs().max()
     for rows in (1, 2, 3, 4, 5):  # every tile shape: each row equals that row computed alone
-        assert torch.equal(kernel.q4k_matmul(x[:rows], codes, subs, dd), y[:rows])
-    assert torch.equal(kernel.q4k_matmul(x[4:5], codes, subs, dd), y[4:5])
+        assert torch.equal(kernel.q4k_matmul(x[:rows], *packed), y[:rows])
+    assert torch.equal(kernel.q4k_matmul(x[4:5], *packed), y[4:5])
+
+
+def test_interleaving_keeps_every_byte_and_its_place():
+    layout = blocks_to_layout(random_blocks(24, 512, seed=9))
+    packed = interleave(*layout)
+    assert sum(t.numel() * t.element_size() for t in packed) == sum(t.numel() * t.element_size() for t in layout)
+    for got, want in zip(deinterleave(*packed), layout):
+        assert torch.equal(got, want)
+    codes, subs, dd = packed  # feature 8 g + n, superblock s, sub-block j: where the kernel reads it
+    plain_codes = unpack_codes(layout[0]).view(24, 2, 8, 32)  # [N, S, j, i]
+    g, n, s, j, i = 2, 5, 1, 3, 21  # code index i of sub-block j: byte 128 j + 32 q + 4 n + i % 4
+    q, half = (i % 16) // 4, i // 16
+    byte = codes[g, s, 128 * j + 32 * q + 4 * n + i % 4]
+    assert ((byte >> 4) if half else (byte & 15)) == plain_codes[8 * g + n, s, j, i]
+    assert subs[g, s, 8 * j + n] == layout[1][8 * g + n, s, j]  # scale
+    assert subs[g, s, 64 + 16 * (j // 2) + 2 * n + j % 2] == layout[1][8 * g + n, s, 8 + j]  # min
+    assert dd[g, s, 8 + n] == layout[2][8 * g + n, s, 1]  # dmin
 
 
 def test_layer_paths_agree(generator, monkeypatch):
@@ -82,11 +100,12 @@ def test_quantize_module_takes_the_files_blocks_only_when_they_are_the_weight():
         linear.weight.copy_(weight)
     taken = quantize_module(linear, "int4", file_rows=("Q4_K", raw))
     assert isinstance(taken, Q4KLinear) and torch.equal(taken.weight(), weight)
-    assert torch.equal(taken.subs, blocks_to_layout(raw)[1])  # the file's 6-bit scales, not re-quantized
+    assert torch.equal(taken.layout()[1], blocks_to_layout(raw)[1])  # the file's 6-bit scales, not re-quantized
     other = random_blocks(16, 512, seed=4)  # e.g. rows permuted: not this weight
     refused = quantize_module(linear, "int4", file_rows=("Q4_K", other))
     assert isinstance(refused, Q4KLinear) and refused.subs.max() > 63  # quantized from float (8-bit scales)
     assert isinstance(quantize_module(nn.Linear(192, 16), "int4"), Int4Linear)  # not a multiple of 256
+    assert isinstance(quantize_module(nn.Linear(256, 20), "int4"), Int4Linear)  # 20 outputs: not groups of 8
 
 
 def test_gguf_blocks_by_layer(tmp_path):
@@ -125,7 +144,7 @@ def test_greedy_speculation_equals_plain_on_q4k(tiny_q4k_dir, method):
 
 
 def test_one_call_linear_equals_quantize_then_matmul_plus_bias(generator):
-    codes, subs, dd = blocks_to_layout(random_blocks(40, 512))
+    codes, subs, dd = interleave(*blocks_to_layout(random_blocks(40, 512)))
     bias = torch.randn(40, generator=generator)
     for rows in (1, 6, 70):  # 70 x 2 superblocks: the quantization runs on the thread team
         x = torch.randn(rows, 512, generator=generator)
