@@ -181,7 +181,9 @@ def _load(model_dir: Path, model_cfg, dtype: torch.dtype, max_model_len: int, co
 
     if scheme in NATIVE_SCHEMES:
         prepare(scheme)
-    model = load_model(model_dir, model_cfg, dtype, max_model_len, transform).eval()
+    # an int4 model's untied LM head is quantized to int8 from its file a chunk of rows at a time
+    streamed = frozenset({"lm_head"}) if scheme == "int4" else frozenset()
+    model = load_model(model_dir, model_cfg, dtype, max_model_len, transform, streamed).eval()
     release_free_memory()
     return model
 

@@ -19,6 +19,7 @@ import os
 import torch
 from torch import nn
 
+from chatserve.models.loader import StreamedLinear
 from quant.int4 import Int4Linear
 from quant.int8 import Int8Embedding, Int8Linear
 from quant.q4k import Q4KLinear
@@ -71,6 +72,9 @@ def quantize_module(module: nn.Module, scheme: str, is_head: bool = False, file_
     (`is_head`) gets int8 rows without a dense copy: at 4 bits it alone cost SmolLM2 +6.8%
     perplexity, at 8 bits +0.4% (benchmarks/weight_quality.py), as llama.cpp keeps its output
     tensor at 6-8 bits in Q4 files."""
+    if isinstance(module, StreamedLinear):  # a head still in its file (chatserve/models/loader.py)
+        assert scheme == "int4" and is_head, "only an int4 model's LM head is streamed"
+        return Int8Linear.from_streamed(module)
     if isinstance(module, nn.Linear):
         if scheme == "int4" and is_head:
             return Int8Linear.from_linear(module, keep_dense=False)

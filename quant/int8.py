@@ -27,17 +27,25 @@ from kernels import quant_matmul as kernel
 
 COMPUTE_DTYPE = torch.bfloat16  # the packed kernel's fp32 path is ~100x slower here
 SMALL_M = 32  # rows up to which the packed GEMV kernel wins (measured: 1..32 rows)
+ROW_CHUNK = 4096  # rows quantized at a time
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """weight [out, in] float -> (int8 [out, in], scales [out] float32), symmetric per row."""
-    q = torch.empty(weight.shape, dtype=torch.int8)
-    scales = torch.empty(weight.shape[0])  # [out]
-    for start in range(0, weight.shape[0], 4096):  # in row chunks: no full-size float temporaries
-        w = weight[start : start + 4096].float()
+    return quantize_int8_rows(lambda start, stop: weight[start:stop], *weight.shape)
+
+
+def quantize_int8_rows(read_rows, num_rows: int, in_features: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_int8 of a weight read in chunks of rows (`read_rows(start, stop)` -> float rows):
+    no full-size float temporaries, and the weight itself need never be whole in memory
+    (chatserve/models/loader.StreamedLinear)."""
+    q = torch.empty(num_rows, in_features, dtype=torch.int8)
+    scales = torch.empty(num_rows)  # [out]
+    for start in range(0, num_rows, ROW_CHUNK):
+        w = read_rows(start, min(start + ROW_CHUNK, num_rows)).float()
         chunk_scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
-        q[start : start + 4096] = torch.round(w / chunk_scales[:, None]).clamp_(-127, 127)
-        scales[start : start + 4096] = chunk_scales
+        q[start : start + ROW_CHUNK] = torch.round(w / chunk_scales[:, None]).clamp_(-127, 127)
+        scales[start : start + ROW_CHUNK] = chunk_scales
     return q, scales
 
 
@@ -63,6 +71,11 @@ class Int8Linear(nn.Module):
     def from_linear(cls, linear: nn.Linear, keep_dense: bool = True) -> "Int8Linear":
         q, scales = quantize_int8(linear.weight.data)
         return cls(q, scales, linear.bias, linear.weight.data if keep_dense else None)
+
+    @classmethod
+    def from_streamed(cls, linear) -> "Int8Linear":
+        """From a chatserve.models.loader.StreamedLinear, a chunk of rows at a time (no dense copy)."""
+        return cls(*quantize_int8_rows(linear.read_rows, linear.out_features, linear.in_features), None, None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)  # [M, in]

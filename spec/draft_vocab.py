@@ -22,6 +22,9 @@ class SubsetHead(nn.Module):
         assert head.bias is None and keep_ids.dim() == 1
         self.vocab_size = vocab_size
         self.register_buffer("keep_ids", keep_ids.long())  # [num_kept]
+        if not isinstance(head, nn.Linear):  # a chatserve.models.loader.StreamedLinear: rows still in the file, read when quantized
+            self.linear = head.select(self.keep_ids)
+            return
         self.linear = nn.Linear(head.in_features, len(keep_ids), bias=False, dtype=head.weight.dtype)
         with torch.no_grad():
             self.linear.weight.copy_(head.weight[keep_ids])  # [num_kept, hidden]

@@ -24,7 +24,8 @@ FUSED = {
 
 
 def load_model(model_dir: str | Path, cfg, dtype: torch.dtype, max_positions: int,
-               transform: Callable[[str, nn.Module], nn.Module] | None = None) -> DecoderLM:
+               transform: Callable[[str, nn.Module], nn.Module] | None = None,
+               streamed: frozenset[str] = frozenset()) -> DecoderLM:
     """Read the checkpoint into a DecoderLM in `dtype`, one layer (leaf module) at a time.
 
     `transform(name, module)` (e.g. quantization) replaces each leaf module as soon as its
@@ -33,7 +34,12 @@ def load_model(model_dir: str | Path, cfg, dtype: torch.dtype, max_positions: in
     after it: safetensors maps them, and mapped pages count as resident until unmapped (a 6 GB
     fp32 file held open would be the peak). A tied LM head is read with the embedding and
     transformed right after it, from the float table, which is then freed: held until the last
-    layer, Qwen2.5-1.5B's fp32 table (933 MB) was the peak of an int4 load."""
+    layer, Qwen2.5-1.5B's fp32 table (933 MB) was the peak of an int4 load.
+
+    A leaf named in `streamed` (an untied, bias-free LM head) is not read: `transform` gets a
+    StreamedLinear, whose rows it reads a chunk at a time (quant/int8.Int8Linear.from_streamed).
+    Read whole in fp32, the two Qwen heads of the default pair (933 + 544 MB) made the peak of
+    loading it."""
     with torch.device("meta"):
         model = DecoderLM(cfg, max_positions).to(dtype)
     _init_rotary(model, cfg, max_positions, dtype)
@@ -50,6 +56,13 @@ def load_model(model_dir: str | Path, cfg, dtype: torch.dtype, max_positions: in
         leaves.insert(leaves.index("embed_tokens") + 1, "lm_head")
     for name in leaves:
         module = model.get_submodule(name)
+        if name in streamed and not tied and transform is not None:
+            stream = StreamedLinear.of(module, name, sources)
+            if stream is not None:
+                parent, _, child = name.rpartition(".")
+                setattr(model.get_submodule(parent) if parent else model, child, transform(name, stream))
+                loaded.add(f"{name}.weight")
+                continue
         if not (tied and name == "lm_head"):  # a tied head already holds the table
             # allocated in the target dtype: copy_ converts as it reads, so a bf16 model never
             # holds an fp32 copy of a layer
@@ -81,6 +94,56 @@ def read_tensor(model_dir: str | Path, name: str, dtype: torch.dtype = torch.flo
     finally:
         reader.close()
     return out
+
+
+class StreamedLinear(nn.Module):
+    """A bias-free linear layer whose weight stays in its checkpoint file until read, a chunk of
+    rows at a time (`read_rows`), optionally through a subset of its rows (`select`). Not callable:
+    a loader's transform turns it into a real layer."""
+
+    def __init__(self, path: Path, key: str, in_features: int, row_ids: torch.Tensor):
+        super().__init__()
+        self.path, self.key, self.in_features = path, key, in_features
+        self.row_ids = row_ids  # [out_features] int64, ascending: rows of the file's tensor
+        self.out_features = len(row_ids)
+        self.bias = None
+
+    @classmethod
+    def of(cls, module: nn.Module, name: str, sources: dict) -> "StreamedLinear | None":
+        """`module`'s weight as one, when it is one unfused 2-D tensor and there is no bias."""
+        entries = sources.get(f"{name}.weight", [])
+        if getattr(module, "bias", None) is not None or len(entries) != 1 or entries[0][2] is not None:
+            return None
+        path, key, _ = entries[0]
+        reader = SafetensorsReader(path)
+        try:
+            shape = reader.shape(key)
+        finally:
+            reader.close()
+        if len(shape) != 2 or tuple(shape) != tuple(module.weight.shape):
+            return None
+        return cls(path, key, shape[1], torch.arange(shape[0]))
+
+    def select(self, ids: torch.Tensor) -> "StreamedLinear":
+        """The layer of rows `ids` (ascending) of this one."""
+        return StreamedLinear(self.path, self.key, self.in_features, self.row_ids[ids])
+
+    def read_rows(self, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) as float32 [stop - start, in_features]: each run of consecutive file
+        rows is one read."""
+        ids = self.row_ids[start:stop]
+        out = torch.empty(len(ids), self.in_features)
+        breaks = (torch.nonzero(ids[1:] - ids[:-1] != 1).flatten() + 1).tolist()
+        reader = SafetensorsReader(self.path)
+        try:
+            for lo, hi in zip([0, *breaks], [*breaks, len(ids)]):
+                reader.read_rows_into(self.key, int(ids[lo]), out[lo:hi])
+        finally:
+            reader.close()
+        return out
+
+    def forward(self, x):
+        raise RuntimeError("StreamedLinear is read by a loader's transform, never called")
 
 
 @contextlib.contextmanager
@@ -151,6 +214,17 @@ class SafetensorsReader:
                 buffer = torch.empty(count, dtype=dtype)
                 self.file.readinto(memoryview(buffer.view(torch.uint8).numpy()))
                 flat[start : start + count].copy_(buffer)
+
+    def read_rows_into(self, key: str, first_row: int, out: torch.Tensor) -> None:
+        """Rows [first_row, first_row + len(out)) of 2-D tensor `key` into `out`, converted."""
+        entry = self.header[key]
+        dtype = self.DTYPES[entry["dtype"]]
+        rows, cols = entry["shape"]
+        assert out.dim() == 2 and out.shape[1] == cols and first_row + out.shape[0] <= rows, (key, out.shape, first_row)
+        buffer = torch.empty(out.shape, dtype=dtype)
+        self.file.seek(self.data_start + entry["data_offsets"][0] + first_row * cols * dtype.itemsize)
+        self.file.readinto(memoryview(buffer.view(-1).view(torch.uint8).numpy()))
+        out.copy_(buffer)
 
     def close(self) -> None:
         self.file.close()
