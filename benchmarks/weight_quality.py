@@ -39,7 +39,8 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--modes", nargs="+", default=["none:float32", "int8:bfloat16", "int4:float32"],
                     help="quantization:dtype pairs; the first is the reference")
-    ap.add_argument("--max-text-tokens", type=int, default=1024)
+    ap.add_argument("--max-text-tokens", type=int, default=None,
+                    help="default: the whole text (~2.3k tokens; over 1k tokens, summation order alone moved int4 by ~0.3%%)")
     ap.add_argument("--chunk", type=int, default=16)
     ap.add_argument("--greedy-tokens", type=int, default=48)
     ap.add_argument("--threads", type=int, default=2)
