@@ -32,7 +32,8 @@ from chatserve.bench.workloads import Conversation, Session  # noqa: E402
 
 DATA = Path(__file__).resolve().parent / "data" / "long_context.json"
 WORKLOADS = ("paste", "edit")
-CONFIGS = {"off": "--no-spec", "ngram": "--draft ngram", "suffix": "--draft suffix", "draft": "--draft draft"}
+CONFIGS = {"off": "--no-spec", "ngram": "--draft ngram", "suffix": "--draft suffix", "draft": "--draft draft",
+           "eagle": "--draft eagle"}
 
 
 def sessions(workload: str, num_sessions: int, run_tag: str) -> tuple[Session, ...]:
