@@ -63,13 +63,14 @@ def quantize_module(module: nn.Module, scheme: str, is_head: bool = False, file_
     """The quantized twin of one layer, or the layer itself when the scheme leaves it alone.
 
     int4: linear layers whose in_features is a multiple of 256 (and out_features of 8) as Q4_K,
-    other multiples of 64 in groups of 32 (the int4 kernel's pairs of groups), the rest as int8. `file_rows` = (GGUF type,
-    blocks) of this layer from the model's GGUF file: Q4_K blocks become the Q4_K layer, Q4_1
-    blocks the groups of 32, as they are, when they decode to the float weight read (a row
-    order the converter changed, as llama's q and k, does not); else the float weight is
-    quantized. and the embedding table as int8 rows (its lookups read a few rows, but
-    it is the largest tensor of a small model: 151,936 x 1,536 for Qwen2.5-1.5B). The LM head
-    (`is_head`) gets int8 rows without a dense copy: at 4 bits it alone cost SmolLM2 +6.8%
+    other multiples of 64 in groups of 32 (the int4 kernel's pairs of groups), the rest as int8.
+    `file_rows` = (GGUF type, blocks) of this layer from the model's GGUF file: Q4_K blocks become
+    the Q4_K layer, Q4_1 blocks the groups of 32, as they are, when they decode to the float
+    weight read (a row order the converter changed, as llama's q and k, does not); else the
+    float weight is quantized. The embedding table becomes int8 rows (its lookups read a few
+    rows, but it is the largest tensor of a small model: 151,936 x 1,536 for Qwen2.5-1.5B). The
+    LM head (`is_head`) gets int8 rows without a dense copy, read a chunk of rows at a time when
+    it comes as a StreamedLinear: at 4 bits it alone cost SmolLM2 +6.8%
     perplexity, at 8 bits +0.4% (benchmarks/weight_quality.py), as llama.cpp keeps its output
     tensor at 6-8 bits in Q4 files."""
     if isinstance(module, StreamedLinear):  # a head still in its file (chatserve/models/loader.py)
