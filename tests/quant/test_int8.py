@@ -104,3 +104,13 @@ def test_engine_with_int8_weights_matches_bf16_logits(tiny_llama_dir):
     out = q8.generate([ids], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))[0]
     assert len(out["token_ids"]) == 16
     assert q8.block_manager.num_free_blocks == q8.block_manager.num_blocks
+
+
+def test_a_head_without_dense_copy_takes_the_kernel_at_every_row_count(generator):
+    """An LM head (no dense copy) past SMALL_M rows: each row as computed alone, no bf16 path."""
+    head = Int8Linear.from_linear(nn.Linear(128, 96, bias=False), keep_dense=False)
+    x = torch.randn(SMALL_M + 9, 128, generator=generator)
+    y = head(x)
+    assert y.dtype == torch.float32
+    for r in (0, SMALL_M, SMALL_M + 8):
+        assert torch.equal(head(x[r : r + 1]), y[r : r + 1])
