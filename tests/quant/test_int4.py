@@ -151,8 +151,10 @@ def test_quantize_weights_int4_swaps_every_layer(generator):
     torch.testing.assert_close(model.embed_tokens(ids), table[ids], atol=step.item(), rtol=0)
     head = dequantize_int8(model.lm_head.qweight, model.lm_head.scales)
     torch.testing.assert_close(head, table, atol=step.item(), rtol=0)
-    x = torch.randn(40, 64)  # past SMALL_M rows: the head dequantizes for the call
-    torch.testing.assert_close(model.lm_head(x), x @ head.t(), atol=0.1, rtol=0.02)
+    x = torch.randn(40, 64)  # past SMALL_M rows: the same kernel as for a few (activations in int8)
+    y, want = model.lm_head(x), x @ head.t()
+    assert torch.equal(y[35:36], model.lm_head(x[35:36]))
+    assert (y - want).norm() / want.norm() < 0.01
 
 
 def test_int4_engine_logits_stay_close_to_fp32(tiny_llama_dir):
