@@ -28,6 +28,9 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from chatserve.bench.sweep import stop_process  # noqa: E402
 CHAT_PROMPT = (
     "I am planning a small command-line tool in Python that keeps a personal reading list. Each book has a "
     "title, an author, the date I added it, an optional date I finished it, a rating from one to five and a "
@@ -120,11 +123,7 @@ def run_config(kind: str, quant: str | None, args, draft: str | None) -> dict:
                 for name, prompt in (("chat", CHAT_PROMPT), ("code_1k", code_prompt()))}
         return {"ready_s": ready_s, "turns": rows}
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_process(proc, grace_s=30)
 
 
 def main() -> None:

@@ -18,6 +18,18 @@ from chatserve.bench.runner import LoadResult, LoadSpec, run_load
 from chatserve.bench.workloads import Conversation, plan_sessions
 
 
+def stop_process(proc: subprocess.Popen, grace_s: float) -> None:
+    """SIGTERM, up to grace_s seconds to exit (a server drains its turns), then SIGKILL."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 @dataclass(frozen=True)
 class SweepPlan:
     """Everything about a benchmark except the server: `concurrencies` lists the closed-loop
@@ -79,13 +91,8 @@ class ServerProcess:
         raise RuntimeError(f"server not healthy after {self.startup_timeout_s:.0f} s\n{self.log_tail()}")
 
     def __exit__(self, *exc) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if self.proc:
+            stop_process(self.proc, grace_s=30)
         self.log.close()
 
     def log_tail(self, num_chars: int = 3000) -> str:

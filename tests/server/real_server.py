@@ -16,6 +16,8 @@ import time
 import httpx
 import pytest
 
+from chatserve.bench.sweep import stop_process
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -70,13 +72,7 @@ class RealServer:
             return int(re.search(r"VmRSS:\s+(\d+) kB", f.read()).group(1)) * 1024
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, grace_s=60)
 
 
 def wait_pool_free(base: str, timeout: float = 10.0) -> dict:
