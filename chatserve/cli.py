@@ -53,6 +53,9 @@ def _engine_args(p: argparse.ArgumentParser, default_model: str, speculate_by_de
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=512,
                    help="token budget per engine step (the prefill chunk size)")
+    p.add_argument("--stall-limit", type=float, default=3.0,
+                   help="beside running streams, size prompt chunks so a step takes at most this many "
+                        "decode steps (measured); 0 = only the token budget")
     p.add_argument("--threads", type=int, default=None, help="torch threads")
 
 
@@ -113,6 +116,7 @@ def engine_config(args) -> EngineConfig:
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        stall_limit=args.stall_limit,
         num_threads=args.threads,
         spec=spec,
         quantization=_quantization(args.quantization),

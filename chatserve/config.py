@@ -61,6 +61,9 @@ class EngineConfig:
     max_model_len: int | None = None  # None = the model's own limit
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 512  # token budget per step (prefill chunks + decodes + drafts)
+    # Beside running decodes, a step's prompt tokens are sized (from measured costs) so that the
+    # step takes at most this many decode-only steps; 0 = only the token budget limits them.
+    stall_limit: float = 3.0
     enable_prefix_caching: bool = True
     num_threads: int | None = None  # torch threads; None = leave torch's default
     seed: int = 0
@@ -78,6 +81,8 @@ class EngineConfig:
             raise ValueError(f"block_size: one of 8, 16, 32, 64, got {self.block_size}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 16:
             raise ValueError("max_num_seqs must be >= 1 and max_num_batched_tokens >= 16")
+        if self.stall_limit != 0 and self.stall_limit < 1.5:
+            raise ValueError(f"stall_limit: 0 (off) or at least 1.5 decode steps, got {self.stall_limit}")
         if self.quantization not in (None, "int4", "int8", "bnb-int8", "bnb-nf4"):
             raise ValueError(f"quantization: one of int4, int8, bnb-int8, bnb-nf4, got {self.quantization!r}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:

@@ -47,7 +47,8 @@ class Engine:
         self.tokenizer = self.models.tokenizer
         self.max_model_len = self.models.max_model_len
         self.block_manager = self.models.block_manager
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.stall_limit)
         self.sampler = Sampler(self.tokenizer.eos_token_ids)
         self.spec = SpecRunner.create(config.spec, self.models, config.max_num_seqs) if config.spec else None
         self.requests: dict[str, Request] = {}
@@ -135,11 +136,14 @@ class Engine:
     # -- the loop -------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> list[Delta]:
+        start = time.perf_counter()
         if self.spec:
             self.spec.plan(self.scheduler.running, self.scheduler.prefill_tokens_next_step())
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return []
+        num_prompts = sum(s.req.is_prefilling for s in scheduled)
+        num_prompt_tokens = sum(s.num_new_tokens for s in scheduled if s.req.is_prefilling)
         if self.spec:
             self.spec.propose(scheduled)
         items = [self._batch_item(s) for s in scheduled]
@@ -159,6 +163,7 @@ class Engine:
                 deltas.append(delta)
         if features is not None:
             self.spec.observe(scheduled, items, features)  # [num_tokens, hidden]
+        self.scheduler.costs.observe(time.perf_counter() - start, num_prompt_tokens, len(scheduled) - num_prompts)
         return deltas
 
     def _batch_item(self, s: ScheduledSeq) -> BatchItem:

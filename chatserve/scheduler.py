@@ -4,6 +4,11 @@ Iteration-level continuous batching: every step, running decodes go first (1 tok
 k reserved lookahead slots when speculating), then running prefill chunks, then waiting
 requests are admitted while blocks and the budget last. When the pool runs dry, the
 youngest running request is preempted (blocks freed, recomputed later from its tokens).
+
+Prompt tokens fed beside running decodes have their own budget (Sarathi-Serve's stall-free
+batching): from the measured cost of a decode-only step and of one prompt token, a step that
+carries both is sized to take at most `stall_limit` decode steps, so a long prompt arriving
+mid-stream slows the other streams instead of freezing them for a 512-token chunk.
 """
 
 from __future__ import annotations
@@ -15,6 +20,29 @@ from itertools import islice
 
 from chatserve.block_manager import BlockManager
 from chatserve.request import Request, Status
+
+
+class StepCosts:
+    """What a step costs, measured by the engine: an EMA of the seconds of a step that feeds
+    only decodes, and of the seconds each prompt token adds beside them."""
+
+    def __init__(self, alpha: float = 0.25):
+        self.alpha = alpha
+        self.decode_s: float | None = None
+        self.prompt_token_s: float | None = None
+
+    def observe(self, seconds: float, num_prompt_tokens: int, num_decodes: int) -> None:
+        if num_prompt_tokens == 0:
+            if num_decodes:
+                self.decode_s = self._ema(self.decode_s, seconds)
+            return
+        if num_decodes and self.decode_s is None:
+            return  # cannot split this step's time between its decodes and its prompt tokens
+        base = self.decode_s if num_decodes else 0.0
+        self.prompt_token_s = self._ema(self.prompt_token_s, max(seconds - base, 0.0) / num_prompt_tokens)
+
+    def _ema(self, old: float | None, new: float) -> float:
+        return new if old is None else old + self.alpha * (new - old)
 
 
 @dataclass
@@ -29,10 +57,15 @@ class ScheduledSeq:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    MIN_PROMPT_CHUNK = 8  # beside decodes a prompt still advances this much per step
+
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 stall_limit: float = 0.0):
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.stall_limit = stall_limit  # 0: prompt tokens take whatever the token budget leaves
+        self.costs = StepCosts()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -43,22 +76,38 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def prompt_budget(self, has_decodes: bool) -> int:
+        """Prompt tokens one step may feed: the token budget, or beside running decodes as many
+        as fit in (stall_limit - 1) decode steps at the measured cost per prompt token."""
+        c = self.costs
+        if not has_decodes or self.stall_limit <= 0 or c.decode_s is None or not c.prompt_token_s:
+            return self.max_num_batched_tokens
+        n = int((self.stall_limit - 1.0) * c.decode_s / c.prompt_token_s)
+        return max(self.MIN_PROMPT_CHUNK, min(n, self.max_num_batched_tokens))
+
     def schedule(self) -> list[ScheduledSeq]:
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
         decodes = [r for r in self.running if not r.is_prefilling]
         prefills = [r for r in self.running if r.is_prefilling]
+        prompt_budget = self.prompt_budget(bool(decodes))
         for req in decodes + prefills:
             if req.status != Status.RUNNING or budget <= 0:
                 continue  # preempted earlier in this loop, or out of budget
             remaining = len(req.token_ids) - req.num_computed_tokens
-            n = min(remaining, budget)
+            if req.is_prefilling:
+                if prompt_budget <= 0:
+                    continue
+                n = min(remaining, budget, prompt_budget)
+                prompt_budget -= n
+            else:
+                n = min(remaining, budget)
             k = min(req.num_lookahead_tokens, budget - n) if n == remaining == 1 else 0
             if not self._allocate_or_preempt(req, req.num_computed_tokens + n + k, scheduled):
                 continue
             scheduled.append(ScheduledSeq(req, n, k))
             budget -= n + k
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and min(budget, prompt_budget) > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             if not req.table.block_ids:
                 cached = self.bm.match_prefix(req.table, req.token_ids)
@@ -66,7 +115,7 @@ class Scheduler:
                 req.num_draft_computed_tokens = self.bm.draft_kv_prefix(req.table)
                 if req.stats.first_scheduled_time is None:
                     req.stats.cached_tokens = cached
-            n = min(len(req.token_ids) - req.num_computed_tokens, budget)
+            n = min(len(req.token_ids) - req.num_computed_tokens, budget, prompt_budget)
             if not self.bm.allocate(req.table, req.num_computed_tokens + n):
                 break  # admission waits for blocks; the cached prefix stays attached
             self.waiting.popleft()
@@ -76,17 +125,19 @@ class Scheduler:
             self.running.append(req)
             scheduled.append(ScheduledSeq(req, n, 0))
             budget -= n
+            prompt_budget -= n
         return scheduled
 
     def prefill_tokens_next_step(self) -> int:
         """About how many prompt tokens the next schedule() feeds next to the decodes: running
         prefill chunks, then waiting requests while sequence slots last (prefix-cache hits not
-        subtracted), within the token budget. Speculation prices drafts by it (SpecRunner.plan)."""
+        subtracted), within the token and prompt budgets. Speculation prices drafts by it
+        (SpecRunner.plan)."""
         num_decodes = sum(1 for r in self.running if not r.is_prefilling)
         pending = sum(len(r.token_ids) - r.num_computed_tokens for r in self.running if r.is_prefilling)
         free_slots = max(self.max_num_seqs - len(self.running), 0)
         pending += sum(len(r.token_ids) - r.num_computed_tokens for r in islice(self.waiting, free_slots))
-        return min(pending, max(self.max_num_batched_tokens - num_decodes, 0))
+        return min(pending, max(self.max_num_batched_tokens - num_decodes, 0), self.prompt_budget(num_decodes > 0))
 
     def _allocate_or_preempt(self, req: Request, num_tokens: int, scheduled: list[ScheduledSeq]) -> bool:
         """Grow req's table to num_tokens, preempting the youngest running requests if needed.

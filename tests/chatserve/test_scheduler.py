@@ -3,6 +3,7 @@ decodes (what speculation prices draft rows against)."""
 
 from chatserve.config import EngineConfig
 from chatserve.engine import Engine
+from chatserve.scheduler import Scheduler, StepCosts
 from chatserve.sampling_params import SamplingParams
 
 
@@ -22,3 +23,53 @@ def test_prefill_tokens_next_step_follows_the_schedule(tiny_llama_dir):
     while engine.has_unfinished():
         engine.step()
     assert sched.prefill_tokens_next_step() == 0
+
+
+def test_step_costs_split_a_mixed_step_by_the_decode_estimate():
+    costs = StepCosts(alpha=0.5)
+    costs.observe(0.030, num_prompt_tokens=10, num_decodes=2)
+    assert costs.prompt_token_s is None  # no decode estimate yet to subtract
+    costs.observe(0.010, num_prompt_tokens=0, num_decodes=2)
+    costs.observe(0.030, num_prompt_tokens=10, num_decodes=2)
+    assert costs.decode_s == 0.010 and abs(costs.prompt_token_s - 0.002) < 1e-12
+    costs.observe(0.100, num_prompt_tokens=100, num_decodes=0)  # a prompt alone: all its time
+    assert abs(costs.prompt_token_s - 0.0015) < 1e-12  # EMA of 2 ms and 1 ms
+    costs.observe(0.020, num_prompt_tokens=0, num_decodes=1)
+    assert abs(costs.decode_s - 0.015) < 1e-12
+
+
+def test_prompt_chunks_beside_decodes_keep_to_the_stall_limit(tiny_llama_dir):
+    engine = Engine(EngineConfig(model=str(tiny_llama_dir), kv_cache_memory=8 << 20, max_num_batched_tokens=64,
+                                 stall_limit=3.0))
+    params = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
+    sched = engine.scheduler
+    engine.add_request([5] * 10, params, "r0")
+    engine.step()  # r0 prefilled alone, now decoding
+    engine.add_request([6] * 100, params, "r1")
+
+    def chunks():
+        return [(s.req.request_id, s.num_new_tokens) for s in sched.schedule()]
+
+    sched.costs.decode_s, sched.costs.prompt_token_s = 0.010, 0.001  # (3 - 1) * 10 ms / 1 ms = 20 tokens
+    assert sched.prefill_tokens_next_step() == 20
+    assert chunks() == [("r0", 1), ("r1", 20)]
+    sched.costs.prompt_token_s = 0.1  # one prompt token costs 10 decode steps: the floor still advances
+    assert chunks() == [("r0", 1), ("r1", Scheduler.MIN_PROMPT_CHUNK)]
+    sched.stall_limit = 0  # off: the token budget alone
+    assert chunks() == [("r0", 1), ("r1", 63)]
+    sched.stall_limit, sched.costs.decode_s = 3.0, None  # nothing measured yet: the token budget
+    assert chunks() == [("r0", 1), ("r1", 63)]
+
+
+def test_a_prompt_alone_takes_the_whole_budget_and_the_engine_measures_its_steps(tiny_llama_dir):
+    engine = Engine(EngineConfig(model=str(tiny_llama_dir), kv_cache_memory=8 << 20, max_num_batched_tokens=64))
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    engine.add_request([7] * 100, params, "r0")
+    engine.scheduler.costs.decode_s, engine.scheduler.costs.prompt_token_s = 0.010, 0.001
+    assert [s.num_new_tokens for s in engine.scheduler.schedule()] == [64]  # no stream to stall
+    engine.scheduler.costs = StepCosts()
+    while engine.has_unfinished():
+        engine.step()
+    costs = engine.scheduler.costs
+    assert costs.prompt_token_s > 0 and costs.decode_s > 0
+    engine.check_no_leaks()
