@@ -1,8 +1,8 @@
 """Scheduler: waiting and running queues; picks each step's work under a token budget.
 
 Iteration-level continuous batching: every step, running decodes go first (1 token, plus
-k reserved lookahead slots when speculating), then running prefill chunks, then waiting
-requests are admitted while blocks and the budget last. When the pool runs dry, the
+k reserved lookahead slots when speculating), then prompt chunks, shortest remaining prompt
+first, of running requests and of waiting ones admitted while slots, blocks and the budget last. When the pool runs dry, the
 youngest running request is preempted (blocks freed, recomputed later from its tokens).
 
 Prompt tokens fed beside running decodes have their own budget (Sarathi-Serve's stall-free
@@ -89,44 +89,57 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
         decodes = [r for r in self.running if not r.is_prefilling]
-        prefills = [r for r in self.running if r.is_prefilling]
-        prompt_budget = self.prompt_budget(bool(decodes))
-        for req in decodes + prefills:
+        for req in decodes:
             if req.status != Status.RUNNING or budget <= 0:
                 continue  # preempted earlier in this loop, or out of budget
-            remaining = len(req.token_ids) - req.num_computed_tokens
-            if req.is_prefilling:
-                if prompt_budget <= 0:
+            n = len(req.token_ids) - req.num_computed_tokens  # 1
+            k = min(req.num_lookahead_tokens, budget - n)
+            if self._allocate_or_preempt(req, req.num_computed_tokens + n + k, scheduled):
+                scheduled.append(ScheduledSeq(req, n, k))
+                budget -= n + k
+        # Prompt work, shortest first, running chunks and admissions alike: a follow-up turn over
+        # a cached prefix answers in a step or two instead of queueing behind another's long paste.
+        prompt_budget = min(budget, self.prompt_budget(bool(decodes)))
+        prefills = [r for r in self.running if r.is_prefilling]
+        free_slots = max(self.max_num_seqs - len(self.running), 0)
+        arrivals = [self._attach_cached_prefix(r) for r in islice(self.waiting, free_slots)]
+        admitting = True
+        for req in sorted(prefills + arrivals, key=lambda r: len(r.token_ids) - r.num_computed_tokens):
+            if prompt_budget <= 0:
+                break
+            n = min(len(req.token_ids) - req.num_computed_tokens, prompt_budget)
+            if req in prefills:
+                if req.status != Status.RUNNING:  # preempted by a chunk scheduled before it
                     continue
-                n = min(remaining, budget, prompt_budget)
-                prompt_budget -= n
+                if not self._allocate_or_preempt(req, req.num_computed_tokens + n, scheduled):
+                    continue
             else:
-                n = min(remaining, budget)
-            k = min(req.num_lookahead_tokens, budget - n) if n == remaining == 1 else 0
-            if not self._allocate_or_preempt(req, req.num_computed_tokens + n + k, scheduled):
-                continue
-            scheduled.append(ScheduledSeq(req, n, k))
-            budget -= n + k
-        while self.waiting and min(budget, prompt_budget) > 0 and len(self.running) < self.max_num_seqs:
-            req = self.waiting[0]
-            if not req.table.block_ids:
-                cached = self.bm.match_prefix(req.table, req.token_ids)
-                req.num_computed_tokens = cached
-                req.num_draft_computed_tokens = self.bm.draft_kv_prefix(req.table)
-                if req.stats.first_scheduled_time is None:
-                    req.stats.cached_tokens = cached
-            n = min(len(req.token_ids) - req.num_computed_tokens, budget, prompt_budget)
-            if not self.bm.allocate(req.table, req.num_computed_tokens + n):
-                break  # admission waits for blocks; the cached prefix stays attached
-            self.waiting.popleft()
-            req.status = Status.RUNNING
-            if req.stats.first_scheduled_time is None:
-                req.stats.first_scheduled_time = time.perf_counter()
-            self.running.append(req)
+                if not admitting or len(self.running) >= self.max_num_seqs:
+                    continue
+                if not self.bm.allocate(req.table, req.num_computed_tokens + n):
+                    admitting = False  # admission waits for blocks; the cached prefix stays attached
+                    continue
+                self._admit(req)
             scheduled.append(ScheduledSeq(req, n, 0))
-            budget -= n
             prompt_budget -= n
         return scheduled
+
+    def _attach_cached_prefix(self, req: Request) -> Request:
+        """A waiting request's first look at the prefix cache (again after a preemption)."""
+        if not req.table.block_ids:
+            cached = self.bm.match_prefix(req.table, req.token_ids)
+            req.num_computed_tokens = cached
+            req.num_draft_computed_tokens = self.bm.draft_kv_prefix(req.table)
+            if req.stats.first_scheduled_time is None:
+                req.stats.cached_tokens = cached
+        return req
+
+    def _admit(self, req: Request) -> None:
+        self.waiting.remove(req)
+        req.status = Status.RUNNING
+        if req.stats.first_scheduled_time is None:
+            req.stats.first_scheduled_time = time.perf_counter()
+        self.running.append(req)
 
     def prefill_tokens_next_step(self) -> int:
         """About how many prompt tokens the next schedule() feeds next to the decodes: running

@@ -73,3 +73,17 @@ def test_a_prompt_alone_takes_the_whole_budget_and_the_engine_measures_its_steps
     costs = engine.scheduler.costs
     assert costs.prompt_token_s > 0 and costs.decode_s > 0
     engine.check_no_leaks()
+
+
+def test_the_shortest_prompt_goes_first_so_a_follow_up_does_not_queue_behind_a_paste(tiny_llama_dir):
+    engine = Engine(EngineConfig(model=str(tiny_llama_dir), kv_cache_memory=8 << 20, max_num_batched_tokens=32))
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    engine.add_request([5] * 200, params, "paste")
+    engine.step()  # the paste's first 32 tokens
+    engine.add_request([6] * 20, params, "short")
+    scheduled = engine.scheduler.schedule()
+    assert [(s.req.request_id, s.num_new_tokens) for s in scheduled] == [("short", 20), ("paste", 12)]
+    engine.scheduler.preempt(engine.requests["paste"])  # back to waiting, the paste is re-run from its tokens
+    while engine.has_unfinished():
+        engine.step()
+    engine.check_no_leaks()
