@@ -24,20 +24,32 @@ from chatserve.request import Request, Status
 
 class StepCosts:
     """What a step costs, measured by the engine: an EMA of the seconds of a step that feeds
-    only decodes, and of the seconds each prompt token adds beside them."""
+    only decodes, and of the seconds each prompt token adds beside them. A decode-only estimate
+    older than REFRESH mixed steps is stale (contexts and batches grow): the scheduler then runs
+    one decode-only step to measure it again."""
+
+    REFRESH = 16
 
     def __init__(self, alpha: float = 0.25):
         self.alpha = alpha
         self.decode_s: float | None = None
         self.prompt_token_s: float | None = None
+        self.mixed_steps = 0  # steps with decodes and prompt tokens since the last decode-only one
+
+    @property
+    def decode_stale(self) -> bool:
+        return self.decode_s is None or self.mixed_steps >= self.REFRESH
 
     def observe(self, seconds: float, num_prompt_tokens: int, num_decodes: int) -> None:
         if num_prompt_tokens == 0:
             if num_decodes:
                 self.decode_s = self._ema(self.decode_s, seconds)
+                self.mixed_steps = 0
             return
-        if num_decodes and self.decode_s is None:
-            return  # cannot split this step's time between its decodes and its prompt tokens
+        if num_decodes:
+            self.mixed_steps += 1
+            if self.decode_s is None:
+                return  # cannot split this step's time between its decodes and its prompt tokens
         base = self.decode_s if num_decodes else 0.0
         self.prompt_token_s = self._ema(self.prompt_token_s, max(seconds - base, 0.0) / num_prompt_tokens)
 
@@ -78,10 +90,15 @@ class Scheduler:
 
     def prompt_budget(self, has_decodes: bool) -> int:
         """Prompt tokens one step may feed: the token budget, or beside running decodes as many
-        as fit in (stall_limit - 1) decode steps at the measured cost per prompt token."""
+        as fit in (stall_limit - 1) decode steps at the measured cost per prompt token; none
+        while the decode-only cost is unmeasured or stale (that step measures it)."""
         c = self.costs
-        if not has_decodes or self.stall_limit <= 0 or c.decode_s is None or not c.prompt_token_s:
+        if not has_decodes or self.stall_limit <= 0:
             return self.max_num_batched_tokens
+        if c.decode_stale:
+            return 0
+        if not c.prompt_token_s:
+            return self.MIN_PROMPT_CHUNK
         n = int((self.stall_limit - 1.0) * c.decode_s / c.prompt_token_s)
         return max(self.MIN_PROMPT_CHUNK, min(n, self.max_num_batched_tokens))
 
@@ -100,6 +117,7 @@ class Scheduler:
         # Prompt work, shortest first, running chunks and admissions alike: a follow-up turn over
         # a cached prefix answers in a step or two instead of queueing behind another's long paste.
         prompt_budget = min(budget, self.prompt_budget(bool(decodes)))
+        stream_budget = self.prompt_budget(True)
         prefills = [r for r in self.running if r.is_prefilling]
         free_slots = max(self.max_num_seqs - len(self.running), 0)
         arrivals = [self._attach_cached_prefix(r) for r in islice(self.waiting, free_slots)]
@@ -122,6 +140,9 @@ class Scheduler:
                 self._admit(req)
             scheduled.append(ScheduledSeq(req, n, 0))
             prompt_budget -= n
+            if n == len(req.token_ids) - req.num_computed_tokens and not decodes:
+                # its first token ends this step: the prompts after it must not hold it up either
+                prompt_budget = min(prompt_budget, stream_budget)
         return scheduled
 
     def _attach_cached_prefix(self, req: Request) -> Request:

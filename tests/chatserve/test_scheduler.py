@@ -9,7 +9,7 @@ from chatserve.sampling_params import SamplingParams
 
 def test_prefill_tokens_next_step_follows_the_schedule(tiny_llama_dir):
     engine = Engine(EngineConfig(model=str(tiny_llama_dir), kv_cache_memory=8 << 20, max_num_seqs=2,
-                                 max_num_batched_tokens=32))
+                                 max_num_batched_tokens=32, stall_limit=0))
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     for i, n in enumerate((20, 30, 10)):
         engine.add_request([5 + i] * n, params, f"r{i}")
@@ -34,8 +34,9 @@ def test_step_costs_split_a_mixed_step_by_the_decode_estimate():
     assert costs.decode_s == 0.010 and abs(costs.prompt_token_s - 0.002) < 1e-12
     costs.observe(0.100, num_prompt_tokens=100, num_decodes=0)  # a prompt alone: all its time
     assert abs(costs.prompt_token_s - 0.0015) < 1e-12  # EMA of 2 ms and 1 ms
+    assert costs.mixed_steps == 1 and not costs.decode_stale
     costs.observe(0.020, num_prompt_tokens=0, num_decodes=1)
-    assert abs(costs.decode_s - 0.015) < 1e-12
+    assert abs(costs.decode_s - 0.015) < 1e-12 and costs.mixed_steps == 0
 
 
 def test_prompt_chunks_beside_decodes_keep_to_the_stall_limit(tiny_llama_dir):
@@ -57,8 +58,12 @@ def test_prompt_chunks_beside_decodes_keep_to_the_stall_limit(tiny_llama_dir):
     assert chunks() == [("r0", 1), ("r1", Scheduler.MIN_PROMPT_CHUNK)]
     sched.stall_limit = 0  # off: the token budget alone
     assert chunks() == [("r0", 1), ("r1", 63)]
-    sched.stall_limit, sched.costs.decode_s = 3.0, None  # nothing measured yet: the token budget
-    assert chunks() == [("r0", 1), ("r1", 63)]
+    sched.stall_limit, sched.costs.prompt_token_s = 3.0, None  # a prompt token unmeasured: the floor
+    assert chunks() == [("r0", 1), ("r1", Scheduler.MIN_PROMPT_CHUNK)]
+    sched.costs.decode_s = None  # a decode step unmeasured: this step feeds decodes only, to measure it
+    assert chunks() == [("r0", 1)]
+    sched.costs.decode_s, sched.costs.mixed_steps = 0.010, StepCosts.REFRESH  # and again when stale
+    assert chunks() == [("r0", 1)] and sched.prefill_tokens_next_step() == 0
 
 
 def test_a_prompt_alone_takes_the_whole_budget_and_the_engine_measures_its_steps(tiny_llama_dir):
@@ -81,8 +86,12 @@ def test_the_shortest_prompt_goes_first_so_a_follow_up_does_not_queue_behind_a_p
     engine.add_request([5] * 200, params, "paste")
     engine.step()  # the paste's first 32 tokens
     engine.add_request([6] * 20, params, "short")
-    scheduled = engine.scheduler.schedule()
-    assert [(s.req.request_id, s.num_new_tokens) for s in scheduled] == [("short", 20), ("paste", 12)]
+    sched = engine.scheduler
+    sched.stall_limit = 0  # the token budget alone: the rest goes on to the paste
+    assert [(s.req.request_id, s.num_new_tokens) for s in sched.schedule()] == [("short", 20), ("paste", 12)]
+    sched.stall_limit = 3.0  # the short prompt's first token ends the step: the paste waits while the
+    sched.costs.decode_s, sched.costs.prompt_token_s = 0.010, 0.002  # 10 more tokens take 2 decode steps
+    assert [(s.req.request_id, s.num_new_tokens) for s in sched.schedule()] == [("short", 20), ("paste", 10)]
     engine.scheduler.preempt(engine.requests["paste"])  # back to waiting, the paste is re-run from its tokens
     while engine.has_unfinished():
         engine.step()
