@@ -51,7 +51,7 @@ def _engine_args(p: argparse.ArgumentParser, default_model: str, speculate_by_de
     p.add_argument("--kv-cache-memory", type=_bytes, default=None, help="pool bytes, e.g. 2G or 512M")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=16)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512,
+    p.add_argument("--max-num-batched-tokens", type=int, default=256,
                    help="token budget per engine step (the prefill chunk size)")
     p.add_argument("--stall-limit", type=float, default=3.0,
                    help="beside running streams, size prompt chunks so a step takes at most this many "

@@ -60,7 +60,9 @@ class EngineConfig:
     kv_smooth_keys: bool = True  # quantized caches subtract a calibrated per-channel K mean (chatserve/kv_smooth.py)
     max_model_len: int | None = None  # None = the model's own limit
     max_num_seqs: int = 16
-    max_num_batched_tokens: int = 512  # token budget per step (prefill chunks + decodes + drafts)
+    # Token budget per step (prompt chunks + decodes + drafts). 256, not 512: a prompt arriving while
+    # another prefills waits for the running chunk, and chunks of 64-512 prefill equally fast here.
+    max_num_batched_tokens: int = 256
     # Beside running decodes, a step's prompt tokens are sized (from measured costs) so that the
     # step takes at most this many decode-only steps; 0 = only the token budget limits them.
     stall_limit: float = 3.0
