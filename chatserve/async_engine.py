@@ -27,6 +27,7 @@ class AsyncEngine:
         self.model_name = model_name
         self.draft_name = draft_name
         self.max_model_len = engine.max_model_len
+        self.vocab_size = engine.tokenizer.vocab_size  # ids detokenize accepts: [0, vocab_size)
         self.max_num_seqs = engine.config.max_num_seqs  # how many requests run at once; the rest wait
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._outboxes: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -43,11 +44,14 @@ class AsyncEngine:
         return self.engine.spec_methods
 
     # -- called from the event loop ---------------------------------------------------------
-    def tokenize_chat(self, messages: list[dict]) -> list[int]:
-        return self.engine.tokenizer.apply_chat_template(messages)
+    def tokenize_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        return self.engine.tokenizer.apply_chat_template(messages, add_generation_prompt)
 
     def tokenize(self, text: str) -> list[int]:
         return self.engine.tokenizer.encode(text)
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        return self.engine.tokenizer.decode(token_ids)
 
     async def generate(
         self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None

@@ -439,6 +439,46 @@ def usage_chunk(object: str, id: str, model: str, created: int, usage: dict) -> 
     return {"id": id, "object": object, "created": created, "model": model, "choices": [], "usage": usage}
 
 
+def model_object(model: str, max_model_len: int, created: int) -> dict:
+    return {"id": model, "object": "model", "created": created, "owned_by": "chatserve", "max_model_len": max_model_len}
+
+
 def models_response(model: str, max_model_len: int, created: int) -> dict:
-    return {"object": "list", "data": [{"id": model, "object": "model", "created": created,
-                                        "owned_by": "chatserve", "max_model_len": max_model_len}]}
+    return {"object": "list", "data": [model_object(model, max_model_len, created)]}
+
+
+@dataclass(frozen=True)
+class TokenizeRequest:
+    """A parsed /tokenize body (vLLM's shape): exactly one of `prompt` and `messages`."""
+
+    prompt: str | None = None
+    messages: list[dict] | None = None
+    add_generation_prompt: bool = True
+
+
+def parse_tokenize_request(body) -> TokenizeRequest:
+    if not isinstance(body, dict):
+        raise ProtocolError(BAD_MESSAGE, "request body must be a JSON object")
+    if ("prompt" in body) == ("messages" in body):
+        raise ProtocolError(BAD_MESSAGE, "give exactly one of 'prompt' and 'messages'", param="prompt")
+    add_generation_prompt = body.get("add_generation_prompt", True)
+    if not isinstance(add_generation_prompt, bool):
+        raise ProtocolError(BAD_MESSAGE, "'add_generation_prompt' must be a boolean", param="add_generation_prompt")
+    if "messages" in body:
+        return TokenizeRequest(messages=parse_chat_messages(body["messages"]),
+                               add_generation_prompt=add_generation_prompt)
+    if not isinstance(body["prompt"], str):
+        raise ProtocolError(BAD_MESSAGE, "'prompt' must be a string", param="prompt")
+    return TokenizeRequest(prompt=body["prompt"])
+
+
+def parse_detokenize_request(body, vocab_size: int) -> list[int]:
+    """{"tokens": [ids]} -> the ids, each an int in [0, vocab_size)."""
+    tokens = body.get("tokens") if isinstance(body, dict) else None
+    if not isinstance(tokens, list):
+        raise ProtocolError(BAD_MESSAGE, "'tokens' must be a list of token ids", param="tokens")
+    for i, t in enumerate(tokens):
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
+            raise ProtocolError(BAD_MESSAGE, f"tokens[{i}]: {t!r} is not a token id in [0, {vocab_size})",
+                                param="tokens")
+    return tokens

@@ -23,7 +23,7 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         return self.hf.encode(text, add_special_tokens=True)
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages: must be a non-empty list of {role, content} objects")
         for i, m in enumerate(messages):
@@ -31,7 +31,7 @@ class Tokenizer:
                 raise ValueError(f"messages[{i}]: must be an object with a string 'content'")
             if m.get("role") not in ("system", "user", "assistant"):
                 raise ValueError(f"messages[{i}].role: must be system, user or assistant, got {m.get('role')!r}")
-        ids = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = self.hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # BatchEncoding in newer transformers
             ids = ids["input_ids"]
         return list(ids)

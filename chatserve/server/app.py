@@ -1,4 +1,5 @@
-"""The app factory: routes (/ws, /v1, /health, /metrics, the static UI) and the uvicorn runner."""
+"""The app factory: routes (/ws, /v1, /tokenize, /detokenize, /version, /health, /metrics, the static UI)
+and the uvicorn runner."""
 
 from __future__ import annotations
 
@@ -52,7 +53,11 @@ def create_app(engine, config: ServerConfig) -> Starlette:
             Route("/chat/completions", openai.chat_completions, methods=["POST"]),
             Route("/completions", openai.completions, methods=["POST"]),
             Route("/models", openai.models, methods=["GET"]),
+            Route("/models/{model_id:path}", openai.model, methods=["GET"]),  # ids may hold a "/"
         ]),
+        Route("/tokenize", openai.tokenize, methods=["POST"]),  # vLLM's paths, outside /v1
+        Route("/detokenize", openai.detokenize, methods=["POST"]),
+        Route("/version", openai.version, methods=["GET"]),
         Route("/health", health, methods=["GET"]),  # health and metrics stay open (no key) for probes
         Route("/metrics", metrics, methods=["GET"]),
         Mount("/", app=StaticFiles(directory=WEB_DIR, html=True, check_dir=False), name="web"),
@@ -62,9 +67,12 @@ def create_app(engine, config: ServerConfig) -> Starlette:
     return app
 
 
+_VLLM_PATHS = ("/tokenize", "/detokenize", "/version")
+
+
 async def _http_exception(request: Request, exc: HTTPException) -> Response:
-    """404/405 under /v1 in OpenAI's error shape; plain text elsewhere (the static UI)."""
-    if not request.url.path.startswith("/v1/"):
+    """404/405 under /v1 and on vLLM's paths in OpenAI's error shape; plain text elsewhere (the static UI)."""
+    if not request.url.path.startswith("/v1/") and request.url.path not in _VLLM_PATHS:
         return Response(exc.detail, status_code=exc.status_code, headers=exc.headers)
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
     return error_response(P.ProtocolError(code, f"{request.method} {request.url.path}: {exc.detail}",

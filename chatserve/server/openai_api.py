@@ -1,4 +1,5 @@
-"""OpenAI-compatible routes: /v1/chat/completions and /v1/completions (SSE or whole), /v1/models.
+"""OpenAI-compatible routes: /v1/chat/completions and /v1/completions (SSE or whole), /v1/models,
+and vLLM's /tokenize, /detokenize and /version.
 
 A request is checked (access, then admission: a full queue is a 429 before the body is read;
 then body, limits) and waits for its first delta before any header is sent, so refusals are
@@ -8,6 +9,7 @@ proper OpenAI error responses; after that, errors are reported in-band.
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import time
 import uuid
 from dataclasses import dataclass
@@ -38,6 +40,51 @@ class OpenAIRoutes:
         except P.ProtocolError as e:
             return error_response(e)
         return JSONResponse(P.models_response(s.model_name, s.engine.max_model_len, s.created))
+
+    async def model(self, request: Request) -> Response:
+        s = self.state
+        try:
+            s.access.check_http(request.headers)
+            self._check_model(request.path_params["model_id"])
+        except P.ProtocolError as e:
+            return error_response(e)
+        return JSONResponse(P.model_object(s.model_name, s.engine.max_model_len, s.created))
+
+    async def tokenize(self, request: Request) -> Response:
+        """A prompt, or messages through the chat template as /v1/chat/completions applies it."""
+        s = self.state
+        try:
+            s.access.check_http(request.headers)
+            req = P.parse_tokenize_request(await self._read_json(request))
+            if req.messages is not None:
+                token_ids = await s.tokenize_chat(req.messages, req.add_generation_prompt)
+            else:
+                token_ids = await s.tokenize(req.prompt)
+        except P.ProtocolError as e:
+            return error_response(e)
+        return JSONResponse({"tokens": token_ids, "count": len(token_ids), "max_model_len": s.engine.max_model_len})
+
+    async def detokenize(self, request: Request) -> Response:
+        s = self.state
+        try:
+            s.access.check_http(request.headers)
+            token_ids = P.parse_detokenize_request(await self._read_json(request), s.engine.vocab_size)
+            text = await s.detokenize(token_ids)
+        except P.ProtocolError as e:
+            return error_response(e)
+        return JSONResponse({"prompt": text})
+
+    async def version(self, request: Request) -> Response:
+        try:
+            self.state.access.check_http(request.headers)
+        except P.ProtocolError as e:
+            return error_response(e)
+        return JSONResponse({"version": importlib.metadata.version("chatserve")})
+
+    def _check_model(self, model: str) -> None:
+        if model != self.state.model_name:
+            raise P.ProtocolError(P.MODEL_NOT_FOUND, f"model {model!r} does not exist; this server serves "
+                                  f"{self.state.model_name!r}", 404, "model")
 
     async def _read_json(self, request: Request):
         """The body, refused (413) from its Content-Length or as soon as the bytes read pass the
@@ -87,9 +134,8 @@ class OpenAIRoutes:
             parse = P.parse_chat_completion_request if is_chat else P.parse_completion_request
             req = parse(body, s.config.max_tokens_limit)
             P.check_spec_method(req.params, s.engine.spec_methods)
-            if req.model is not None and req.model != s.model_name:
-                raise P.ProtocolError(P.MODEL_NOT_FOUND, f"model {req.model!r} does not exist; this server serves "
-                                      f"{s.model_name!r}", 404, "model")
+            if req.model is not None:
+                self._check_model(req.model)
             if is_chat:
                 prompt_ids = await s.tokenize_chat(req.messages)
             else:

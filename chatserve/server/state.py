@@ -35,11 +35,11 @@ class AppState:
         for request_id in list(self.request_ids):
             self.engine.abort(request_id)
 
-    async def tokenize_chat(self, messages: list[dict]) -> list[int]:
+    async def tokenize_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         """The chat template runs in a worker thread. Any failure is the messages' fault (a template
         may refuse, e.g. roles that do not alternate), so it is a client error."""
         try:
-            return await asyncio.to_thread(self.engine.tokenize_chat, messages)
+            return await asyncio.to_thread(self.engine.tokenize_chat, messages, add_generation_prompt)
         except Exception as e:
             raise P.ProtocolError(P.BAD_MESSAGE, f"cannot apply the chat template: {e}", param="messages") from None
 
@@ -48,6 +48,12 @@ class AppState:
             return await asyncio.to_thread(self.engine.tokenize, text)
         except Exception as e:
             raise P.ProtocolError(P.BAD_MESSAGE, f"cannot tokenize the prompt: {e}", param="prompt") from None
+
+    async def detokenize(self, token_ids: list[int]) -> str:
+        try:
+            return await asyncio.to_thread(self.engine.detokenize, token_ids)
+        except Exception as e:
+            raise P.ProtocolError(P.BAD_MESSAGE, f"cannot detokenize: {e}", param="tokens") from None
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
                        timer: RequestTimer) -> AsyncIterator[Delta]:

@@ -24,6 +24,7 @@ class FakeEngine:
                  spec_methods: tuple[str, ...] | None = None, max_num_seqs: int = 16):
         self.model_name, self.draft_name, self.max_model_len = model_name, draft_name, max_model_len
         self.max_num_seqs = max_num_seqs
+        self.vocab_size = 0x110000  # token id = code point
         if spec_methods is None:  # like the real engine: a named draft model also offers n-gram
             spec_methods = () if not draft_name else ("ngram",) if draft_name == "ngram" else ("draft", "ngram")
         self.spec_methods = spec_methods
@@ -49,14 +50,14 @@ class FakeEngine:
     def detokenize(self, token_ids: list[int]) -> str:
         return "".join(map(chr, token_ids))
 
-    def tokenize_chat(self, messages: list[dict]) -> list[int]:
+    def tokenize_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         for i, message in enumerate(messages):
             if message["role"] == "system" and i != 0:
                 raise ValueError("a system message must come first")
             if i and message["role"] == messages[i - 1]["role"] == "assistant":
                 raise LookupError("roles must alternate")  # like jinja's TemplateError: not a ValueError
         text = "".join(f"<{m['role']}>{m['content']}</{m['role']}>" for m in messages)
-        return self.tokenize(text + "<assistant>")
+        return self.tokenize(text + "<assistant>" * add_generation_prompt)
 
     # ---- generation
 
