@@ -31,12 +31,14 @@ from dataclasses import asdict, dataclass, field
 import httpx
 
 from chatserve.bench.workloads import builtin_conversations
+from chatserve.protocol import QUEUE_FULL
 
 KINDS = ("healthy", "cancel", "drop", "bad")
 BAD_KINDS = ("malformed", "binary", "oversized_frame", "oversized_prompt")
 FOLLOW_UPS = ("Tell me more.", "Can you give an example?", "Shorter, please.", "Why is that?",
               "Now say it as a list.", "And the next part?")
 RETRY_CODES = ("too_many_connections", "overloaded", "server_busy")  # refused for load: the client retries
+MAX_TURN_RETRIES = 30  # a turn refused with queue_full is sent again at most this often
 
 
 @dataclass(frozen=True)
@@ -274,20 +276,19 @@ class Soak:
         if outcome.kind == "bad":
             outcome.detail = rng.choice(BAD_KINDS)
             frame, expected = self.bad_ws_frame(outcome.detail)
-            await ws.send(frame)
-            msg = json.loads(await ws.recv())
+            msg = await self._send(ws, frame, rng)
             outcome.answered = msg.get("type") == "error" and msg.get("code") in expected
             if not outcome.answered:
                 outcome.error = f"expected {expected}, got {msg}"
             return True
         chat = {"type": "chat", "id": turn_id, "content": self.user_text(rng, turn), "params": self.params(rng)}
         start = time.perf_counter()
-        await ws.send(json.dumps(chat))
+        msg = await self._send(ws, json.dumps(chat), rng)
         if outcome.kind == "healthy":
-            return await self._read_turn(ws, outcome, start)
+            return await self._read_turn(ws, outcome, start, msg)
         num_deltas = rng.randint(0, 3)
-        for _ in range(num_deltas):
-            msg = json.loads(await ws.recv())
+        for i in range(num_deltas):
+            msg = msg if i == 0 else json.loads(await ws.recv())
             if msg.get("type") != "delta":  # finished (or failed) before the cancel/drop
                 outcome.answered = msg.get("type") == "done"
                 outcome.error = None if outcome.answered else f"unexpected {msg}"
@@ -306,13 +307,26 @@ class Soak:
         outcome.error = None if outcome.answered else f"unexpected {msg}"
         return True
 
-    async def _read_turn(self, ws, outcome: Outcome, start: float) -> bool:
-        while True:
+    async def _send(self, ws, frame: str | bytes, rng: random.Random) -> dict:
+        """Send a frame and return the first answer; a turn refused for load (queue_full: every
+        generation slot taken, e.g. by dropped clients not yet noticed) is sent again after a
+        pause, as a client should, and counted as a retry."""
+        for _ in range(MAX_TURN_RETRIES):
+            await ws.send(frame)
             msg = json.loads(await ws.recv())
+            if msg.get("type") != "error" or msg.get("code") != QUEUE_FULL:
+                return msg
+            self.result.num_retries += 1
+            await asyncio.sleep(0.2 + rng.random())
+        return msg
+
+    async def _read_turn(self, ws, outcome: Outcome, start: float, msg: dict) -> bool:
+        while True:
             kind = msg.get("type")
             if kind == "delta":
                 if outcome.ttft_s is None and msg.get("text"):
                     outcome.ttft_s = time.perf_counter() - start
+                msg = json.loads(await ws.recv())
                 continue
             outcome.total_s = time.perf_counter() - start
             outcome.answered = kind == "done" and msg.get("finish_reason") in ("stop", "length")
@@ -430,8 +444,10 @@ class Soak:
             async with asyncio.timeout(self.plan.timeout_s):
                 async with connect(self.plan.url.replace("http://", "ws://") + "/ws", ping_interval=None) as ws:
                     await ws.recv()
-                    await ws.send(json.dumps({"type": "chat", "content": "Still there?", "params": {"max_tokens": 8}}))
-                    await self._read_turn(ws, final[0], time.perf_counter())
+                    start = time.perf_counter()
+                    msg = await self._send(ws, json.dumps({"type": "chat", "content": "Still there?",
+                                                           "params": {"max_tokens": 8}}), rng)
+                    await self._read_turn(ws, final[0], start, msg)
                 await self.openai_request(http, rng, 0, [], final[1])
         except Exception as e:
             final[0].error = f"{type(e).__name__}: {e}"
