@@ -77,9 +77,14 @@ class Request:
         return self.token_ids[len(self.prompt_token_ids) :]
 
     @property
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens still to feed to the target: the rest of the prompt, or the last token."""
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
     def is_prefilling(self) -> bool:
         """True while more than the last token is still to be fed to the target."""
-        return len(self.token_ids) - self.num_computed_tokens > 1
+        return self.num_uncomputed_tokens > 1
 
     @property
     def is_finished(self) -> bool:

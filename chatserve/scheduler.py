@@ -109,7 +109,7 @@ class Scheduler:
         for req in decodes:
             if req.status != Status.RUNNING or budget <= 0:
                 continue  # preempted earlier in this loop, or out of budget
-            n = len(req.token_ids) - req.num_computed_tokens  # 1
+            n = req.num_uncomputed_tokens  # 1
             k = min(req.num_lookahead_tokens, budget - n)
             if self._allocate_or_preempt(req, req.num_computed_tokens + n + k, scheduled):
                 scheduled.append(ScheduledSeq(req, n, k))
@@ -122,10 +122,10 @@ class Scheduler:
         free_slots = max(self.max_num_seqs - len(self.running), 0)
         arrivals = [self._attach_cached_prefix(r) for r in islice(self.waiting, free_slots)]
         admitting = True
-        for req in sorted(prefills + arrivals, key=lambda r: len(r.token_ids) - r.num_computed_tokens):
+        for req in sorted(prefills + arrivals, key=lambda r: r.num_uncomputed_tokens):
             if prompt_budget <= 0:
                 break
-            n = min(len(req.token_ids) - req.num_computed_tokens, prompt_budget)
+            n = min(req.num_uncomputed_tokens, prompt_budget)
             if req in prefills:
                 if req.status != Status.RUNNING:  # preempted by a chunk scheduled before it
                     continue
@@ -140,7 +140,7 @@ class Scheduler:
                 self._admit(req)
             scheduled.append(ScheduledSeq(req, n, 0))
             prompt_budget -= n
-            if n == len(req.token_ids) - req.num_computed_tokens and not decodes:
+            if n == req.num_uncomputed_tokens and not decodes:
                 # its first token ends this step: the prompts after it must not hold it up either
                 prompt_budget = min(prompt_budget, stream_budget)
         return scheduled
@@ -168,9 +168,9 @@ class Scheduler:
         subtracted), within the token and prompt budgets. Speculation prices drafts by it
         (SpecRunner.plan)."""
         num_decodes = sum(1 for r in self.running if not r.is_prefilling)
-        pending = sum(len(r.token_ids) - r.num_computed_tokens for r in self.running if r.is_prefilling)
+        pending = sum(r.num_uncomputed_tokens for r in self.running if r.is_prefilling)
         free_slots = max(self.max_num_seqs - len(self.running), 0)
-        pending += sum(len(r.token_ids) - r.num_computed_tokens for r in islice(self.waiting, free_slots))
+        pending += sum(r.num_uncomputed_tokens for r in islice(self.waiting, free_slots))
         return min(pending, max(self.max_num_batched_tokens - num_decodes, 0), self.prompt_budget(num_decodes > 0))
 
     def _allocate_or_preempt(self, req: Request, num_tokens: int, scheduled: list[ScheduledSeq]) -> bool:
