@@ -101,7 +101,11 @@ class Engine:
 
     def check_params(self, params: SamplingParams) -> None:
         """Raise ValueError for a spec_method this engine cannot run (no draft model or EAGLE
-        head, or no speculation at all). Any thread may call it between set_speculation calls."""
+        head, or no speculation at all), or a logit_bias id outside the vocabulary. Any thread may
+        call it between set_speculation calls."""
+        vocab = self.models.vocab_size
+        if any(t >= vocab for t, _ in params.logit_bias):
+            raise ValueError(f"logit_bias: token ids must be in [0, {vocab})")
         method = params.spec_method
         if method is None or method in self.spec_methods:
             return
@@ -221,6 +225,8 @@ class Engine:
         self.block_manager.truncate(req.table, len(req.token_ids))
         self._commit(req)
         req.stats.num_generated = req.num_output_tokens
+        logprobs = None if req.new_logprobs is None else req.new_logprobs[: len(emitted)]
+        req.new_logprobs = None
         if reason:
             text_parts.append(req.detok.flush())
             if self.spec:
@@ -228,8 +234,8 @@ class Engine:
             self.scheduler.finish(req, reason)
             self.requests.pop(req.request_id, None)
             req.stats.finish_time = now
-            return Delta(req.request_id, "".join(text_parts), emitted, reason, req.stats)
-        return Delta(req.request_id, "".join(text_parts), emitted)
+            return Delta(req.request_id, "".join(text_parts), emitted, reason, req.stats, logprobs=logprobs)
+        return Delta(req.request_id, "".join(text_parts), emitted, logprobs=logprobs)
 
     def _commit(self, req: Request) -> None:
         """Two commit horizons: the target's KV makes blocks shareable (hashed), the draft's
@@ -247,15 +253,16 @@ class Engine:
 
     # -- conveniences ---------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[dict]:
-        """Run a batch to completion; returns one dict per prompt (text, token_ids, stats)."""
+        """Run a batch to completion; returns one dict per prompt (text, token_ids, logprobs, stats)."""
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
-        results = {i: {"text": "", "token_ids": [], "finish_reason": None, "stats": None} for i in ids}
+        results = {i: {"text": "", "token_ids": [], "logprobs": [], "finish_reason": None, "stats": None} for i in ids}
         while self.has_unfinished():
             for d in self.step():
                 r = results[d.request_id]
                 r["text"] += d.text
                 r["token_ids"] += d.token_ids
+                r["logprobs"] += d.logprobs or []
                 if d.finished:
                     r["finish_reason"], r["stats"] = d.finish_reason, d.stats
         return [results[i] for i in ids]

@@ -45,8 +45,9 @@ CLOSE_SLOW_READER = 4008  # the client left too much output unread; reconnecting
 MAX_JSON_DEPTH = 32  # our messages nest 4 deep ({"messages": [{"content": [{"type": ...}]}]})
 
 ROLES = ("system", "user", "assistant")
-SETTINGS_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens",
-                 "stop", "seed", "speculation", "spec_method", "num_draft_tokens", "ignore_eos")
+SETTINGS_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                 "frequency_penalty", "logit_bias", "max_tokens", "stop", "seed", "speculation", "spec_method",
+                 "num_draft_tokens", "ignore_eos")
 MAX_ID_CHARS = 128
 
 
@@ -217,6 +218,8 @@ def build_sampling_params(settings: dict, max_tokens_limit: int) -> SamplingPara
         values["num_draft_tokens"] = 0
     if isinstance(values.get("stop"), list):
         values["stop"] = tuple(values["stop"])
+    if "logit_bias" in values:
+        values["logit_bias"] = _parse_logit_bias(values["logit_bias"])
     max_tokens = values.get("max_tokens")
     if isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and max_tokens > max_tokens_limit:
         raise ProtocolError(INVALID_PARAMS, f"max_tokens: must be <= {max_tokens_limit}, got {max_tokens}",
@@ -226,6 +229,14 @@ def build_sampling_params(settings: dict, max_tokens_limit: int) -> SamplingPara
     except (ValueError, TypeError) as e:
         param = str(e).split(":", 1)[0] if ":" in str(e) else None
         raise ProtocolError(INVALID_PARAMS, str(e), param=param) from None
+
+
+def _parse_logit_bias(bias) -> dict[int, float]:
+    """OpenAI's {"token id as a string": bias}; the values are checked by SamplingParams."""
+    if not isinstance(bias, dict) or not all(isinstance(k, str) and k.isdigit() for k in bias):
+        raise ProtocolError(INVALID_PARAMS, "logit_bias: must map token ids (as strings) to numbers",
+                            param="logit_bias")
+    return {int(k): v for k, v in bias.items()}
 
 
 # ---------------------------------------------------------------- websocket: server -> client
@@ -328,7 +339,8 @@ def dumps(message: dict) -> str:
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
                429: "rate_limit_error", 503: "service_unavailable_error"}
-_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "stop",
+_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                  "frequency_penalty", "logit_bias", "seed", "stop",
                   "speculation", "spec_method", "num_draft_tokens", "ignore_eos")  # top_k on: extensions (vLLM's, ours)
 
 
@@ -347,7 +359,7 @@ class OpenAIRequest:
 
 def parse_chat_completion_request(body, max_tokens_limit: int) -> OpenAIRequest:
     """max_tokens defaults to max_tokens_limit: a chat reply runs until it stops (or the context ends)."""
-    common = _parse_openai_common(body, max_tokens_limit, max_tokens_limit)
+    common = _parse_openai_common(body, max_tokens_limit, max_tokens_limit, is_chat=True)
     if "messages" not in body:
         raise ProtocolError(BAD_MESSAGE, "'messages' is required", param="messages")
     return OpenAIRequest(**common, messages=parse_chat_messages(body["messages"]))
@@ -355,7 +367,7 @@ def parse_chat_completion_request(body, max_tokens_limit: int) -> OpenAIRequest:
 
 def parse_completion_request(body, max_tokens_limit: int) -> OpenAIRequest:
     """`prompt` is a string, a list of token ids, or a one-element list of either. max_tokens defaults to 16."""
-    common = _parse_openai_common(body, 16, max_tokens_limit)
+    common = _parse_openai_common(body, 16, max_tokens_limit, is_chat=False)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
@@ -372,7 +384,29 @@ def parse_completion_request(body, max_tokens_limit: int) -> OpenAIRequest:
                         param="prompt")
 
 
-def _parse_openai_common(body, default_max_tokens: int, max_tokens_limit: int) -> dict:
+def _parse_logprobs(body: dict, is_chat: bool) -> int | None:
+    """Chat: `logprobs` true/false and `top_logprobs` 0-20. Completions: `logprobs` 0-5 (the
+    number of top logprobs). -> SamplingParams.logprobs (None: none)."""
+    logprobs, top = body.get("logprobs"), body.get("top_logprobs")
+    if not is_chat:
+        if top is not None:
+            raise ProtocolError(INVALID_PARAMS, "top_logprobs: only for chat completions; here 'logprobs' is "
+                                "the number of top logprobs", param="top_logprobs")
+        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
+                                     or not 0 <= logprobs <= 5):
+            raise ProtocolError(INVALID_PARAMS, "logprobs: must be an integer in [0, 5]", param="logprobs")
+        return logprobs
+    if logprobs is not None and not isinstance(logprobs, bool):
+        raise ProtocolError(INVALID_PARAMS, "logprobs: must be true or false", param="logprobs")
+    if top is not None:
+        if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= 20:
+            raise ProtocolError(INVALID_PARAMS, "top_logprobs: must be an integer in [0, 20]", param="top_logprobs")
+        if not logprobs:
+            raise ProtocolError(INVALID_PARAMS, "top_logprobs: needs logprobs=true", param="top_logprobs")
+    return (top or 0) if logprobs else None
+
+
+def _parse_openai_common(body, default_max_tokens: int, max_tokens_limit: int, is_chat: bool) -> dict:
     if not isinstance(body, dict):
         raise ProtocolError(BAD_MESSAGE, "request body must be a JSON object")
     model, stream, options = body.get("model"), body.get("stream", False), body.get("stream_options")
@@ -384,12 +418,12 @@ def _parse_openai_common(body, default_max_tokens: int, max_tokens_limit: int) -
                                 or not isinstance(options.get("include_usage", False), bool)):
         raise ProtocolError(BAD_MESSAGE, "'stream_options' must be {\"include_usage\": bool} and needs stream=true",
                             param="stream_options")
-    for name, allowed in (("n", (None, 1)), ("best_of", (None, 1)), ("logprobs", (None, False, 0)),
-                          ("echo", (None, False)), ("presence_penalty", (None, 0)), ("frequency_penalty", (None, 0))):
+    for name, allowed in (("n", (None, 1)), ("best_of", (None, 1)), ("echo", (None, False))):
         if body.get(name) not in allowed:
             raise ProtocolError(INVALID_PARAMS, f"{name}: only {allowed[-1]!r} is supported", param=name)
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     settings = {k: body[k] for k in _SAMPLING_KEYS if k in body}
+    settings["logprobs"] = _parse_logprobs(body, is_chat)
     settings["max_tokens"] = min(default_max_tokens, max_tokens_limit) if max_tokens is None else max_tokens
     if isinstance(settings.get("stop"), list) and not all(isinstance(s, str) for s in settings["stop"]):
         raise ProtocolError(INVALID_PARAMS, "stop: must be a string or a list of strings", param="stop")
@@ -408,16 +442,42 @@ def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int | 
             "prompt_tokens_details": {"cached_tokens": cached_tokens or 0}}
 
 
-def chat_completion_response(id: str, model: str, created: int, text: str, finish_reason: str, usage: dict) -> dict:
-    choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+TokenLogprobs = tuple[str, float, list[tuple[str, float]]]  # (token, logprob, [(token, logprob)] best first)
+
+
+def chat_logprobs(tokens: list[TokenLogprobs]) -> dict:
+    """A choice's `logprobs` in a chat completion or chunk."""
+    def entry(token: str, logprob: float) -> dict:
+        return {"token": token, "logprob": _finite(logprob), "bytes": list(token.encode("utf-8"))}
+    return {"content": [entry(t, lp) | {"top_logprobs": [entry(*alt) for alt in top]} for t, lp, top in tokens]}
+
+
+def completion_logprobs(tokens: list[TokenLogprobs], text_offset: int) -> dict:
+    """A choice's `logprobs` in a (legacy) completion or chunk; text_offset: where the first token starts."""
+    offsets = []
+    for token, _, _ in tokens:
+        offsets.append(text_offset)
+        text_offset += len(token)
+    return {"tokens": [t for t, _, _ in tokens], "token_logprobs": [_finite(lp) for _, lp, _ in tokens],
+            "top_logprobs": [{alt: _finite(lp) for alt, lp in top} for _, _, top in tokens], "text_offset": offsets}
+
+
+def _finite(logprob: float) -> float:
+    """JSON has no -inf: a token outside top-k/top-p gets the most negative float, as vLLM does."""
+    return max(logprob, -9999.0)
+
+
+def chat_completion_response(id: str, model: str, created: int, text: str, finish_reason: str, usage: dict,
+                             logprobs: dict | None = None) -> dict:
+    choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
               "finish_reason": finish_reason}
     return {"id": id, "object": "chat.completion", "created": created, "model": model, "choices": [choice],
             "usage": usage}
 
 
 def chat_completion_chunk(id: str, model: str, created: int, delta: dict, finish_reason: str | None = None,
-                          with_usage: bool = False) -> dict:
-    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+                          with_usage: bool = False, logprobs: dict | None = None) -> dict:
+    choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
     chunk = {"id": id, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [choice]}
     if with_usage:
         chunk["usage"] = None  # include_usage: every chunk carries "usage": null except the last
@@ -425,9 +485,9 @@ def chat_completion_chunk(id: str, model: str, created: int, delta: dict, finish
 
 
 def completion_response(id: str, model: str, created: int, text: str, finish_reason: str | None,
-                        usage: dict | None = None, with_usage: bool = False) -> dict:
+                        usage: dict | None = None, with_usage: bool = False, logprobs: dict | None = None) -> dict:
     """A whole completion (usage set) or one streamed chunk (usage None)."""
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
     out = {"id": id, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
     if usage is not None or with_usage:
         out["usage"] = usage

@@ -53,6 +53,9 @@ class Request:
     # (start, [n, hidden]): an EAGLE head's rows [start, start + n) deferred from decode steps, as
     # their feature inputs f_{start-1} ... (spec_methods/eagle.py); None when none wait
     head_pending: tuple[int, torch.Tensor] | None = None
+    # (token id, logprob, [(id, logprob)] most likely first) of the last tokens sampled, when
+    # params.logprobs is set (Sampler); the engine hands them out with the tokens it appends
+    new_logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
     detok: object | None = None  # chatserve.tokenizer.IncrementalDetokenizer
 
     def __post_init__(self) -> None:

@@ -10,7 +10,8 @@ import torch
 
 from chatserve.request import Request
 from spec.proposer import one_hot_draft_probs
-from spec.sampling import apply_repetition_penalty, exponential_noise, logits_to_probs, sample_from_probs, uniform_noise
+from spec.sampling import (apply_logit_bias, apply_presence_frequency_penalties, apply_repetition_penalty,
+                           exponential_noise, logits_to_probs, sample_from_probs, token_logprobs, uniform_noise)
 from spec.verify import rejection_sample, verify_greedy
 
 
@@ -22,10 +23,14 @@ class Sampler:
         """rows: [1, vocab] logits of the last position -> one token."""
         logits = self._penalize(req, rows, [])
         if req.params.is_greedy:
-            return [int(logits[0].argmax())]
+            out = [int(logits[0].argmax())]
+            self._keep_logprobs(req, logits, None, out)
+            return out
         probs = self.probs(req, logits)  # [1, vocab]
         noise = exponential_noise(1, probs.shape[1], [req.generator])
-        return [int(sample_from_probs(probs, noise)[0])]
+        out = [int(sample_from_probs(probs, noise)[0])]
+        self._keep_logprobs(req, logits, probs, out)
+        return out
 
     def verify(
         self, req: Request, rows: torch.Tensor, drafts: list[int], draft_probs: torch.Tensor | None
@@ -36,6 +41,7 @@ class Sampler:
         logits = self._penalize(req, rows, drafts)
         draft_ids = torch.tensor([drafts], dtype=torch.long)  # [1, k]
         num_drafts = torch.tensor([k])
+        target_probs = None
         if req.params.is_greedy:
             out, num_accepted = verify_greedy(draft_ids, num_drafts, logits.argmax(-1).unsqueeze(0))
         else:
@@ -48,7 +54,9 @@ class Sampler:
             noise = exponential_noise(1, vocab, [req.generator])
             out, num_accepted = rejection_sample(draft_ids, num_drafts, draft_probs, target_probs, uniform, noise)
         n = int(num_accepted[0])
-        return out[0, : n + 1].tolist(), n
+        emitted = out[0, : n + 1].tolist()
+        self._keep_logprobs(req, logits, None if target_probs is None else target_probs[0], emitted)
+        return emitted, n
 
     def probs(self, req: Request, logits: torch.Tensor) -> torch.Tensor:
         """[n, vocab] logits -> [n, vocab] probabilities under req's temperature/top-k/top-p/min-p."""
@@ -62,11 +70,31 @@ class Sampler:
         )
 
     def _penalize(self, req: Request, rows: torch.Tensor, drafts: list[int]) -> torch.Tensor:
-        penalty = req.params.repetition_penalty
-        if penalty == 1.0:
+        """[k + 1, vocab] -> the same after req's penalties and logit bias; row j sees drafts[:j]
+        as generated (a copy when anything applies)."""
+        p = req.params
+        if p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty and not p.logit_bias:
             return rows
-        seen = [req.token_ids + drafts[:j] for j in range(rows.shape[0])]
-        return apply_repetition_penalty(rows.clone(), seen, [penalty] * rows.shape[0])
+        rows = rows.clone()
+        if p.repetition_penalty != 1.0:
+            seen = [req.token_ids + drafts[:j] for j in range(rows.shape[0])]
+            apply_repetition_penalty(rows, seen, [p.repetition_penalty] * rows.shape[0])
+        if p.presence_penalty or p.frequency_penalty:
+            generated = [req.output_token_ids + drafts[:j] for j in range(rows.shape[0])]
+            apply_presence_frequency_penalties(rows, generated, p.presence_penalty, p.frequency_penalty)
+        if p.logit_bias:
+            apply_logit_bias(rows, p.logit_bias)
+        return rows
+
+    def _keep_logprobs(self, req: Request, logits: torch.Tensor, probs: torch.Tensor | None, emitted: list[int]) -> None:
+        """With params.logprobs set, leave on req the logprobs of the emitted tokens (row j for the
+        j-th), from probs (sampled) or from the processed logits (greedy)."""
+        if req.params.logprobs is None:
+            return
+        rows = len(emitted)
+        logprobs = torch.log_softmax(logits[:rows].float(), -1) if probs is None else probs[:rows].log()
+        req.new_logprobs = [(tok, lp, top) for tok, (lp, top)
+                            in zip(emitted, token_logprobs(logprobs, emitted, req.params.logprobs))]
 
 
 def _fit_vocab(probs: torch.Tensor, vocab: int) -> torch.Tensor:

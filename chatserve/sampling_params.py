@@ -22,6 +22,12 @@ class SamplingParams:
     top_k: int = 0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0  # OpenAI's: minus this from every generated token's logit
+    frequency_penalty: float = 0.0  # OpenAI's: minus this times the token's count in the output
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]) added to its logit
+    # None: no logprobs; n >= 0: each generated token's logprob and the n most likely (0-20), from
+    # the target's distribution after every setting above (greedy: after penalties and bias)
+    logprobs: int | None = None
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
@@ -37,6 +43,9 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if isinstance(self.logit_bias, dict):
+            object.__setattr__(self, "logit_bias", tuple(self.logit_bias.items()))
+        object.__setattr__(self, "logit_bias", tuple((t, b) for t, b in self.logit_bias))
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         _check_int("max_tokens", self.max_tokens, low=1)
@@ -45,6 +54,13 @@ class SamplingParams:
         _check_int("top_k", self.top_k, low=0)
         _check_float("min_p", self.min_p, low=0.0, high=1.0)
         _check_float("repetition_penalty", self.repetition_penalty, low=0.0, high=100.0, low_open=True)
+        _check_float("presence_penalty", self.presence_penalty, low=-2.0, high=2.0)
+        _check_float("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0)
+        for t, b in self.logit_bias:
+            _check_int("logit_bias", t, low=0)
+            _check_float("logit_bias", b, low=-100.0, high=100.0)
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, low=0, high=20)
         if self.seed is not None:
             _check_int("seed", self.seed, low=0)
         for s in self.stop:
@@ -179,6 +195,8 @@ class Delta:
     finish_reason: str | None = None
     stats: RequestStats | None = None
     error: str | None = None
+    # with params.logprobs: per token of token_ids, (id, logprob, [(id, logprob)] most likely first)
+    logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
 
     @property
     def finished(self) -> bool:

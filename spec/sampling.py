@@ -45,6 +45,51 @@ def apply_repetition_penalty(
     return logits
 
 
+def apply_presence_frequency_penalties(
+    logits: torch.Tensor,  # [num_rows, vocab_size], modified in place
+    output_token_ids: Sequence[Sequence[int]],  # per row: the tokens generated so far
+    presence: float,
+    frequency: float,
+) -> torch.Tensor:
+    """OpenAI's penalties and return `logits`: a token generated c times loses
+    c * frequency + (c > 0) * presence from its logit. Prompt tokens do not count."""
+    vocab_size = logits.shape[1]
+    counts = torch.zeros(len(output_token_ids), vocab_size + 1, dtype=logits.dtype, device=logits.device)
+    ids = torch.nn.utils.rnn.pad_sequence(
+        [torch.as_tensor(list(row), dtype=torch.long).reshape(-1) for row in output_token_ids],
+        batch_first=True, padding_value=vocab_size,
+    ).to(logits.device)  # [num_rows, max_generated]; padding counts in the dropped column
+    if ids.numel():
+        counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=logits.dtype))
+    counts = counts[:, :vocab_size]  # [num_rows, vocab_size]
+    logits -= frequency * counts + presence * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def apply_logit_bias(
+    logits: torch.Tensor,  # [num_rows, vocab_size], modified in place
+    bias: Sequence[tuple[int, float]],  # (token id, added to its logit in every row)
+) -> torch.Tensor:
+    ids = torch.tensor([t for t, _ in bias], dtype=torch.long, device=logits.device)
+    values = torch.tensor([b for _, b in bias], dtype=logits.dtype, device=logits.device)
+    logits[:, ids] += values
+    return logits
+
+
+def token_logprobs(
+    logprobs: torch.Tensor,  # [num_rows, vocab_size] log-probabilities
+    token_ids: Sequence[int],  # [num_rows] the token chosen in each row
+    num_top: int,
+) -> list[tuple[float, list[tuple[int, float]]]]:
+    """Per row: (logprob of its chosen token, the num_top most likely (id, logprob), best first)."""
+    rows = torch.arange(len(token_ids))
+    chosen = logprobs[rows, torch.tensor(list(token_ids), dtype=torch.long)].tolist()
+    if num_top == 0:
+        return [(lp, []) for lp in chosen]
+    values, ids = logprobs.topk(num_top, dim=-1)
+    return [(lp, list(zip(i, v))) for lp, i, v in zip(chosen, ids.tolist(), values.tolist())]
+
+
 def logits_to_probs(
     logits: torch.Tensor,  # [num_rows, vocab_size] float32, not modified
     temperature: torch.Tensor,  # [num_rows] float; 0 = greedy

@@ -13,7 +13,7 @@ import importlib.metadata
 import time
 import uuid
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -165,7 +165,8 @@ class OpenAIRoutes:
         if first is None:
             await close()
             return Response(status_code=499)  # the client left during the prefill
-        shape = _Shape(is_chat, request_id, s.model_name, int(time.time()), req.include_usage)
+        token_text = (lambda t: s.engine.detokenize([t])) if req.params.logprobs is not None else None
+        shape = _Shape(is_chat, request_id, s.model_name, int(time.time()), req.include_usage, token_text)
         if req.stream:
             return _SSEResponse(self._events(shape, first, deltas, len(prompt_ids)), close)
         try:
@@ -179,14 +180,16 @@ class OpenAIRoutes:
     async def _events(self, shape: "_Shape", first: Delta, deltas, num_prompt_tokens: int) -> AsyncIterator[str]:
         if shape.is_chat:
             yield _sse(shape.chunk("", None, role=True))
-        delta, num_tokens = first, 0
+        delta, num_tokens, text_offset = first, 0, 0
         while True:
             num_tokens += len(delta.token_ids)
             if delta.finish_reason == "error":
                 yield _sse(P.openai_error(P.ENGINE_ERROR, f"generation failed: {delta.error}", 500))
                 break
-            if delta.text:
-                yield _sse(shape.chunk(delta.text, None))
+            logprobs = shape.logprobs(delta.logprobs, text_offset)
+            if delta.text or logprobs:
+                yield _sse(shape.chunk(delta.text, None, logprobs=logprobs))
+            text_offset += len(delta.text)
             if delta.finished:
                 yield _sse(shape.chunk("", delta.finish_reason))
                 if shape.include_usage:
@@ -202,9 +205,10 @@ class OpenAIRoutes:
         yield "data: [DONE]\n\n"
 
     async def _whole(self, shape: "_Shape", first: Delta, deltas, num_prompt_tokens: int) -> Response:
-        parts, num_tokens, delta = [], 0, first
+        parts, num_tokens, delta, token_logprobs = [], 0, first, []
         while True:
             parts.append(delta.text)
+            token_logprobs += delta.logprobs or []
             num_tokens += len(delta.token_ids)
             following = None if delta.finished else await anext(deltas, None)
             if following is None:
@@ -213,7 +217,8 @@ class OpenAIRoutes:
         if delta.finish_reason == "error":
             return error_response(P.ProtocolError(P.ENGINE_ERROR, f"generation failed: {delta.error}", 500))
         usage = _usage(delta, num_prompt_tokens, num_tokens)
-        return JSONResponse(shape.whole("".join(parts), delta.finish_reason or "abort", usage))
+        logprobs = shape.logprobs(token_logprobs, 0)
+        return JSONResponse(shape.whole("".join(parts), delta.finish_reason or "abort", usage, logprobs))
 
 
 @dataclass(frozen=True)
@@ -225,22 +230,33 @@ class _Shape:
     model: str
     created: int
     include_usage: bool
+    token_text: Callable[[int], str] | None = None  # set when logprobs were asked for
 
-    def chunk(self, text: str, finish_reason: str | None, role: bool = False) -> dict:
+    def logprobs(self, tokens: list | None, text_offset: int) -> dict | None:
+        """Delta.logprobs entries -> the choice's `logprobs` (None when not asked for or none)."""
+        if self.token_text is None or not tokens:
+            return None
+        text = self.token_text
+        shaped = [(text(t), lp, [(text(alt), alp) for alt, alp in top]) for t, lp, top in tokens]
+        return P.chat_logprobs(shaped) if self.is_chat else P.completion_logprobs(shaped, text_offset)
+
+    def chunk(self, text: str, finish_reason: str | None, role: bool = False, logprobs: dict | None = None) -> dict:
         if not self.is_chat:
             return P.completion_response(self.id, self.model, self.created, text, finish_reason,
-                                         with_usage=self.include_usage)
+                                         with_usage=self.include_usage, logprobs=logprobs)
         delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-        return P.chat_completion_chunk(self.id, self.model, self.created, delta, finish_reason, self.include_usage)
+        return P.chat_completion_chunk(self.id, self.model, self.created, delta, finish_reason, self.include_usage,
+                                       logprobs)
 
     def usage_chunk(self, usage: dict) -> dict:
         kind = "chat.completion.chunk" if self.is_chat else "text_completion"
         return P.usage_chunk(kind, self.id, self.model, self.created, usage)
 
-    def whole(self, text: str, finish_reason: str, usage: dict) -> dict:
+    def whole(self, text: str, finish_reason: str, usage: dict, logprobs: dict | None = None) -> dict:
         if self.is_chat:
-            return P.chat_completion_response(self.id, self.model, self.created, text, finish_reason, usage)
-        return P.completion_response(self.id, self.model, self.created, text, finish_reason, usage)
+            return P.chat_completion_response(self.id, self.model, self.created, text, finish_reason, usage, logprobs)
+        return P.completion_response(self.id, self.model, self.created, text, finish_reason, usage,
+                                     logprobs=logprobs)
 
 
 class _SSEResponse(StreamingResponse):
