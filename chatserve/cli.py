@@ -280,7 +280,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--allowed-origins", nargs="*", default=None)
     s.add_argument("--max-message-bytes", type=int, default=1 << 20)
     s.add_argument("--max-prompt-tokens", type=int, default=None)
-    s.add_argument("--max-tokens-limit", type=int, default=4096)
+    s.add_argument("--max-tokens-limit", type=int, default=4096,
+                   help="the largest websocket max_tokens and the default of a chat completion; HTTP requests "
+                        "may ask for up to the context")
     s.add_argument("--max-connections", type=int, default=64, help="open websockets + in-flight HTTP generations")
     s.add_argument("--max-queued-requests", type=int, default=48, metavar="N",
                    help="generations allowed to wait beyond --max-num-seqs; past it new ones get 429 + Retry-After")

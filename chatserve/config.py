@@ -104,7 +104,7 @@ class ServerConfig:
     allowed_origins: tuple[str, ...] = ()  # besides the server's own host
     max_message_bytes: int = 1 << 20
     max_prompt_tokens: int | None = None  # None = the model's context limit
-    max_tokens_limit: int = 4096  # the largest max_tokens a client may ask for
+    max_tokens_limit: int = 4096  # the largest websocket max_tokens; a chat completion's default (HTTP: up to the context)
     max_connections: int = 64  # open websockets + in-flight HTTP generations
     # Generations (websocket turns + HTTP completions) waiting beyond the engine's max_num_seqs;
     # past it a new one gets 429 + Retry-After instead of an unbounded wait.

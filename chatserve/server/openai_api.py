@@ -132,7 +132,7 @@ class OpenAIRoutes:
         try:
             body = await self._read_json(request)
             parse = P.parse_chat_completion_request if is_chat else P.parse_completion_request
-            req = parse(body, s.config.max_tokens_limit)
+            req = parse(body, s.config.max_tokens_limit, s.engine.max_model_len)
             P.check_spec_method(req.params, s.engine.spec_methods)
             if req.model is not None:
                 self._check_model(req.model)
@@ -145,7 +145,8 @@ class OpenAIRoutes:
             release()
             return error_response(e)
         request_id = ("chatcmpl-" if is_chat else "cmpl-") + uuid.uuid4().hex
-        deltas = s.generate(prompt_ids, req.params, request_id, timer)
+        params = P.fit_to_context(req.params, len(prompt_ids), s.engine.max_model_len)
+        deltas = s.generate(prompt_ids, params, request_id, timer)
 
         async def close() -> None:
             try:
