@@ -22,10 +22,10 @@ from chatserve.server.admission import Admission
 class AppState:
     def __init__(self, engine, config: ServerConfig):
         self.engine, self.config = engine, config
-        self.metrics = ServerMetrics(engine)
+        self.model_name = config.served_model_name or engine.model_name
+        self.metrics = ServerMetrics(engine, self.model_name)
         self.access = AccessControl(config, config.max_prompt_tokens or engine.max_model_len)
         self.admission = Admission(config, engine.max_num_seqs)
-        self.model_name = config.served_model_name or engine.model_name
         self.created = int(time.time())
         self.connections: set = set()  # open websocket Connections, for the shutdown drain
         self.request_ids: set[str] = set()  # engine requests being streamed, for the shutdown drain

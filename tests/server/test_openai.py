@@ -188,8 +188,8 @@ METRIC_NAMES = [
     "chatserve:spec_decode_num_drafts_total", "chatserve:spec_decode_num_draft_tokens_total",
     "chatserve:spec_decode_num_accepted_tokens_total", "chatserve:prompt_tokens_total",
     "chatserve:generation_tokens_total", "chatserve:num_preemptions_total",
-    'chatserve:request_success_total{finished_reason="stop"}',
-    'chatserve:spec_decode_num_accepted_tokens_per_pos_total{position="0"}',
+    'chatserve:request_success_total{finished_reason="stop",model_name="fake-model"}',
+    'chatserve:spec_decode_num_accepted_tokens_per_pos_total{model_name="fake-model",position="0"}',
 ]
 
 
@@ -203,9 +203,18 @@ def test_metrics(make_client):
     text = response.text
     for name in METRIC_NAMES:
         assert name in text, name
-    assert 'chatserve:request_success_total{finished_reason="stop"} 2.0' in text
-    assert f"chatserve:generation_tokens_total {2.0 * len(engine.reply)}" in text
-    assert "chatserve:time_to_first_token_seconds_count 2.0" in text
+    assert 'chatserve:request_success_total{finished_reason="stop",model_name="fake-model"} 2.0' in text
+    assert f'chatserve:generation_tokens_total{{model_name="fake-model"}} {2.0 * len(engine.reply)}' in text
+    assert 'chatserve:time_to_first_token_seconds_count{model_name="fake-model"} 2.0' in text
+
+
+def test_every_metric_carries_the_served_model_name(make_client):
+    client = make_client(FakeEngine(), served_model_name="org/my-model")
+    client.post("/v1/chat/completions", json={**CHAT, "model": "org/my-model"})
+    samples = [line for line in client.get("/metrics").text.splitlines() if line.startswith("chatserve:")]
+    assert len(samples) > len(METRIC_NAMES)
+    for line in samples:
+        assert 'model_name="org/my-model"' in line, line
 
 
 def test_static_ui(client):
