@@ -58,6 +58,8 @@ def _engine_args(p: argparse.ArgumentParser, default_model: str, speculate_by_de
                    help="beside running streams, size prompt chunks so a step takes at most this many "
                         "decode steps (measured); 0 = only the token budget")
     p.add_argument("--threads", type=int, default=None, help="torch threads")
+    p.add_argument("--chat-template", default=None, metavar="PATH",
+                   help="a Jinja chat template file to use instead of the tokenizer's")
 
 
 def _bytes(text: str) -> int:
@@ -121,6 +123,7 @@ def engine_config(args) -> EngineConfig:
         num_threads=args.threads,
         spec=spec,
         quantization=_quantization(args.quantization),
+        chat_template=args.chat_template,
     )
 
 
@@ -212,6 +215,7 @@ def server_config(args) -> ServerConfig:
         max_pending_output_bytes=args.max_pending_output_bytes,
         shutdown_grace=args.shutdown_grace,
         served_model_name=args.served_model_name or args.model,
+        use_generation_config=not args.no_generation_config,
     )
 
 
@@ -297,6 +301,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--shutdown-grace", type=float, default=30.0, metavar="SECONDS",
                    help="on SIGTERM, how long running generations may finish before they are aborted")
     s.add_argument("--served-model-name", default=None)
+    s.add_argument("--no-generation-config", action="store_true",
+                   help="ignore the model's generation_config.json sampling defaults (temperature, top_p, top_k, "
+                        "min_p, repetition_penalty); requests that leave them out get chatserve's own")
     s.set_defaults(func=cmd_serve)
     _defaults_from_env(s)
 

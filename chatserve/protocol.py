@@ -346,17 +346,20 @@ class OpenAIRequest:
     prompt_token_ids: list[int] | None = None
 
 
-def parse_chat_completion_request(body, max_tokens_limit: int, max_model_len: int) -> OpenAIRequest:
-    """max_tokens defaults to max_tokens_limit: a chat reply runs until it stops (or the context ends)."""
-    common = _parse_openai_common(body, max_tokens_limit, max_model_len, is_chat=True)
+def parse_chat_completion_request(body, max_tokens_limit: int, max_model_len: int,
+                                  defaults: dict | None = None) -> OpenAIRequest:
+    """max_tokens defaults to max_tokens_limit: a chat reply runs until it stops (or the context ends).
+    `defaults`: sampling settings for the keys the body leaves out or sets to null (the model's)."""
+    common = _parse_openai_common(body, max_tokens_limit, max_model_len, defaults or {}, is_chat=True)
     if "messages" not in body:
         raise ProtocolError(BAD_MESSAGE, "'messages' is required", param="messages")
     return OpenAIRequest(**common, messages=parse_chat_messages(body["messages"]))
 
 
-def parse_completion_request(body, max_tokens_limit: int, max_model_len: int) -> OpenAIRequest:
+def parse_completion_request(body, max_tokens_limit: int, max_model_len: int,
+                             defaults: dict | None = None) -> OpenAIRequest:
     """`prompt` is a string, a list of token ids, or a one-element list of either. max_tokens defaults to 16."""
-    common = _parse_openai_common(body, min(16, max_tokens_limit), max_model_len, is_chat=False)
+    common = _parse_openai_common(body, min(16, max_tokens_limit), max_model_len, defaults or {}, is_chat=False)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
@@ -373,7 +376,7 @@ def parse_completion_request(body, max_tokens_limit: int, max_model_len: int) ->
                         param="prompt")
 
 
-def _parse_openai_common(body, default_max_tokens: int, max_model_len: int, is_chat: bool) -> dict:
+def _parse_openai_common(body, default_max_tokens: int, max_model_len: int, defaults: dict, is_chat: bool) -> dict:
     """max_tokens may be anything up to the context (fit_to_context cuts it to what the prompt leaves)."""
     if not isinstance(body, dict):
         raise ProtocolError(BAD_MESSAGE, "request body must be a JSON object")
@@ -395,7 +398,7 @@ def _parse_openai_common(body, default_max_tokens: int, max_model_len: int, is_c
     if isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and max_tokens > max_model_len:
         raise ProtocolError(INVALID_PARAMS, f"{name}: must be <= {max_model_len} (the model's context), "
                             f"got {max_tokens}", param=name)
-    settings = {k: body[k] for k in _SAMPLING_KEYS if k in body}
+    settings = {**defaults, **{k: body[k] for k in _SAMPLING_KEYS if body.get(k) is not None}}
     settings["max_tokens"] = min(default_max_tokens, max_model_len) if max_tokens is None else max_tokens
     if isinstance(settings.get("stop"), list) and not all(isinstance(s, str) for s in settings["stop"]):
         raise ProtocolError(INVALID_PARAMS, "stop: must be a string or a list of strings", param="stop")

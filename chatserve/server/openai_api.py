@@ -132,7 +132,7 @@ class OpenAIRoutes:
         try:
             body = await self._read_json(request)
             parse = P.parse_chat_completion_request if is_chat else P.parse_completion_request
-            req = parse(body, s.config.max_tokens_limit, s.engine.max_model_len)
+            req = parse(body, s.config.max_tokens_limit, s.engine.max_model_len, s.sampling_defaults)
             P.check_spec_method(req.params, s.engine.spec_methods)
             if req.model is not None:
                 self._check_model(req.model)

@@ -23,6 +23,8 @@ class AppState:
     def __init__(self, engine, config: ServerConfig):
         self.engine, self.config = engine, config
         self.model_name = config.served_model_name or engine.model_name
+        # Settings for what a request or websocket leaves out: the model's generation_config.json values.
+        self.sampling_defaults: dict = dict(engine.sampling_defaults) if config.use_generation_config else {}
         self.metrics = ServerMetrics(engine, self.model_name)
         self.access = AccessControl(config, config.max_prompt_tokens or engine.max_model_len)
         self.admission = Admission(config, engine.max_num_seqs)
