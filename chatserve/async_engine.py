@@ -27,6 +27,7 @@ class AsyncEngine:
         self.model_name = model_name
         self.draft_name = draft_name
         self.max_model_len = engine.max_model_len
+        self.sampling_defaults = engine.sampling_defaults  # the model's generation_config.json settings
         self.vocab_size = engine.tokenizer.vocab_size  # ids detokenize accepts: [0, vocab_size)
         self.max_num_seqs = engine.config.max_num_seqs  # how many requests run at once; the rest wait
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()

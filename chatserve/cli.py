@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -57,6 +58,8 @@ def _engine_args(p: argparse.ArgumentParser, default_model: str, speculate_by_de
                    help="beside running streams, size prompt chunks so a step takes at most this many "
                         "decode steps (measured); 0 = only the token budget")
     p.add_argument("--threads", type=int, default=None, help="torch threads")
+    p.add_argument("--chat-template", default=None, metavar="PATH",
+                   help="a Jinja chat template file to use instead of the tokenizer's")
 
 
 def _bytes(text: str) -> int:
@@ -120,6 +123,7 @@ def engine_config(args) -> EngineConfig:
         num_threads=args.threads,
         spec=spec,
         quantization=_quantization(args.quantization),
+        chat_template=args.chat_template,
     )
 
 
@@ -192,7 +196,13 @@ def cmd_serve(args) -> int:
           f"weights {config.quantization or config.dtype}: {mem['weights_bytes']:.2f} GiB, resident "
           f"{mem['rss_bytes']:.2f} GiB (peak {mem['peak_rss_bytes']:.2f}), KV pool {mem['kv_pool_bytes']:.2f} GiB "
           f"(included)", file=sys.stderr)
-    server_config = ServerConfig(
+    config_for_server = server_config(args)
+    run_server(AsyncEngine(engine, config_for_server.served_model_name, draft), config_for_server)
+    return 0
+
+
+def server_config(args) -> ServerConfig:
+    return ServerConfig(
         host=args.host,
         port=args.port,
         api_key=args.api_key,
@@ -204,10 +214,9 @@ def cmd_serve(args) -> int:
         max_queued_requests=args.max_queued_requests,
         max_pending_output_bytes=args.max_pending_output_bytes,
         shutdown_grace=args.shutdown_grace,
-        served_model_name=args.served_model_name or config.model,
+        served_model_name=args.served_model_name or args.model,
+        use_generation_config=not args.no_generation_config,
     )
-    run_server(AsyncEngine(engine, server_config.served_model_name, draft), server_config)
-    return 0
 
 
 def cmd_train_head(args) -> int:
@@ -280,7 +289,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--allowed-origins", nargs="*", default=None)
     s.add_argument("--max-message-bytes", type=int, default=1 << 20)
     s.add_argument("--max-prompt-tokens", type=int, default=None)
-    s.add_argument("--max-tokens-limit", type=int, default=4096)
+    s.add_argument("--max-tokens-limit", type=int, default=4096,
+                   help="the largest websocket max_tokens and the default of a chat completion; HTTP requests "
+                        "may ask for up to the context")
     s.add_argument("--max-connections", type=int, default=64, help="open websockets + in-flight HTTP generations")
     s.add_argument("--max-queued-requests", type=int, default=48, metavar="N",
                    help="generations allowed to wait beyond --max-num-seqs; past it new ones get 429 + Retry-After")
@@ -290,7 +301,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--shutdown-grace", type=float, default=30.0, metavar="SECONDS",
                    help="on SIGTERM, how long running generations may finish before they are aborted")
     s.add_argument("--served-model-name", default=None)
+    s.add_argument("--no-generation-config", action="store_true",
+                   help="ignore the model's generation_config.json sampling defaults (temperature, top_p, top_k, "
+                        "min_p, repetition_penalty); requests that leave them out get chatserve's own")
     s.set_defaults(func=cmd_serve)
+    _defaults_from_env(s)
 
     t = sub.add_parser("train-head", help="train an EAGLE draft head for a model on this machine (no network)")
     t.add_argument("--model", default=DEFAULT_TARGET, help="catalog name, local HF directory or .gguf file")
@@ -324,6 +339,40 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_arguments(b)
     b.set_defaults(func=cmd_bench)
     return parser
+
+
+ENV_PREFIX = "CHATSERVE_"
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
+
+
+def _defaults_from_env(parser: argparse.ArgumentParser) -> None:
+    """Each flag of `parser` takes its default from CHATSERVE_<FLAG> when that is set (--api-key:
+    CHATSERVE_API_KEY), so a container sets flags in its environment; the command line still wins.
+    Switches take 1/true/yes/on or 0/false/no/off; list flags take space- or comma-separated items."""
+    for action in parser._actions:
+        if not action.option_strings or isinstance(action, argparse._HelpAction):
+            continue
+        name = ENV_PREFIX + action.dest.upper()
+        if action.help != argparse.SUPPRESS:
+            action.help = f"{action.help or ''} [env: {name}]".lstrip()
+        if name in os.environ:
+            try:
+                action.default = _env_value(action, os.environ[name])
+            except (ValueError, argparse.ArgumentTypeError) as e:
+                parser.error(f"{name}={os.environ[name]!r}: {e}")
+
+
+def _env_value(action: argparse.Action, text: str):
+    if isinstance(action, argparse._StoreTrueAction):
+        if text.strip().lower() not in _TRUE + _FALSE:
+            raise ValueError(f"expected one of {', '.join(_TRUE)} or {', '.join(_FALSE[:-1])}")
+        return text.strip().lower() in _TRUE
+    if action.nargs in ("*", "+"):
+        return text.replace(",", " ").split()
+    value = action.type(text) if action.type else text
+    if action.choices is not None and value not in action.choices:
+        raise ValueError(f"expected one of {', '.join(map(str, action.choices))}")
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -71,6 +71,7 @@ class EngineConfig:
     seed: int = 0
     spec: SpecConfig | None = None
     quantization: str | None = None  # weight quantization: "int4", "int8" (fast on CPU), "bnb-int8", "bnb-nf4"
+    chat_template: str | None = None  # a Jinja file replacing the tokenizer's chat template
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -104,7 +105,7 @@ class ServerConfig:
     allowed_origins: tuple[str, ...] = ()  # besides the server's own host
     max_message_bytes: int = 1 << 20
     max_prompt_tokens: int | None = None  # None = the model's context limit
-    max_tokens_limit: int = 4096  # the largest max_tokens a client may ask for
+    max_tokens_limit: int = 4096  # the largest websocket max_tokens; a chat completion's default (HTTP: up to the context)
     max_connections: int = 64  # open websockets + in-flight HTTP generations
     # Generations (websocket turns + HTTP completions) waiting beyond the engine's max_num_seqs;
     # past it a new one gets 429 + Retry-After instead of an unbounded wait.
@@ -114,6 +115,9 @@ class ServerConfig:
     max_pending_output_bytes: int = 256 << 10
     shutdown_grace: float = 30.0  # seconds running generations get to finish after SIGTERM
     served_model_name: str | None = None
+    # Requests (and websocket settings) that leave temperature, top_p, top_k, min_p or
+    # repetition_penalty out get the model's generation_config.json values, as in vLLM.
+    use_generation_config: bool = True
 
     def __post_init__(self) -> None:
         if self.max_connections < 1 or self.max_queued_requests < 0:

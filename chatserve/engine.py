@@ -45,6 +45,7 @@ class Engine:
         torch.manual_seed(config.seed)
         self.models = models or load_models(config)
         self.tokenizer = self.models.tokenizer
+        self.sampling_defaults = self.models.sampling_defaults  # settings a request leaves out (the server's)
         self.max_model_len = self.models.max_model_len
         self.block_manager = self.models.block_manager
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import functools
+import json
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -18,6 +19,7 @@ from chatserve.model_runner import HeadRunner, ModelRunner
 from chatserve.models.eagle_head import EagleHead
 from chatserve.models.llama import DecoderLM
 from chatserve.models.loader import load_model
+from chatserve.sampling_params import SamplingParams
 from chatserve.tokenizer import Tokenizer
 from spec.draft_vocab import SubsetHead, subset_head
 
@@ -35,6 +37,7 @@ class LoadedModels:
     max_model_len: int
     vocab_size: int
     eagle_runner: HeadRunner | None = None  # an EAGLE head on the target's features
+    sampling_defaults: dict = field(default_factory=dict)  # from generation_config.json (read_sampling_defaults)
 
 
 def resolve(name_or_path: str) -> Path:
@@ -57,7 +60,7 @@ def load_models(config: EngineConfig) -> LoadedModels:
     target_dir = resolve(config.model)
     target_cfg = read_config(target_dir)
     max_model_len = min(config.max_model_len or 10**9, target_cfg.max_position_embeddings)
-    tokenizer = Tokenizer(target_dir)
+    tokenizer = Tokenizer(target_dir, config.chat_template)
     target = _quantized(_load(target_dir, target_cfg, dtype, max_model_len, config), config)
     draft = None
     if config.spec and config.spec.draft_model:
@@ -90,7 +93,31 @@ def load_models(config: EngineConfig) -> LoadedModels:
         eagle_runner = HeadRunner(head, target.embed_tokens, head_cache)
     vocab = target_cfg.vocab_size
     release_free_memory()
-    return LoadedModels(tokenizer, target, target_runner, draft, draft_runner, bm, max_model_len, vocab, eagle_runner)
+    return LoadedModels(tokenizer, target, target_runner, draft, draft_runner, bm, max_model_len, vocab, eagle_runner,
+                        read_sampling_defaults(target_dir))
+
+
+SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def read_sampling_defaults(model_dir: Path) -> dict:
+    """The sampling settings a model's generation_config.json recommends (what vLLM applies by
+    default): those of SAMPLING_DEFAULT_KEYS it sets, {} without the file. As in vLLM, `do_sample`
+    is not read. A value SamplingParams refuses is left out with a warning, not served."""
+    path = model_dir / "generation_config.json"
+    if not path.exists():
+        return {}
+    values = json.loads(path.read_text())
+    defaults = {}
+    for key in SAMPLING_DEFAULT_KEYS:
+        if values.get(key) is None:
+            continue
+        try:
+            SamplingParams(**{key: values[key]})
+            defaults[key] = values[key]
+        except (ValueError, TypeError) as e:
+            print(f"chatserve: {path}: {e}; not used as a default", file=sys.stderr)
+    return defaults
 
 
 def _load_eagle_head(config: EngineConfig, target_dir: Path, target_cfg, target: DecoderLM, dtype: torch.dtype,

@@ -1,7 +1,8 @@
 """Prometheus metrics for one app: server-side request timings, plus engine counters read at scrape time.
 
-Names follow vLLM's (`vllm:time_to_first_token_seconds` -> `chatserve:time_to_first_token_seconds`).
-The registry is per app, so two apps in one process (tests) never share counters.
+Names follow vLLM's (`vllm:time_to_first_token_seconds` -> `chatserve:time_to_first_token_seconds`),
+and so does the `model_name` label every metric carries (the served model name). The registry is
+per app, so two apps in one process (tests) never share counters.
 """
 
 from __future__ import annotations
@@ -40,8 +41,8 @@ _ENGINE_COUNTERS = {
 class _EngineCollector:
     """Reads engine.stats() on each scrape; a failing engine yields no engine metrics, not a 500."""
 
-    def __init__(self, engine):
-        self.engine = engine
+    def __init__(self, engine, model_name: str):
+        self.engine, self.model_name = engine, model_name
 
     def collect(self):
         try:
@@ -50,37 +51,44 @@ class _EngineCollector:
             return
         for key, (name, doc) in _ENGINE_GAUGES.items():
             if stats.get(key) is not None:
-                yield GaugeMetricFamily(name, doc, value=float(stats[key]))
+                yield self._one(GaugeMetricFamily(name, doc, labels=["model_name"]), stats[key])
         for key, (name, doc) in _ENGINE_COUNTERS.items():
             if stats.get(key) is not None:
-                yield CounterMetricFamily(name, doc, value=float(stats[key]))
+                yield self._one(CounterMetricFamily(name, doc, labels=["model_name"]), stats[key])
         if stats.get("spec_accepted_by_position") is not None:
             per_position = CounterMetricFamily("chatserve:spec_decode_num_accepted_tokens_per_pos",
                                                "Accepted draft tokens by their position in the draft.",
-                                               labels=["position"])
+                                               labels=["model_name", "position"])
             for position, count in enumerate(stats["spec_accepted_by_position"]):
-                per_position.add_metric([str(position)], float(count))
+                per_position.add_metric([self.model_name, str(position)], float(count))
             yield per_position
+
+    def _one(self, family, value):
+        family.add_metric([self.model_name], float(value))
+        return family
 
 
 class ServerMetrics:
-    def __init__(self, engine):
+    def __init__(self, engine, model_name: str):
         self.registry = CollectorRegistry()
-        r = self.registry
-        self.ttft = Histogram("chatserve:time_to_first_token_seconds", "Time to first token.",
-                              buckets=_TTFT_BUCKETS, registry=r)
+        self.model_name = model_name
+        r, label = self.registry, ["model_name"]
+        self.ttft = Histogram("chatserve:time_to_first_token_seconds", "Time to first token.", label,
+                              buckets=_TTFT_BUCKETS, registry=r).labels(model_name)
         self.itl = Histogram("chatserve:inter_token_latency_seconds",
                              "Time between output tokens (a burst of n accepted tokens counts n times gap/n).",
-                             buckets=_ITL_BUCKETS, registry=r)
-        self.e2e = Histogram("chatserve:e2e_request_latency_seconds", "Request arrival to finish.",
-                             buckets=_REQUEST_BUCKETS, registry=r)
+                             label, buckets=_ITL_BUCKETS, registry=r).labels(model_name)
+        self.e2e = Histogram("chatserve:e2e_request_latency_seconds", "Request arrival to finish.", label,
+                             buckets=_REQUEST_BUCKETS, registry=r).labels(model_name)
         self.queue = Histogram("chatserve:request_queue_time_seconds", "Time waiting before first scheduled.",
-                               buckets=_REQUEST_BUCKETS, registry=r)
-        self.prompt_tokens = Counter("chatserve:prompt_tokens", "Prompt tokens processed.", registry=r)
-        self.generation_tokens = Counter("chatserve:generation_tokens", "Tokens generated.", registry=r)
+                               label, buckets=_REQUEST_BUCKETS, registry=r).labels(model_name)
+        self.prompt_tokens = Counter("chatserve:prompt_tokens", "Prompt tokens processed.", label,
+                                     registry=r).labels(model_name)
+        self.generation_tokens = Counter("chatserve:generation_tokens", "Tokens generated.", label,
+                                         registry=r).labels(model_name)
         self.request_success = Counter("chatserve:request_success", "Finished requests by finish reason.",
-                                       ["finished_reason"], registry=r)
-        r.register(_EngineCollector(engine))
+                                       ["model_name", "finished_reason"], registry=r)
+        r.register(_EngineCollector(engine, model_name))
 
     def start_request(self) -> "RequestTimer":
         return RequestTimer(self)
@@ -124,7 +132,7 @@ class RequestTimer:
             m.queue.observe(stats.queue_ms / 1000.0)
         m.prompt_tokens.inc(prompt_tokens)
         m.generation_tokens.inc(stats.num_generated if stats is not None else self.num_tokens)
-        m.request_success.labels(finished_reason=finish_reason).inc()
+        m.request_success.labels(model_name=m.model_name, finished_reason=finish_reason).inc()
 
     @property
     def num_tokens(self) -> int:

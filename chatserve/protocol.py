@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from chatserve.openai_fields import UNSUPPORTED_PARAMETER, FieldError, check_fields
 from chatserve.sampling_params import RequestStats, SamplingParams
 from chatserve.spec_methods import SPEC_METHODS
 
@@ -357,17 +358,20 @@ class OpenAIRequest:
     prompt_token_ids: list[int] | None = None
 
 
-def parse_chat_completion_request(body, max_tokens_limit: int) -> OpenAIRequest:
-    """max_tokens defaults to max_tokens_limit: a chat reply runs until it stops (or the context ends)."""
-    common = _parse_openai_common(body, max_tokens_limit, max_tokens_limit, is_chat=True)
+def parse_chat_completion_request(body, max_tokens_limit: int, max_model_len: int,
+                                  defaults: dict | None = None) -> OpenAIRequest:
+    """max_tokens defaults to max_tokens_limit: a chat reply runs until it stops (or the context ends).
+    `defaults`: sampling settings for the keys the body leaves out or sets to null (the model's)."""
+    common = _parse_openai_common(body, max_tokens_limit, max_model_len, defaults or {}, is_chat=True)
     if "messages" not in body:
         raise ProtocolError(BAD_MESSAGE, "'messages' is required", param="messages")
     return OpenAIRequest(**common, messages=parse_chat_messages(body["messages"]))
 
 
-def parse_completion_request(body, max_tokens_limit: int) -> OpenAIRequest:
+def parse_completion_request(body, max_tokens_limit: int, max_model_len: int,
+                             defaults: dict | None = None) -> OpenAIRequest:
     """`prompt` is a string, a list of token ids, or a one-element list of either. max_tokens defaults to 16."""
-    common = _parse_openai_common(body, 16, max_tokens_limit, is_chat=False)
+    common = _parse_openai_common(body, min(16, max_tokens_limit), max_model_len, defaults or {}, is_chat=False)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
@@ -389,7 +393,9 @@ def _parse_logprobs(body: dict, is_chat: bool) -> int | None:
     number of top logprobs). -> SamplingParams.logprobs (None: none)."""
     logprobs, top = body.get("logprobs"), body.get("top_logprobs")
     if not is_chat:
-        if top is not None:
+        if logprobs is False:  # not OpenAI's (an integer or null) but asks for nothing
+            logprobs = None
+        if top:
             raise ProtocolError(INVALID_PARAMS, "top_logprobs: only for chat completions; here 'logprobs' is "
                                 "the number of top logprobs", param="top_logprobs")
         if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
@@ -401,14 +407,19 @@ def _parse_logprobs(body: dict, is_chat: bool) -> int | None:
     if top is not None:
         if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= 20:
             raise ProtocolError(INVALID_PARAMS, "top_logprobs: must be an integer in [0, 20]", param="top_logprobs")
-        if not logprobs:
+        if top and not logprobs:
             raise ProtocolError(INVALID_PARAMS, "top_logprobs: needs logprobs=true", param="top_logprobs")
     return (top or 0) if logprobs else None
 
 
-def _parse_openai_common(body, default_max_tokens: int, max_tokens_limit: int, is_chat: bool) -> dict:
+def _parse_openai_common(body, default_max_tokens: int, max_model_len: int, defaults: dict, is_chat: bool) -> dict:
+    """max_tokens may be anything up to the context (fit_to_context cuts it to what the prompt leaves)."""
     if not isinstance(body, dict):
         raise ProtocolError(BAD_MESSAGE, "request body must be a JSON object")
+    try:
+        check_fields(body, is_chat)
+    except FieldError as e:
+        raise ProtocolError(UNSUPPORTED_PARAMETER, str(e), param=e.param) from None
     model, stream, options = body.get("model"), body.get("stream", False), body.get("stream_options")
     if model is not None and not isinstance(model, str):
         raise ProtocolError(BAD_MESSAGE, "'model' must be a string", param="model")
@@ -418,17 +429,25 @@ def _parse_openai_common(body, default_max_tokens: int, max_tokens_limit: int, i
                                 or not isinstance(options.get("include_usage", False), bool)):
         raise ProtocolError(BAD_MESSAGE, "'stream_options' must be {\"include_usage\": bool} and needs stream=true",
                             param="stream_options")
-    for name, allowed in (("n", (None, 1)), ("best_of", (None, 1)), ("echo", (None, False))):
-        if body.get(name) not in allowed:
-            raise ProtocolError(INVALID_PARAMS, f"{name}: only {allowed[-1]!r} is supported", param=name)
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    settings = {k: body[k] for k in _SAMPLING_KEYS if k in body}
+    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = body.get(name)
+    if isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and max_tokens > max_model_len:
+        raise ProtocolError(INVALID_PARAMS, f"{name}: must be <= {max_model_len} (the model's context), "
+                            f"got {max_tokens}", param=name)
+    settings = {**defaults, **{k: body[k] for k in _SAMPLING_KEYS if body.get(k) is not None}}
     settings["logprobs"] = _parse_logprobs(body, is_chat)
-    settings["max_tokens"] = min(default_max_tokens, max_tokens_limit) if max_tokens is None else max_tokens
+    settings["max_tokens"] = min(default_max_tokens, max_model_len) if max_tokens is None else max_tokens
     if isinstance(settings.get("stop"), list) and not all(isinstance(s, str) for s in settings["stop"]):
         raise ProtocolError(INVALID_PARAMS, "stop: must be a string or a list of strings", param="stop")
-    return {"model": model, "params": build_sampling_params(settings, max_tokens_limit), "stream": bool(stream),
+    return {"model": model, "params": build_sampling_params(settings, max_model_len), "stream": bool(stream),
             "include_usage": bool(options and options.get("include_usage"))}
+
+
+def fit_to_context(params: SamplingParams, num_prompt_tokens: int, max_model_len: int) -> SamplingParams:
+    """max_tokens cut to what the context leaves after the prompt, so a large value is accepted
+    rather than refused. Never below 1: a prompt that fills the context is the engine's to refuse."""
+    room = max(1, max_model_len - num_prompt_tokens)
+    return params if params.max_tokens <= room else replace(params, max_tokens=room)
 
 
 def openai_error(code: str, message: str, status: int, param: str | None = None) -> dict:

@@ -8,12 +8,15 @@ from typing import Sequence
 
 
 class Tokenizer:
-    """A thin wrapper over a transformers tokenizer loaded from a local directory."""
+    """A thin wrapper over a transformers tokenizer loaded from a local directory. `chat_template`:
+    a Jinja file that replaces the tokenizer's own template (vLLM's --chat-template)."""
 
-    def __init__(self, model_dir: str | Path):
+    def __init__(self, model_dir: str | Path, chat_template: str | Path | None = None):
         from transformers import AutoTokenizer
 
         self.hf = AutoTokenizer.from_pretrained(str(model_dir))
+        if chat_template is not None:
+            self._replace_chat_template(Path(chat_template))
         self.eos_token_ids = _eos_ids(Path(model_dir), self.hf)
         self.vocab_size = len(self.hf)
         # Added / special tokens (end of turn, tool tags...): ids a draft head must keep.
@@ -38,6 +41,14 @@ class Tokenizer:
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return self.hf.decode(token_ids, skip_special_tokens=True)
+
+    def _replace_chat_template(self, path: Path) -> None:
+        """Rendered once on a one-message chat, so a broken template fails at start, not per request."""
+        self.hf.chat_template = path.read_text()  # FileNotFoundError names the path
+        try:
+            self.apply_chat_template([{"role": "user", "content": "hi"}])
+        except Exception as e:
+            raise ValueError(f"chat template {path}: {type(e).__name__}: {e}") from None
 
 
 def _eos_ids(model_dir: Path, hf) -> tuple[int, ...]:

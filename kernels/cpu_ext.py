@@ -41,6 +41,22 @@ def _build_directory() -> Path:
     return directory
 
 
+def _staged_sources(directory: Path) -> Path:
+    """The sources and headers copied into directory/src: the paths in build.ninja are then the
+    same from every checkout, so git worktrees of one content share one build instead of each
+    rebuilding it in turn."""
+    src = directory / "src"
+    src.mkdir(exist_ok=True)
+    for path in [*(_DIR / s for s in SOURCES), *_DIR.glob("*.h")]:
+        staged = src / path.name
+        data = path.read_bytes()
+        if not staged.exists() or staged.read_bytes() != data:
+            tmp = staged.with_suffix(staged.suffix + f".{os.getpid()}.tmp")
+            tmp.write_bytes(data)
+            tmp.replace(staged)
+    return src
+
+
 def _clear_stale_lock(directory: Path) -> None:
     """torch's builder waits, forever, while the build directory holds a `lock` file, which a
     build killed midway (Ctrl-C at the first start) leaves behind: remove one that old."""
@@ -68,13 +84,14 @@ def extension():
 
         directory = _build_directory()
         _clear_stale_lock(directory)
+        src = _staged_sources(directory)
 
         print("chatserve: loading the C++ CPU kernels (built once per machine, ~1-2 min)", file=sys.stderr, flush=True)
         # -fopenmp: at::parallel_for is a header template around `#pragma omp parallel`; without
         # the flag the pragma is dropped and every kernel runs on one thread. The soname
         # libgomp.so.1 resolves to the copy torch already loaded: one OpenMP runtime, one team.
-        return load(name=NAME, sources=[str(_DIR / s) for s in SOURCES],
-                    extra_include_paths=[str(_DIR)],
+        return load(name=NAME, sources=[str(src / s) for s in SOURCES],
+                    extra_include_paths=[str(src)],
                     extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"], extra_ldflags=["-fopenmp"],
                     build_directory=str(directory), verbose=False)
     except Exception as error:  # no compiler / ninja: the slow paths still work

@@ -16,6 +16,7 @@ from starlette.websockets import WebSocket
 from chatserve import protocol as P
 from chatserve.config import ServerConfig
 from chatserve.metrics import CONTENT_TYPE
+from chatserve.server.cors import cors_middleware
 from chatserve.server.openai_api import OpenAIRoutes, error_response
 from chatserve.server.shutdown import UVICORN_GRACE, DrainingServer
 from chatserve.server.state import AppState
@@ -62,7 +63,8 @@ def create_app(engine, config: ServerConfig) -> Starlette:
         Route("/metrics", metrics, methods=["GET"]),
         Mount("/", app=StaticFiles(directory=WEB_DIR, html=True, check_dir=False), name="web"),
     ]
-    app = Starlette(routes=routes, exception_handlers={HTTPException: _http_exception})
+    app = Starlette(routes=routes, middleware=[cors_middleware(config)],
+                    exception_handlers={HTTPException: _http_exception})
     app.state.server = state
     return app
 

@@ -9,6 +9,7 @@ proper OpenAI error responses; after that, errors are reported in-band.
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib.metadata
 import time
 import uuid
@@ -23,6 +24,19 @@ from chatserve.sampling_params import Delta
 from chatserve.server.state import AppState
 
 
+def _access_checked(route):
+    """`route` behind the access check (Origin, API key); a ProtocolError from either becomes an
+    OpenAI error response."""
+    @functools.wraps(route)
+    async def checked(self: "OpenAIRoutes", request: Request) -> Response:
+        try:
+            self.state.access.check_http(request.headers)
+            return await route(self, request)
+        except P.ProtocolError as e:
+            return error_response(e)
+    return checked
+
+
 class OpenAIRoutes:
     def __init__(self, state: AppState):
         self.state = state
@@ -33,52 +47,36 @@ class OpenAIRoutes:
     async def completions(self, request: Request) -> Response:
         return await self._complete(request, is_chat=False)
 
+    @_access_checked
     async def models(self, request: Request) -> Response:
         s = self.state
-        try:
-            s.access.check_http(request.headers)
-        except P.ProtocolError as e:
-            return error_response(e)
         return JSONResponse(P.models_response(s.model_name, s.engine.max_model_len, s.created))
 
+    @_access_checked
     async def model(self, request: Request) -> Response:
         s = self.state
-        try:
-            s.access.check_http(request.headers)
-            self._check_model(request.path_params["model_id"])
-        except P.ProtocolError as e:
-            return error_response(e)
+        self._check_model(request.path_params["model_id"])
         return JSONResponse(P.model_object(s.model_name, s.engine.max_model_len, s.created))
 
+    @_access_checked
     async def tokenize(self, request: Request) -> Response:
         """A prompt, or messages through the chat template as /v1/chat/completions applies it."""
         s = self.state
-        try:
-            s.access.check_http(request.headers)
-            req = P.parse_tokenize_request(await self._read_json(request))
-            if req.messages is not None:
-                token_ids = await s.tokenize_chat(req.messages, req.add_generation_prompt)
-            else:
-                token_ids = await s.tokenize(req.prompt)
-        except P.ProtocolError as e:
-            return error_response(e)
+        req = P.parse_tokenize_request(await self._read_json(request))
+        if req.messages is not None:
+            token_ids = await s.tokenize_chat(req.messages, req.add_generation_prompt)
+        else:
+            token_ids = await s.tokenize(req.prompt)
         return JSONResponse({"tokens": token_ids, "count": len(token_ids), "max_model_len": s.engine.max_model_len})
 
+    @_access_checked
     async def detokenize(self, request: Request) -> Response:
         s = self.state
-        try:
-            s.access.check_http(request.headers)
-            token_ids = P.parse_detokenize_request(await self._read_json(request), s.engine.vocab_size)
-            text = await s.detokenize(token_ids)
-        except P.ProtocolError as e:
-            return error_response(e)
-        return JSONResponse({"prompt": text})
+        token_ids = P.parse_detokenize_request(await self._read_json(request), s.engine.vocab_size)
+        return JSONResponse({"prompt": await s.detokenize(token_ids)})
 
+    @_access_checked
     async def version(self, request: Request) -> Response:
-        try:
-            self.state.access.check_http(request.headers)
-        except P.ProtocolError as e:
-            return error_response(e)
         return JSONResponse({"version": importlib.metadata.version("chatserve")})
 
     def _check_model(self, model: str) -> None:
@@ -132,7 +130,7 @@ class OpenAIRoutes:
         try:
             body = await self._read_json(request)
             parse = P.parse_chat_completion_request if is_chat else P.parse_completion_request
-            req = parse(body, s.config.max_tokens_limit)
+            req = parse(body, s.config.max_tokens_limit, s.engine.max_model_len, s.sampling_defaults)
             P.check_spec_method(req.params, s.engine.spec_methods)
             if req.model is not None:
                 self._check_model(req.model)
@@ -145,7 +143,8 @@ class OpenAIRoutes:
             release()
             return error_response(e)
         request_id = ("chatcmpl-" if is_chat else "cmpl-") + uuid.uuid4().hex
-        deltas = s.generate(prompt_ids, req.params, request_id, timer)
+        params = P.fit_to_context(req.params, len(prompt_ids), s.engine.max_model_len)
+        deltas = s.generate(prompt_ids, params, request_id, timer)
 
         async def close() -> None:
             try:

@@ -22,10 +22,12 @@ from chatserve.server.admission import Admission
 class AppState:
     def __init__(self, engine, config: ServerConfig):
         self.engine, self.config = engine, config
-        self.metrics = ServerMetrics(engine)
+        self.model_name = config.served_model_name or engine.model_name
+        # Settings for what a request or websocket leaves out: the model's generation_config.json values.
+        self.sampling_defaults: dict = dict(engine.sampling_defaults) if config.use_generation_config else {}
+        self.metrics = ServerMetrics(engine, self.model_name)
         self.access = AccessControl(config, config.max_prompt_tokens or engine.max_model_len)
         self.admission = Admission(config, engine.max_num_seqs)
-        self.model_name = config.served_model_name or engine.model_name
         self.created = int(time.time())
         self.connections: set = set()  # open websocket Connections, for the shutdown drain
         self.request_ids: set[str] = set()  # engine requests being streamed, for the shutdown drain

@@ -53,7 +53,7 @@ class Connection:
         self.state, self.ws = state, websocket
         self.outbox = Outbox(websocket, state.config.max_pending_output_bytes)
         self.history: list[dict] = []
-        self.settings: dict = {}
+        self.settings: dict = dict(state.sampling_defaults)
         self.turn: _Turn | None = None
         self.num_turns = 0
         self.is_shutting_down = False

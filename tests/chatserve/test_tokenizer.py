@@ -52,3 +52,24 @@ def test_chat_template_validation(tiny_llama_dir):
             assert "messages" in str(e)
         else:
             raise AssertionError(f"accepted {bad!r}")
+
+
+def test_chat_template_file_replaces_the_tokenizer_s(tiny_llama_dir, tmp_path):
+    path = tmp_path / "plain.jinja"
+    path.write_text("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+                    "{% if add_generation_prompt %}[assistant] {% endif %}")
+    tok = Tokenizer(tiny_llama_dir, path)
+    ids = tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert tok.decode(ids) == "[user] hi\n[assistant] "
+    assert Tokenizer(tiny_llama_dir).apply_chat_template([{"role": "user", "content": "hi"}]) != ids
+
+
+def test_a_missing_or_broken_chat_template_fails_at_load(tiny_llama_dir, tmp_path):
+    import pytest
+
+    with pytest.raises(FileNotFoundError):
+        Tokenizer(tiny_llama_dir, tmp_path / "nope.jinja")
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{% for m in messages %}{{ m['content'] }")
+    with pytest.raises(ValueError, match="broken.jinja"):
+        Tokenizer(tiny_llama_dir, broken)

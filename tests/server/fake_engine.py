@@ -21,8 +21,10 @@ class FakeEngine:
                  tokens_per_delta: int = 1, max_model_len: int = 2048, num_blocks: int = 256,
                  block_size: int = 16, model_name: str = "fake-model", draft_name: str | None = "ngram",
                  reply_fn: Callable[[str, SamplingParams], str] | None = None,
-                 spec_methods: tuple[str, ...] | None = None, max_num_seqs: int = 16):
+                 spec_methods: tuple[str, ...] | None = None, max_num_seqs: int = 16,
+                 sampling_defaults: dict | None = None):
         self.model_name, self.draft_name, self.max_model_len = model_name, draft_name, max_model_len
+        self.sampling_defaults = sampling_defaults or {}  # as if from generation_config.json
         self.max_num_seqs = max_num_seqs
         self.vocab_size = 0x110000  # token id = code point
         if spec_methods is None:  # like the real engine: a named draft model also offers n-gram

@@ -58,7 +58,8 @@ class RealServer:
         return httpx.get(self.base + "/health").json()
 
     def metric(self, name: str) -> float:
-        """One sample of /metrics, e.g. 'chatserve:request_success_total{finished_reason="abort"}' (0 if absent)."""
+        """One sample of /metrics, e.g. 'chatserve:request_success_total{finished_reason="abort",model_name="tiny"}'
+        (0 if absent)."""
         text = httpx.get(self.base + "/metrics").text
         match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
         return float(match.group(1)) if match else 0.0

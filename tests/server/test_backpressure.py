@@ -24,8 +24,8 @@ from websockets.sync.client import connect
 from .real_server import RealServer, wait_health, wait_pool_free, ws_connect
 
 LONG_PROMPT = "Summarize this. " + "The quick brown fox jumps over the lazy dog. " * 40  # ~1.8k tokens
-ABORTS = 'chatserve:request_success_total{finished_reason="abort"}'
-FIRST_TOKENS = "chatserve:time_to_first_token_seconds_count"
+ABORTS = 'chatserve:request_success_total{finished_reason="abort",model_name="tiny"}'  # RealServer serves "tiny"
+FIRST_TOKENS = 'chatserve:time_to_first_token_seconds_count{model_name="tiny"}'
 
 
 @pytest.fixture(scope="module")

@@ -55,6 +55,29 @@ def test_openai_client_errors(live):
     assert e.value.body["code"] == "empty_messages"
 
 
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+
+
+@pytest.mark.parametrize("kwargs,param", [
+    ({"tools": [TOOL]}, "tools"), ({"tools": [TOOL], "tool_choice": "required"}, "tool_choice"),
+    ({"n": 2}, "n"), ({"best_of": 2}, "best_of"), ({"reasoning_effort": "low"}, "reasoning_effort"),
+    ({"extra_body": {"chat_template_kwargs": {"x": 1}}}, "chat_template_kwargs"),
+])
+def test_openai_client_unimplemented_fields_are_refused_by_name(live, kwargs, param):
+    client = openai.OpenAI(base_url=f"{live.url}/v1", api_key="sekret", max_retries=0)
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "hi"}],
+                                           stream=stream, **kwargs)
+        assert e.value.body["code"] == "unsupported_parameter" and e.value.body["param"] == param
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="fake-model", prompt="Say", suffix="the end")
+    assert e.value.body["param"] == "suffix"
+    ok = client.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "hi"}], n=1,
+                                        user="u-1", metadata={"app": "x"}, store=False, max_completion_tokens=10**3)
+    assert ok.choices[0].message.content == live.engine.reply
+
+
 def test_health_is_fast_while_a_slow_generation_streams(live):
     live.engine.reply, live.engine.token_delay, live.engine.tokens_per_delta = "s" * 80, 0.01, 1
     client = openai.OpenAI(base_url=f"{live.url}/v1", api_key="sekret", max_retries=0)

@@ -91,7 +91,7 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", json.dumps({"model": "fake-model"}), 400, "bad_message"),
     ("/v1/chat/completions", json.dumps({**CHAT, "messages": []}), 400, "empty_messages"),
     ("/v1/chat/completions", json.dumps({**CHAT, "model": "gpt-9"}), 404, "model_not_found"),
-    ("/v1/chat/completions", json.dumps({**CHAT, "n": 2}), 400, "invalid_params"),
+    ("/v1/chat/completions", json.dumps({**CHAT, "n": 2}), 400, "unsupported_parameter"),
     ("/v1/chat/completions", json.dumps({**CHAT, "max_tokens": 10 ** 6}), 400, "invalid_params"),
     ("/v1/chat/completions", json.dumps({**CHAT, "temperature": "warm"}), 400, "invalid_params"),
     ("/v1/chat/completions", json.dumps({**CHAT, "stream_options": {"include_usage": True}}), 400, "bad_message"),
@@ -113,6 +113,21 @@ def test_openai_error_shape(make_client, path, body, status, code):
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["code"] == code and error["message"]
     assert client.post("/v1/chat/completions", json=CHAT).status_code == 200  # and the server still serves
+
+
+def test_max_tokens_up_to_the_context_is_cut_to_what_the_prompt_leaves(make_client):
+    engine = FakeEngine(max_model_len=2048)
+    client = make_client(engine, max_tokens_limit=100)
+    for field in ("max_tokens", "max_completion_tokens"):
+        assert client.post("/v1/chat/completions", json={**CHAT, field: 1000}).status_code == 200
+        assert client.post("/v1/chat/completions", json={**CHAT, field: 2048}).status_code == 200
+        refused = client.post("/v1/chat/completions", json={**CHAT, field: 2049})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == field
+        assert "2048 (the model's context)" in refused.json()["error"]["message"]
+    client.post("/v1/chat/completions", json=CHAT)  # no max_tokens: the server's max_tokens_limit
+    client.post("/v1/completions", json={"prompt": "x" * 2000, "max_tokens": 500})
+    num_prompt_tokens = len(engine.prompts[1])
+    assert [p.max_tokens for p in engine.params] == [1000, 2048 - num_prompt_tokens] * 2 + [100, 48]
 
 
 def test_unknown_route_and_method_are_openai_shaped(client):
@@ -173,8 +188,8 @@ METRIC_NAMES = [
     "chatserve:spec_decode_num_drafts_total", "chatserve:spec_decode_num_draft_tokens_total",
     "chatserve:spec_decode_num_accepted_tokens_total", "chatserve:prompt_tokens_total",
     "chatserve:generation_tokens_total", "chatserve:num_preemptions_total",
-    'chatserve:request_success_total{finished_reason="stop"}',
-    'chatserve:spec_decode_num_accepted_tokens_per_pos_total{position="0"}',
+    'chatserve:request_success_total{finished_reason="stop",model_name="fake-model"}',
+    'chatserve:spec_decode_num_accepted_tokens_per_pos_total{model_name="fake-model",position="0"}',
 ]
 
 
@@ -188,9 +203,18 @@ def test_metrics(make_client):
     text = response.text
     for name in METRIC_NAMES:
         assert name in text, name
-    assert 'chatserve:request_success_total{finished_reason="stop"} 2.0' in text
-    assert f"chatserve:generation_tokens_total {2.0 * len(engine.reply)}" in text
-    assert "chatserve:time_to_first_token_seconds_count 2.0" in text
+    assert 'chatserve:request_success_total{finished_reason="stop",model_name="fake-model"} 2.0' in text
+    assert f'chatserve:generation_tokens_total{{model_name="fake-model"}} {2.0 * len(engine.reply)}' in text
+    assert 'chatserve:time_to_first_token_seconds_count{model_name="fake-model"} 2.0' in text
+
+
+def test_every_metric_carries_the_served_model_name(make_client):
+    client = make_client(FakeEngine(), served_model_name="org/my-model")
+    client.post("/v1/chat/completions", json={**CHAT, "model": "org/my-model"})
+    samples = [line for line in client.get("/metrics").text.splitlines() if line.startswith("chatserve:")]
+    assert len(samples) > len(METRIC_NAMES)
+    for line in samples:
+        assert 'model_name="org/my-model"' in line, line
 
 
 def test_static_ui(client):

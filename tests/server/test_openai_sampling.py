@@ -25,7 +25,7 @@ def client(server):
 
 
 def token_id(server: str, text: str) -> int:
-    ids = httpx.post(server + "/tokenize", json={"prompt": text, "add_special_tokens": False}).json()["tokens"]
+    ids = httpx.post(server + "/tokenize", json={"prompt": text}).json()["tokens"]
     return ids[-1]
 
 

@@ -59,12 +59,12 @@ def test_json_depth_limit_is_exact_and_a_string_full_of_brackets_passes():
 
 
 def test_openai_defaults():
-    chat = P.parse_chat_completion_request({"messages": [{"role": "user", "content": "x"}]}, 4096)
+    chat = P.parse_chat_completion_request({"messages": [{"role": "user", "content": "x"}]}, 4096, 8192)
     assert chat.params.max_tokens == 4096 and not chat.stream and not chat.include_usage
     completion = P.parse_completion_request({"prompt": ["hello"], "stream": True,
-                                             "stream_options": {"include_usage": True}}, 4096)
+                                             "stream_options": {"include_usage": True}}, 4096, 8192)
     assert completion.prompt == "hello" and completion.params.max_tokens == 16 and completion.include_usage
-    assert P.parse_completion_request({"prompt": [[1, 2]]}, 10).prompt_token_ids == [1, 2]
+    assert P.parse_completion_request({"prompt": [[1, 2]]}, 10, 10).prompt_token_ids == [1, 2]
 
 
 def test_done_stats_from_request_stats():
@@ -82,9 +82,9 @@ def test_ignore_eos_on_both_endpoints():
     """vLLM's `ignore_eos` extension (benchmarks use it for fixed-length replies)."""
     turn = P.parse_client_message('{"type": "chat", "content": "hi", "params": {"ignore_eos": true}}')
     assert P.build_sampling_params(turn.params, 100).ignore_eos
-    chat = P.parse_chat_completion_request({"messages": [{"role": "user", "content": "x"}], "ignore_eos": True}, 64)
+    chat = P.parse_chat_completion_request({"messages": [{"role": "user", "content": "x"}], "ignore_eos": True}, 64, 64)
     assert chat.params.ignore_eos
-    assert not P.parse_chat_completion_request({"messages": [{"role": "user", "content": "x"}]}, 64).params.ignore_eos
+    assert not P.parse_chat_completion_request({"messages": [{"role": "user", "content": "x"}]}, 64, 64).params.ignore_eos
     with pytest.raises(P.ProtocolError) as e:
-        P.parse_chat_completion_request({"messages": [{"role": "user", "content": "x"}], "ignore_eos": "yes"}, 64)
+        P.parse_chat_completion_request({"messages": [{"role": "user", "content": "x"}], "ignore_eos": "yes"}, 64, 64)
     assert e.value.code == P.INVALID_PARAMS and e.value.param == "ignore_eos"
