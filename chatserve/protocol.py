@@ -478,7 +478,15 @@ def completion_logprobs(tokens: list[TokenLogprobs], text_offset: int) -> dict:
         offsets.append(text_offset)
         text_offset += len(token)
     return {"tokens": [t for t, _, _ in tokens], "token_logprobs": [_finite(lp) for _, lp, _ in tokens],
-            "top_logprobs": [{alt: _finite(lp) for alt, lp in top} for _, _, top in tokens], "text_offset": offsets}
+            "top_logprobs": [_by_text(top) for _, _, top in tokens], "text_offset": offsets}
+
+
+def _by_text(top: list[tuple[str, float]]) -> dict[str, float]:
+    """{token text: logprob}; ids that read the same (pieces of one UTF-8 character) keep the best."""
+    out: dict[str, float] = {}
+    for text, logprob in top:
+        out.setdefault(text, _finite(logprob))
+    return out
 
 
 def _finite(logprob: float) -> float:

@@ -60,7 +60,7 @@ TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"
 
 @pytest.mark.parametrize("kwargs,param", [
     ({"tools": [TOOL]}, "tools"), ({"tools": [TOOL], "tool_choice": "required"}, "tool_choice"),
-    ({"n": 2}, "n"), ({"best_of": 2}, "best_of"), ({"reasoning_effort": "low"}, "reasoning_effort"),
+    ({"n": 2}, "n"), ({"extra_body": {"echo": True}}, "echo"), ({"reasoning_effort": "low"}, "reasoning_effort"),
     ({"extra_body": {"chat_template_kwargs": {"x": 1}}}, "chat_template_kwargs"),
 ])
 def test_openai_client_unimplemented_fields_are_refused_by_name(live, kwargs, param):

@@ -30,23 +30,25 @@ def token_id(server: str, text: str) -> int:
 
 
 def test_chat_top_logprobs_sum_to_the_sampling_distribution(client, server):
-    """top_k = 5 at T = 0.7: the 5 top logprobs are the whole distribution each token was drawn
-    from, so they sum to 1 and the chosen token is among them with the same logprob."""
-    reply = client.chat.completions.create(model="x", messages=MESSAGES, max_tokens=12, temperature=0.7, seed=1,
-                                           logprobs=True, top_logprobs=5, extra_body={"top_k": 5, "ignore_eos": True})
+    """top_k = 3 at T = 0.7: the 5 top logprobs hold the whole distribution each token was drawn
+    from (3 tokens, more on a tie in bf16, the rest at -9999), so they sum to 1 and the chosen
+    token is among them with the same logprob."""
+    reply = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=12, temperature=0.7, seed=1,
+                                           logprobs=True, top_logprobs=5, extra_body={"top_k": 3, "ignore_eos": True})
     content = reply.choices[0].logprobs.content
     assert len(content) == reply.usage.completion_tokens == 12
-    assert "".join(c.token for c in content) == reply.choices[0].message.content
+    # (no check that the tokens join to the text: on its own a token inside a UTF-8 character
+    # reads as U+FFFD, as in vLLM, and the random tiny model writes many)
     for c in content:
         assert len(c.top_logprobs) == 5
         assert math.fsum(math.exp(t.logprob) for t in c.top_logprobs) == pytest.approx(1.0, abs=1e-3)
-        assert c.logprob == pytest.approx({t.token: t.logprob for t in c.top_logprobs}[c.token], abs=1e-6)
+        assert any(t.token == c.token and t.logprob == pytest.approx(c.logprob, abs=1e-6) for t in c.top_logprobs)
         assert c.bytes == list(c.token.encode())
     wait_pool_free(server)
 
 
 def test_streamed_logprobs_equal_the_whole_reply(client):
-    kw = dict(model="x", messages=MESSAGES, max_tokens=10, temperature=0, logprobs=True, top_logprobs=2,
+    kw = dict(model="tiny", messages=MESSAGES, max_tokens=10, temperature=0, logprobs=True, top_logprobs=2,
               extra_body={"ignore_eos": True})
     whole = client.chat.completions.create(**kw).choices[0].logprobs.content
     streamed = [c for chunk in client.chat.completions.create(stream=True, **kw) for choice in chunk.choices
@@ -56,21 +58,20 @@ def test_streamed_logprobs_equal_the_whole_reply(client):
 
 
 def test_completion_logprobs_in_the_legacy_shape(client):
-    reply = client.completions.create(model="x", prompt="a b c a b", max_tokens=6, temperature=0, logprobs=3,
+    reply = client.completions.create(model="tiny", prompt="a b c a b", max_tokens=6, temperature=0, logprobs=3,
                                       extra_body={"ignore_eos": True})
     lp = reply.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 6
-    assert "".join(lp.tokens) == reply.choices[0].text
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(6)]
     assert all(len(top) <= 3 and max(top.values()) == pytest.approx(v) for top, v in zip(lp.top_logprobs, lp.token_logprobs))
 
 
 def test_logit_bias_forces_a_token_and_penalties_stop_repeats(client, server):
     forced = token_id(server, "z")
-    reply = client.chat.completions.create(model="x", messages=MESSAGES, max_tokens=8, temperature=0,
+    reply = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=8, temperature=0,
                                            logit_bias={str(forced): 100}, extra_body={"ignore_eos": True})
     assert reply.choices[0].message.content == "z" * 8
-    kw = dict(model="x", messages=MESSAGES, max_tokens=24, temperature=0, extra_body={"ignore_eos": True})
+    kw = dict(model="tiny", messages=MESSAGES, max_tokens=24, temperature=0, extra_body={"ignore_eos": True})
     free = client.chat.completions.create(**kw).choices[0].message.content
     penalized = client.chat.completions.create(frequency_penalty=2, presence_penalty=2, **kw).choices[0].message.content
     assert len(set(penalized)) > len(set(free))
