@@ -21,6 +21,7 @@ from chatserve.block_manager import BlockTable
 from chatserve.sampling_params import RequestStats, SamplingParams
 
 if TYPE_CHECKING:
+    from chatserve.grammar import GrammarMatcher
     from chatserve.spec_methods import SpecState
 
 
@@ -54,6 +55,7 @@ class Request:
     # their feature inputs f_{start-1} ... (spec_methods/eagle.py); None when none wait
     head_pending: tuple[int, torch.Tensor] | None = None
     detok: object | None = None  # chatserve.tokenizer.IncrementalDetokenizer
+    grammar: GrammarMatcher | None = None  # what the output must match (params.json_schema); None = free text
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -1,7 +1,8 @@
 """Sampler: one request's logits rows -> emitted token ids, plain or by verifying drafts.
 
-All probability maths lives in spec/; this file only gathers a request's settings and
-randomness (its seeded generator) and calls it.
+All probability maths lives in spec/; this file only gathers a request's settings, randomness
+(its seeded generator) and grammar masks (req.grammar: row j is masked by the grammar's state
+after the first j drafts) and calls it.
 """
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ import torch
 
 from chatserve.request import Request
 from spec.proposer import one_hot_draft_probs
-from spec.sampling import apply_repetition_penalty, exponential_noise, logits_to_probs, sample_from_probs, uniform_noise
+from spec.sampling import (apply_repetition_penalty, exponential_noise, logits_to_probs, mask_logits, sample_from_probs,
+                           uniform_noise)
 from spec.verify import rejection_sample, verify_greedy
 
 
@@ -20,7 +22,7 @@ class Sampler:
 
     def sample(self, req: Request, rows: torch.Tensor) -> list[int]:
         """rows: [1, vocab] logits of the last position -> one token."""
-        logits = self._penalize(req, rows, [])
+        logits = self._constrain(req, self._penalize(req, rows, []), [])
         if req.params.is_greedy:
             return [int(logits[0].argmax())]
         probs = self.probs(req, logits)  # [1, vocab]
@@ -33,7 +35,7 @@ class Sampler:
         """rows: [k + 1, vocab] target logits after the last token and after each draft.
         draft_probs: [k, vocab] or None (one-hot). -> (emitted tokens, num accepted)."""
         k = len(drafts)
-        logits = self._penalize(req, rows, drafts)
+        logits = self._constrain(req, self._penalize(req, rows, drafts), drafts)
         draft_ids = torch.tensor([drafts], dtype=torch.long)  # [1, k]
         num_drafts = torch.tensor([k])
         if req.params.is_greedy:
@@ -60,6 +62,12 @@ class Sampler:
             torch.full((n,), p.top_p),
             torch.full((n,), p.min_p),
         )
+
+    def _constrain(self, req: Request, logits: torch.Tensor, drafts: list[int]) -> torch.Tensor:
+        """[k + 1, vocab] -> the same with what req's grammar forbids after drafts[:j] at -inf in row j."""
+        if req.grammar is None:
+            return logits
+        return mask_logits(logits, req.grammar.masks_along(logits.shape[1], drafts))
 
     def _penalize(self, req: Request, rows: torch.Tensor, drafts: list[int]) -> torch.Tensor:
         penalty = req.params.repetition_penalty
