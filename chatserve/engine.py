@@ -103,10 +103,10 @@ class Engine:
         """A matcher for one request; ValueError naming response_format for a bad schema."""
         try:
             grammar = json_schema_grammar(json.loads(json_schema))
+            if self._grammar_tokenizer is None:  # "Only fast tokenizers are supported" is a ValueError too
+                self._grammar_tokenizer = grammar_tokenizer(self.tokenizer.hf, self.tokenizer.eos_token_ids)
         except ValueError as e:
             raise ValueError(f"response_format: {e}") from None
-        if self._grammar_tokenizer is None:
-            self._grammar_tokenizer = grammar_tokenizer(self.tokenizer.hf, self.tokenizer.eos_token_ids)
         return GrammarMatcher(self._grammar_tokenizer, grammar)
 
     @property
