@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 from llguidance import LLMatcher, LLTokenizer
 
@@ -48,6 +49,7 @@ class GrammarMatcher:
     def __init__(self, tokenizer: LLTokenizer, grammar: str):
         self.matcher = LLMatcher(tokenizer, grammar, log_level=0)
         self.eos_token_ids = frozenset(tokenizer.eos_tokens)
+        self._bitmask = np.zeros((tokenizer.vocab_size + 31) // 32, dtype=np.int32)  # [num_words], reused
         if self.matcher.is_error():
             raise ValueError(f"response_format: {self.matcher.get_error()}")
 
@@ -97,8 +99,10 @@ class GrammarMatcher:
         return next((j for j, t in enumerate(drafts[:num_valid]) if t in self.eos_token_ids), num_valid)
 
     def _current_mask(self, vocab_size: int) -> torch.Tensor:  # [vocab_size] bool
-        allowed = torch.frombuffer(bytearray(self.matcher.compute_logit_bias()), dtype=torch.uint8) > 0
+        """llguidance's bitmask (bit i of word w: token 32 * w + i), unpacked; ~10x faster than
+        its byte-per-token compute_logit_bias (benchmarks/grammar_mask.py)."""
+        self.matcher.unsafe_compute_mask_ptr(self._bitmask.ctypes.data, self._bitmask.nbytes)
+        allowed = np.unpackbits(self._bitmask.view(np.uint8), bitorder="little")  # [num_words * 32]
         if allowed.shape[0] >= vocab_size:
-            return allowed[:vocab_size]
-        return torch.nn.functional.pad(allowed, (0, vocab_size - allowed.shape[0]))
-
+            return torch.from_numpy(allowed[:vocab_size]).bool()
+        return torch.nn.functional.pad(torch.from_numpy(allowed).bool(), (0, vocab_size - allowed.shape[0]))
