@@ -112,7 +112,12 @@ def sample_draft(sampler, req: Request, logits: torch.Tensor) -> tuple[int, torc
     Under a grammar (req.grammar) that is the draft's distribution masked by the grammar's state
     after the drafts so far and renormalized, as the target's is: verification stays exact."""
     if req.grammar is not None:
-        logits = mask_logits(logits, req.grammar.mask(logits.shape[1], req.draft_token_ids).unsqueeze(0))
+        allowed = req.grammar.mask(logits.shape[1], req.draft_token_ids).unsqueeze(0)  # [1, vocab]
+        logits = mask_logits(logits, allowed)
+        if not bool(logits.isfinite().any()):
+            # the draft's vocabulary (an EAGLE head's subset) holds no allowed token: draw from all
+            # of them evenly; any proper draft distribution keeps verification exact
+            logits = mask_logits(torch.zeros_like(logits), allowed)
     if req.params.is_greedy:
         return int(logits[0].argmax()), None
     probs = sampler.probs(req, logits)

@@ -143,3 +143,22 @@ def test_sampler_masks_row_j_by_the_state_after_j_drafts(tok, ll_tok):
     req.grammar = matcher(ll_tok)
     allowed = req.grammar.mask(VOCAB)
     assert all(allowed[sampler.sample(req, torch.randn(1, VOCAB) * 5)[0]] for _ in range(50))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_draft_vocabulary_without_any_allowed_token_drafts_evenly_among_them(tok, ll_tok, temperature):
+    """An EAGLE head over a vocabulary subset gives -inf outside it; when the grammar allows
+    only tokens outside, the draft is still a proper distribution over allowed tokens."""
+    from chatserve.request import Request
+    from chatserve.sampler import Sampler
+    from chatserve.sampling_params import SamplingParams
+    from chatserve.spec_methods.base import sample_draft
+
+    req = Request("r", [1], SamplingParams(temperature=temperature, seed=0))
+    req.grammar = matcher(ll_tok)
+    req.draft_token_ids = ids(tok, '{"')  # next: "o" only
+    logits = torch.full((1, VOCAB), float("-inf"))
+    logits[0, ids(tok, "x")[0]] = 0.0  # the head's only token
+    token, probs = sample_draft(Sampler(tok.eos_token_ids), req, logits)
+    assert token == ids(tok, "o")[0]
+    assert probs is None or (probs[0, token] == 1.0 and probs.isfinite().all())
