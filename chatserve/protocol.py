@@ -359,8 +359,10 @@ def dumps(message: dict) -> str:
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
                429: "rate_limit_error", 503: "service_unavailable_error"}
+# OpenAI's keys and extensions (vLLM's, ours): top_k, min_p, repetition_penalty, speculation, spec_method,
+# num_draft_tokens, ignore_eos
 _SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "stop",
-                  "speculation", "spec_method", "num_draft_tokens", "ignore_eos", "response_format")  # top_k on: extensions (vLLM's, ours)
+                  "speculation", "spec_method", "num_draft_tokens", "ignore_eos", "response_format")
 
 
 @dataclass(frozen=True)
