@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import time
 
 import torch
 
 from chatserve.batch import BatchItem
 from chatserve.config import EngineConfig, SpecConfig
+from chatserve.grammar import GrammarMatcher, grammar_tokenizer, json_schema_grammar
 from chatserve.loading import LoadedModels, load_models
 from chatserve.request import Request, Status
 from chatserve.sampler import Sampler
@@ -54,6 +56,7 @@ class Engine:
         self.spec = SpecRunner.create(config.spec, self.models, config.max_num_seqs) if config.spec else None
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
+        self._grammar_tokenizer = None  # built on the first request with a json_schema
 
     @classmethod
     def from_model(cls, model: str, **kwargs) -> "Engine":
@@ -68,6 +71,8 @@ class Engine:
         self.check_params(params)
         req = Request(request_id, list(prompt_token_ids), params)
         req.detok = IncrementalDetokenizer(self.tokenizer.decode, params.stop)
+        if params.json_schema is not None:
+            req.grammar = self._grammar_matcher(params.json_schema)
         if self.spec:
             self.spec.init_request(req)
         self.requests[request_id] = req
@@ -94,6 +99,16 @@ class Engine:
                 f"prompt: {n} tokens need {blocks_needed} KV blocks but the pool holds only "
                 f"{self.block_manager.num_blocks}; raise --kv-cache-memory"
             )
+
+    def _grammar_matcher(self, json_schema: str) -> GrammarMatcher:
+        """A matcher for one request; ValueError naming response_format for a bad schema."""
+        try:
+            grammar = json_schema_grammar(json.loads(json_schema))
+            if self._grammar_tokenizer is None:  # "Only fast tokenizers are supported" is a ValueError too
+                self._grammar_tokenizer = grammar_tokenizer(self.tokenizer.hf, self.tokenizer.eos_token_ids)
+        except ValueError as e:
+            raise ValueError(f"response_format: {e}") from None
+        return GrammarMatcher(self._grammar_tokenizer, grammar)
 
     @property
     def spec_methods(self) -> tuple[str, ...]:
@@ -214,11 +229,14 @@ class Engine:
         for tok in new_tokens:
             req.token_ids.append(tok)
             emitted.append(tok)
+            if req.grammar is not None:
+                req.grammar.consume(tok)
             reason = self._finish_reason(req, tok)
             if reason != "stop":  # EOS and stop token ids add no text
                 text, hit_stop = req.detok.add([tok])
                 text_parts.append(text)
-                reason = "stop" if hit_stop else reason
+                is_complete = req.grammar is not None and req.grammar.is_stopped  # only EOS could follow
+                reason = "stop" if hit_stop or is_complete else reason
             if reason:
                 break
         req.num_computed_tokens = min(req.num_computed_tokens, len(req.token_ids) - 1)

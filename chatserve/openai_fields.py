@@ -15,9 +15,9 @@ UNSUPPORTED_PARAMETER = "unsupported_parameter"  # OpenAI's own code for a field
 COMMON_FIELDS = frozenset({
     "model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "seed", "stop",
     "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs",
-    "top_logprobs", "ignore_eos", "speculation", "spec_method", "num_draft_tokens",
+    "top_logprobs", "response_format", "ignore_eos", "speculation", "spec_method", "num_draft_tokens",
 })
-CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "response_format"}
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "max_completion_tokens"}
 
 # Accepted and not acted on: none of them changes what the model writes or the response's shape.

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from chatserve.openai_fields import UNSUPPORTED_PARAMETER, FieldError, check_fields
+from chatserve.grammar import json_schema_grammar
 from chatserve.sampling_params import RequestStats, SamplingParams
 from chatserve.spec_methods import SPEC_METHODS
 
@@ -48,7 +49,7 @@ MAX_JSON_DEPTH = 32  # our messages nest 4 deep ({"messages": [{"content": [{"ty
 ROLES = ("system", "user", "assistant")
 SETTINGS_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                  "frequency_penalty", "logit_bias", "max_tokens", "stop", "seed", "speculation", "spec_method",
-                 "num_draft_tokens", "ignore_eos")
+                 "num_draft_tokens", "ignore_eos", "response_format")
 MAX_ID_CHARS = 128
 
 
@@ -213,10 +214,13 @@ def check_spec_method(params: SamplingParams, available: tuple[str, ...]) -> Non
 
 
 def build_sampling_params(settings: dict, max_tokens_limit: int) -> SamplingParams:
-    """Settings (websocket or OpenAI extras) -> SamplingParams. speculation=false -> num_draft_tokens=0."""
-    values = {k: v for k, v in settings.items() if k != "speculation" and v is not None}
+    """Settings (websocket or OpenAI extras) -> SamplingParams. speculation=false -> num_draft_tokens=0;
+    response_format -> json_schema."""
+    values = {k: v for k, v in settings.items() if k not in ("speculation", "response_format") and v is not None}
     if settings.get("speculation") is False:
         values["num_draft_tokens"] = 0
+    if settings.get("response_format") is not None:
+        values["json_schema"] = parse_response_format(settings["response_format"])
     if isinstance(values.get("stop"), list):
         values["stop"] = tuple(values["stop"])
     if "logit_bias" in values:
@@ -238,6 +242,33 @@ def _parse_logit_bias(bias) -> dict[int, float]:
         raise ProtocolError(INVALID_PARAMS, "logit_bias: must map token ids (as strings) to numbers",
                             param="logit_bias")
     return {int(k): v for k, v in bias.items()}
+
+
+def parse_response_format(response_format) -> str | None:
+    """OpenAI's response_format -> SamplingParams.json_schema (None: free text).
+    {"type": "text"}, {"type": "json_object"} (any JSON object), or {"type": "json_schema",
+    "json_schema": {"name": ..., "schema": {...}, "strict": bool}}; the schema is enforced
+    whatever `strict` says. A schema llguidance cannot compile is refused here, before queueing."""
+    def refuse(why: str) -> ProtocolError:
+        return ProtocolError(INVALID_PARAMS, f"response_format: {why}", param="response_format")
+
+    kind = response_format.get("type") if isinstance(response_format, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        schema = {"type": "object"}
+    elif kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+            raise refuse("json_schema must be an object {name, schema, strict} whose schema is a JSON object")
+        schema = spec.get("schema", {})
+    else:
+        raise refuse(f"must be an object whose type is text, json_object or json_schema, got {kind!r}")
+    try:
+        json_schema_grammar(schema)
+    except ValueError as e:
+        raise refuse(str(e)) from None
+    return json.dumps(schema, sort_keys=True, separators=(",", ":"))
 
 
 # ---------------------------------------------------------------- websocket: server -> client
@@ -340,9 +371,11 @@ def dumps(message: dict) -> str:
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
                429: "rate_limit_error", 503: "service_unavailable_error"}
+# OpenAI's keys and extensions (vLLM's, ours): top_k, min_p, repetition_penalty, speculation, spec_method,
+# num_draft_tokens, ignore_eos
 _SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-                  "frequency_penalty", "logit_bias", "seed", "stop",
-                  "speculation", "spec_method", "num_draft_tokens", "ignore_eos")  # top_k on: extensions (vLLM's, ours)
+                  "frequency_penalty", "logit_bias", "seed", "stop", "speculation", "spec_method", "num_draft_tokens",
+                  "ignore_eos", "response_format")
 
 
 @dataclass(frozen=True)

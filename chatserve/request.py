@@ -21,6 +21,7 @@ from chatserve.block_manager import BlockTable
 from chatserve.sampling_params import RequestStats, SamplingParams
 
 if TYPE_CHECKING:
+    from chatserve.grammar import GrammarMatcher
     from chatserve.spec_methods import SpecState
 
 
@@ -57,6 +58,7 @@ class Request:
     # params.logprobs is set (Sampler); the engine hands them out with the tokens it appends
     new_logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
     detok: object | None = None  # chatserve.tokenizer.IncrementalDetokenizer
+    grammar: GrammarMatcher | None = None  # what the output must match (params.json_schema); None = free text
 
     def __post_init__(self) -> None:
         if not self.token_ids:

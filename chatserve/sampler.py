@@ -1,7 +1,8 @@
 """Sampler: one request's logits rows -> emitted token ids, plain or by verifying drafts.
 
-All probability maths lives in spec/; this file only gathers a request's settings and
-randomness (its seeded generator) and calls it.
+All probability maths lives in spec/; this file only gathers a request's settings, randomness
+(its seeded generator) and grammar masks (req.grammar: row j is masked by the grammar's state
+after the first j drafts) and calls it.
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ import torch
 from chatserve.request import Request
 from spec.proposer import one_hot_draft_probs
 from spec.sampling import (apply_logit_bias, apply_presence_frequency_penalties, apply_repetition_penalty,
-                           exponential_noise, logits_to_probs, sample_from_probs, token_logprobs, uniform_noise)
+                           exponential_noise, logits_to_probs, mask_logits, sample_from_probs, token_logprobs,
+                           uniform_noise)
 from spec.verify import rejection_sample, verify_greedy
 
 
@@ -21,7 +23,7 @@ class Sampler:
 
     def sample(self, req: Request, rows: torch.Tensor) -> list[int]:
         """rows: [1, vocab] logits of the last position -> one token."""
-        logits = self._penalize(req, rows, [])
+        logits = self._constrain(req, self._penalize(req, rows, []), [])
         if req.params.is_greedy:
             out = [int(logits[0].argmax())]
             self._keep_logprobs(req, logits, None, out)
@@ -38,7 +40,7 @@ class Sampler:
         """rows: [k + 1, vocab] target logits after the last token and after each draft.
         draft_probs: [k, vocab] or None (one-hot). -> (emitted tokens, num accepted)."""
         k = len(drafts)
-        logits = self._penalize(req, rows, drafts)
+        logits = self._constrain(req, self._penalize(req, rows, drafts), drafts)
         draft_ids = torch.tensor([drafts], dtype=torch.long)  # [1, k]
         num_drafts = torch.tensor([k])
         target_probs = None
@@ -68,6 +70,12 @@ class Sampler:
             torch.full((n,), p.top_p),
             torch.full((n,), p.min_p),
         )
+
+    def _constrain(self, req: Request, logits: torch.Tensor, drafts: list[int]) -> torch.Tensor:
+        """[k + 1, vocab] -> the same with what req's grammar forbids after drafts[:j] at -inf in row j."""
+        if req.grammar is None:
+            return logits
+        return mask_logits(logits, req.grammar.masks_along(logits.shape[1], drafts))
 
     def _penalize(self, req: Request, rows: torch.Tensor, drafts: list[int]) -> torch.Tensor:
         """[k + 1, vocab] -> the same after req's penalties and logit bias; row j sees drafts[:j]

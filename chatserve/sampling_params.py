@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 
@@ -37,6 +38,9 @@ class SamplingParams:
     # Who drafts: a name in chatserve.spec_methods.SPEC_METHODS ("draft": the draft model, if
     # the engine loaded one; "ngram": prompt lookup; ...); None = the engine's own method.
     spec_method: str | None = None
+    # The reply must be JSON matching this schema (a JSON-encoded schema object; '{"type":"object"}'
+    # for any object), enforced token by token (chatserve/grammar.py); None = free text.
+    json_schema: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -72,6 +76,8 @@ class SamplingParams:
             raise ValueError(f"ignore_eos: must be a boolean, got {self.ignore_eos!r}")
         if self.num_draft_tokens is not None:
             _check_int("num_draft_tokens", self.num_draft_tokens, low=0, high=16)
+        if self.json_schema is not None and not _is_json_object(self.json_schema):
+            raise ValueError(f"json_schema: must be a JSON-encoded object, got {self.json_schema!r:.80}")
         if self.spec_method is not None:
             from chatserve.spec_methods import SPEC_METHODS  # the registry imports this module
 
@@ -82,6 +88,13 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def _is_json_object(text) -> bool:
+    try:
+        return isinstance(text, str) and isinstance(json.loads(text), dict)
+    except ValueError:
+        return False
 
 
 def _check_int(name: str, value, low: int | None = None, high: int | None = None) -> None:

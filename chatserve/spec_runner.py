@@ -9,6 +9,8 @@ state lives on the request (req.spec, req.draft_token_ids, req.draft_probs), nev
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from chatserve.batch import BatchItem
@@ -126,7 +128,7 @@ class SpecRunner:
             if self._is_adaptive(req):
                 cap, accept_rate = self._controller(req, method).offer(probe_accept_rate=accept_rate)
                 cap = min(cap, room)
-            offers.append(method.offer(req, cap, accept_rate) if cap else None)
+            offers.append(_within_grammar(req, method.offer(req, cap, accept_rate)) if cap else None)
         return offers
 
     def _controller(self, req: Request, method: SpecMethod) -> AdaptiveDraftLength:
@@ -253,6 +255,16 @@ class SpecRunner:
         method.accept_rate.update(num_drafted, num_accepted)
         if method.name in req.spec.controllers:
             req.spec.controllers[method.name].update(num_drafted, num_accepted)
+
+
+def _within_grammar(req: Request, offer: Offer | None) -> Offer | None:
+    """A free proposal cut before the first token req's grammar refuses: that token's masked
+    target probability is 0, so it would be rejected anyway, and the cut is a function of the
+    context, so verification stays exact. Model drafts are masked as they are sampled instead."""
+    if offer is None or offer.token_ids is None or req.grammar is None:
+        return offer
+    n = req.grammar.num_valid(offer.token_ids)
+    return dataclasses.replace(offer, gains=offer.gains[:n], token_ids=offer.token_ids[:n]) if n else None
 
 
 def _best(offers: list[Offer | None]) -> Offer | None:

@@ -90,6 +90,16 @@ def token_logprobs(
     return [(lp, list(zip(i, v))) for lp, i, v in zip(chosen, ids.tolist(), values.tolist())]
 
 
+def mask_logits(
+    logits: torch.Tensor,  # [num_rows, vocab_size], not modified
+    allowed: torch.Tensor,  # [num_rows, vocab_size] bool
+) -> torch.Tensor:  # [num_rows, vocab_size]
+    """-inf where a token is not allowed (a grammar's mask), before temperature and the filters:
+    the softmax renormalizes over the allowed tokens and greedy takes the allowed argmax. Each
+    row must allow at least one token."""
+    return logits.masked_fill(~allowed, float("-inf"))
+
+
 def logits_to_probs(
     logits: torch.Tensor,  # [num_rows, vocab_size] float32, not modified
     temperature: torch.Tensor,  # [num_rows] float; 0 = greedy

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, ClassVar, Protocol
 import torch
 
 from spec.adaptive import AcceptanceEMA
-from spec.sampling import exponential_noise, sample_from_probs
+from spec.sampling import exponential_noise, mask_logits, sample_from_probs
 
 if TYPE_CHECKING:
     from chatserve.batch import BatchItem
@@ -108,7 +108,16 @@ class SpecMethod(Protocol):
 
 def sample_draft(sampler, req: Request, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
     """logits [1, vocab] -> (draft token, its distribution [1, vocab] or None if greedy). A
-    sampled draft comes with the distribution it was drawn from: rejection sampling needs it."""
+    sampled draft comes with the distribution it was drawn from: rejection sampling needs it.
+    Under a grammar (req.grammar) that is the draft's distribution masked by the grammar's state
+    after the drafts so far and renormalized, as the target's is: verification stays exact."""
+    if req.grammar is not None:
+        allowed = req.grammar.mask(logits.shape[1], req.draft_token_ids).unsqueeze(0)  # [1, vocab]
+        logits = mask_logits(logits, allowed)
+        if not bool(logits.isfinite().any()):
+            # the draft's vocabulary (an EAGLE head's subset) holds no allowed token: draw from all
+            # of them evenly; any proper draft distribution keeps verification exact
+            logits = mask_logits(torch.zeros_like(logits), allowed)
     if req.params.is_greedy:
         return int(logits[0].argmax()), None
     probs = sampler.probs(req, logits)
