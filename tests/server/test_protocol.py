@@ -103,8 +103,8 @@ def test_response_format_on_both_endpoints_and_the_websocket(response_format, js
     import json
 
     body = {"response_format": response_format}
-    chat = P.parse_chat_completion_request({"messages": [{"role": "user", "content": "x"}], **body}, 64)
-    completion = P.parse_completion_request({"prompt": "x", **body}, 64)
+    chat = P.parse_chat_completion_request({"messages": [{"role": "user", "content": "x"}], **body}, 64, 64)
+    completion = P.parse_completion_request({"prompt": "x", **body}, 64, 64)
     turn = P.parse_client_message(json.dumps({"type": "chat", "content": "hi", "params": body}))
     for params in (chat.params, completion.params, P.build_sampling_params(turn.params, 64)):
         assert (params.json_schema and json.loads(params.json_schema)) == json_schema
@@ -118,6 +118,6 @@ def test_response_format_on_both_endpoints_and_the_websocket(response_format, js
 def test_bad_response_format_names_it(response_format):
     with pytest.raises(P.ProtocolError) as e:
         P.parse_chat_completion_request({"messages": [{"role": "user", "content": "x"}],
-                                         "response_format": response_format}, 64)
+                                         "response_format": response_format}, 64, 64)
     assert e.value.code == P.INVALID_PARAMS and e.value.param == "response_format" and e.value.status == 400
     assert e.value.message.startswith("response_format: ")
