@@ -15,7 +15,7 @@ import torch
 
 from chatserve.batch import BatchItem
 from chatserve.config import EngineConfig, SpecConfig
-from chatserve.grammar import GrammarMatcher, grammar_tokenizer, json_schema_grammar
+from chatserve.grammar import GrammarMatcher, grammar_tokenizer, json_schema_grammar, lark_grammar
 from chatserve.loading import LoadedModels, load_models
 from chatserve.request import Request, Status
 from chatserve.sampler import Sampler
@@ -56,7 +56,7 @@ class Engine:
         self.spec = SpecRunner.create(config.spec, self.models, config.max_num_seqs) if config.spec else None
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
-        self._grammar_tokenizer = None  # built on the first request with a json_schema
+        self._grammar_tokenizer = None  # built on the first request with a json_schema or grammar
 
     @classmethod
     def from_model(cls, model: str, **kwargs) -> "Engine":
@@ -71,8 +71,8 @@ class Engine:
         self.check_params(params)
         req = Request(request_id, list(prompt_token_ids), params)
         req.detok = IncrementalDetokenizer(self.tokenizer.decode, params.stop)
-        if params.json_schema is not None:
-            req.grammar = self._grammar_matcher(params.json_schema)
+        if params.json_schema is not None or params.grammar is not None:
+            req.grammar = self._grammar_matcher(params)
         if self.spec:
             self.spec.init_request(req)
         self.requests[request_id] = req
@@ -100,15 +100,19 @@ class Engine:
                 f"{self.block_manager.num_blocks}; raise --kv-cache-memory"
             )
 
-    def _grammar_matcher(self, json_schema: str) -> GrammarMatcher:
-        """A matcher for one request; ValueError naming response_format for a bad schema."""
+    def _grammar_matcher(self, params: SamplingParams) -> GrammarMatcher:
+        """A matcher for one request; ValueError naming response_format (a bad schema) or grammar."""
+        field = "response_format" if params.json_schema is not None else "grammar"
         try:
-            grammar = json_schema_grammar(json.loads(json_schema))
+            if params.json_schema is not None:
+                grammar = json_schema_grammar(json.loads(params.json_schema))
+            else:
+                grammar = lark_grammar(params.grammar)
             if self._grammar_tokenizer is None:  # "Only fast tokenizers are supported" is a ValueError too
                 self._grammar_tokenizer = grammar_tokenizer(self.tokenizer.hf, self.tokenizer.eos_token_ids)
+            return GrammarMatcher(self._grammar_tokenizer, grammar)
         except ValueError as e:
-            raise ValueError(f"response_format: {e}") from None
-        return GrammarMatcher(self._grammar_tokenizer, grammar)
+            raise ValueError(f"{field}: {e}") from None
 
     @property
     def spec_methods(self) -> tuple[str, ...]:

@@ -31,6 +31,19 @@ def json_schema_grammar(schema: dict) -> str:
     return grammar
 
 
+def lark_grammar(lark: str) -> str:
+    """A grammar in llguidance's Lark dialect (`%json {schema}` embeds a JSON schema) -> an
+    llguidance grammar (text). Raises ValueError; `<name>` special tokens are checked only
+    against a tokenizer, by GrammarMatcher."""
+    if not isinstance(lark, str):
+        raise ValueError(f"a Lark grammar must be text, got {type(lark).__name__}")
+    grammar = LLMatcher.grammar_from_lark(lark)
+    error = LLMatcher.validate_grammar(grammar)
+    if error:
+        raise ValueError(f"invalid grammar: {error}")
+    return grammar
+
+
 def grammar_tokenizer(hf_tokenizer, eos_token_ids: Sequence[int]) -> LLTokenizer:
     """llguidance's view of a (fast) transformers tokenizer; its masks cover len(hf_tokenizer)
     ids. About a second for a 150k-token vocabulary: build it once per engine."""
@@ -51,7 +64,7 @@ class GrammarMatcher:
         self.eos_token_ids = frozenset(tokenizer.eos_tokens)
         self._bitmask = np.zeros((tokenizer.vocab_size + 31) // 32, dtype=np.int32)  # [num_words], reused
         if self.matcher.is_error():
-            raise ValueError(f"response_format: {self.matcher.get_error()}")
+            raise ValueError(self.matcher.get_error())
 
     def consume(self, token_id: int) -> None:
         """Advance past an emitted token; it must be one the last mask allowed."""

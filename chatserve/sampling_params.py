@@ -41,6 +41,9 @@ class SamplingParams:
     # The reply must be JSON matching this schema (a JSON-encoded schema object; '{"type":"object"}'
     # for any object), enforced token by token (chatserve/grammar.py); None = free text.
     json_schema: str | None = None
+    # Or the reply must match this grammar, in llguidance's Lark dialect (tool calls forced by
+    # tool_choice, chatserve/tool_calls.py); at most one of json_schema and grammar.
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -78,6 +81,8 @@ class SamplingParams:
             _check_int("num_draft_tokens", self.num_draft_tokens, low=0, high=16)
         if self.json_schema is not None and not _is_json_object(self.json_schema):
             raise ValueError(f"json_schema: must be a JSON-encoded object, got {self.json_schema!r:.80}")
+        if self.grammar is not None and (not isinstance(self.grammar, str) or self.json_schema is not None):
+            raise ValueError("grammar: must be a string, and not given with json_schema (response_format)")
         if self.spec_method is not None:
             from chatserve.spec_methods import SPEC_METHODS  # the registry imports this module
 
