@@ -45,8 +45,14 @@ class AsyncEngine:
         return self.engine.spec_methods
 
     # -- called from the event loop ---------------------------------------------------------
-    def tokenize_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        return self.engine.tokenizer.apply_chat_template(messages, add_generation_prompt)
+    def tokenize_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                      tools: list[dict] | None = None) -> list[int]:
+        return self.engine.tokenizer.apply_chat_template(messages, add_generation_prompt, tools)
+
+    @property
+    def are_tool_tags_tokens(self) -> bool:
+        """The tokenizer has <tool_call> and </tool_call> as tokens of their own (Qwen2.5's)."""
+        return self.engine.tokenizer.are_tool_tags_tokens
 
     def tokenize(self, text: str) -> list[int]:
         return self.engine.tokenizer.encode(text)

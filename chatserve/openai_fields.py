@@ -2,7 +2,7 @@
 
 Nothing is silently ignored: a field that would change the reply's content or shape and is not
 implemented is refused with a 400 naming it, unless it is set to the value that asks for nothing
-(`n: 1`, `tools: []`, `logprobs: false`). Parsing the fields that are read is protocol.py's.
+(`n: 1`, `functions: []`, `logprobs: false`). Parsing the fields that are read is protocol.py's.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ COMMON_FIELDS = frozenset({
     "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs",
     "top_logprobs", "response_format", "ignore_eos", "speculation", "spec_method", "num_draft_tokens",
 })
-CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens"}
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "tools", "tool_choice", "parallel_tool_calls"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "max_completion_tokens"}
 
 # Accepted and not acted on: none of them changes what the model writes or the response's shape.
@@ -28,11 +28,9 @@ METADATA_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "promp
 
 # field -> (the values that ask for nothing, why the field is refused otherwise)
 UNSUPPORTED_FIELDS: dict[str, tuple[tuple, str]] = {
-    "tools": (([],), "tool calls are not implemented"),
-    "tool_choice": (("none",), "tool calls are not implemented"),
-    "parallel_tool_calls": ((), "tool calls are not implemented"),
-    "functions": (([],), "function calls are not implemented"),
-    "function_call": (("none",), "function calls are not implemented"),
+    # The deprecated forerunners of tools / tool_choice: send those instead.
+    "functions": (([],), "the deprecated functions API is not implemented; use tools"),
+    "function_call": (("none",), "the deprecated functions API is not implemented; use tool_choice"),
     "n": ((1,), "only one choice per request (n = 1) is implemented"),
     "best_of": ((1,), "only best_of = 1 is implemented"),
     "echo": ((False,), "echo is not implemented"),

@@ -16,6 +16,7 @@ from chatserve.openai_fields import UNSUPPORTED_PARAMETER, FieldError, check_fie
 from chatserve.grammar import json_schema_grammar
 from chatserve.sampling_params import RequestStats, SamplingParams
 from chatserve.spec_methods import SPEC_METHODS
+from chatserve.tool_calls import parse_tool_choice, parse_tools, tool_call_grammar
 
 # Error codes sent in websocket `error` messages and as OpenAI `error.code`.
 BAD_JSON = "bad_json"
@@ -46,7 +47,7 @@ CLOSE_SLOW_READER = 4008  # the client left too much output unread; reconnecting
 
 MAX_JSON_DEPTH = 32  # our messages nest 4 deep ({"messages": [{"content": [{"type": ...}]}]})
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 SETTINGS_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                  "frequency_penalty", "logit_bias", "max_tokens", "stop", "seed", "speculation", "spec_method",
                  "num_draft_tokens", "ignore_eos", "response_format")
@@ -144,7 +145,9 @@ def _parse_chat_turn(obj: dict) -> ChatTurn:
 
 
 def parse_chat_messages(messages) -> list[dict]:
-    """A list of {"role", "content"} -> normalized copies. Content may be a string or OpenAI text parts."""
+    """A list of {"role", "content"} -> normalized copies. Content may be a string or OpenAI text parts.
+    A `tool` message carries `tool_call_id`; an assistant message may carry `tool_calls` (and
+    null content), whose `arguments` JSON strings become objects, as chat templates render them."""
     if not isinstance(messages, list):
         raise ProtocolError(BAD_MESSAGE, "'messages' must be a list of {role, content} objects", param="messages")
     if not messages:
@@ -157,8 +160,41 @@ def parse_chat_messages(messages) -> list[dict]:
         role = message.get("role")
         if role not in ROLES:
             raise ProtocolError(BAD_MESSAGE, f"{where}.role must be one of {list(ROLES)}, got {role!r}", param=where)
-        normalized.append({"role": role, "content": _message_text(message.get("content"), where)})
+        calls = message.get("tool_calls") if role == "assistant" else None
+        content = message.get("content")
+        out = {"role": role, "content": "" if content is None and calls else _message_text(content, where)}
+        if calls:
+            out["tool_calls"] = _parse_message_tool_calls(calls, where)
+        if role == "tool":
+            if not isinstance(message.get("tool_call_id"), str):
+                raise ProtocolError(BAD_MESSAGE, f"{where}.tool_call_id: a tool message needs the id of the call "
+                                    "it answers", param=where)
+            out["tool_call_id"] = message["tool_call_id"]
+        normalized.append(out)
     return normalized
+
+
+def _parse_message_tool_calls(calls, where: str) -> list[dict]:
+    def refuse(why: str) -> ProtocolError:
+        return ProtocolError(BAD_MESSAGE, f"{where}.tool_calls: {why}", param=where)
+
+    if not isinstance(calls, list):
+        raise refuse("must be a list of {id, type: function, function: {name, arguments}}")
+    out = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise refuse("each must be {id, type: function, function: {name, arguments}}")
+        arguments = function.get("arguments", "{}")
+        try:
+            arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+        except ValueError:
+            raise refuse(f"the arguments of {function['name']!r} are not JSON") from None
+        if not isinstance(arguments, dict):
+            raise refuse(f"the arguments of {function['name']!r} must be a JSON object")
+        out.append({"id": call.get("id"), "type": "function",
+                    "function": {"name": function["name"], "arguments": arguments}})
+    return out
 
 
 def _message_text(content, where: str) -> str:
@@ -389,16 +425,50 @@ class OpenAIRequest:
     messages: list[dict] | None = None
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
+    # Offered to the model through the chat template, and its reply parsed for calls; None: no
+    # tools (none given, or tool_choice "none")
+    tools: list[dict] | None = None
+    is_parallel_tool_calls: bool = True  # false: at most one call
 
 
 def parse_chat_completion_request(body, max_tokens_limit: int, max_model_len: int,
-                                  defaults: dict | None = None) -> OpenAIRequest:
+                                  defaults: dict | None = None, are_tool_tags_tokens: bool = False) -> OpenAIRequest:
     """max_tokens defaults to max_tokens_limit: a chat reply runs until it stops (or the context ends).
-    `defaults`: sampling settings for the keys the body leaves out or sets to null (the model's)."""
+    `defaults`: sampling settings for the keys the body leaves out or sets to null (the model's).
+    are_tool_tags_tokens: the tokenizer has <tool_call> as a token (tool_calls.tool_call_grammar)."""
     common = _parse_openai_common(body, max_tokens_limit, max_model_len, defaults or {}, is_chat=True)
     if "messages" not in body:
         raise ProtocolError(BAD_MESSAGE, "'messages' is required", param="messages")
-    return OpenAIRequest(**common, messages=parse_chat_messages(body["messages"]))
+    messages = parse_chat_messages(body["messages"])
+    return _with_tools(OpenAIRequest(**common, messages=messages), body, are_tool_tags_tokens)
+
+
+def _with_tools(req: OpenAIRequest, body: dict, are_tool_tags_tokens: bool) -> OpenAIRequest:
+    """`tools`, `tool_choice` and `parallel_tool_calls` applied: "none" offers no tools (the model
+    is not told of them, so it does not try to call); "required" and a named function constrain
+    the reply by a grammar, so the call always parses; "auto" is parsed after."""
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise ProtocolError(INVALID_PARAMS, "parallel_tool_calls: must be true or false", param="parallel_tool_calls")
+    try:
+        tools = parse_tools(body.get("tools") or [])
+    except ValueError as e:
+        raise ProtocolError(INVALID_PARAMS, str(e), param="tools") from None
+    try:
+        choice = parse_tool_choice(body.get("tool_choice"), tools)
+    except ValueError as e:
+        raise ProtocolError(INVALID_PARAMS, str(e), param="tool_choice") from None
+    if choice == "none":
+        return req
+    is_parallel = parallel is not False
+    params = req.params
+    if choice != "auto":
+        if params.json_schema is not None:
+            raise ProtocolError(INVALID_PARAMS, f"tool_choice: {choice!r} forces a tool call, which response_format "
+                                "would contradict; give one of them", param="tool_choice")
+        name = None if choice == "required" else choice
+        params = replace(params, grammar=tool_call_grammar(tools, name, is_parallel, are_tool_tags_tokens))
+    return replace(req, params=params, tools=tools, is_parallel_tool_calls=is_parallel)
 
 
 def parse_completion_request(body, max_tokens_limit: int, max_model_len: int,
@@ -528,9 +598,12 @@ def _finite(logprob: float) -> float:
 
 
 def chat_completion_response(id: str, model: str, created: int, text: str, finish_reason: str, usage: dict,
-                             logprobs: dict | None = None) -> dict:
-    choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-              "finish_reason": finish_reason}
+                             logprobs: dict | None = None, tool_calls: list[dict] | None = None) -> dict:
+    """With tool_calls: the message carries them, and content is null when no text is left."""
+    message = {"role": "assistant", "content": text}
+    if tool_calls:
+        message = {"role": "assistant", "content": text or None, "tool_calls": tool_calls}
+    choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
     return {"id": id, "object": "chat.completion", "created": created, "model": model, "choices": [choice],
             "usage": usage}
 

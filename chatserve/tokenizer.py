@@ -22,19 +22,25 @@ class Tokenizer:
         # Added / special tokens (end of turn, tool tags...): ids a draft head must keep.
         self.special_token_ids = sorted(set(self.hf.all_special_ids) | set(self.hf.added_tokens_decoder)
                                         | set(self.eos_token_ids))
+        self.are_tool_tags_tokens = {"<tool_call>", "</tool_call>"} <= set(self.hf.added_tokens_encoder)
 
     def encode(self, text: str) -> list[int]:
         return self.hf.encode(text, add_special_tokens=True)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> list[int]:
+        """`tools`: OpenAI's function tools, which the template offers the model (transformers'
+        `tools=`); a template that does not read them ignores them. Messages as
+        protocol.parse_chat_messages normalizes them: `tool` results and assistant `tool_calls`."""
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages: must be a non-empty list of {role, content} objects")
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or not isinstance(m.get("content"), str):
                 raise ValueError(f"messages[{i}]: must be an object with a string 'content'")
-            if m.get("role") not in ("system", "user", "assistant"):
-                raise ValueError(f"messages[{i}].role: must be system, user or assistant, got {m.get('role')!r}")
-        ids = self.hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+            if m.get("role") not in ("system", "user", "assistant", "tool"):
+                raise ValueError(f"messages[{i}].role: must be system, user, assistant or tool, got {m.get('role')!r}")
+        ids = self.hf.apply_chat_template(messages, tools=tools or None, add_generation_prompt=add_generation_prompt,
+                                          tokenize=True)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # BatchEncoding in newer transformers
             ids = ids["input_ids"]
         return list(ids)

@@ -22,6 +22,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from chatserve import protocol as P
 from chatserve.sampling_params import Delta
 from chatserve.server.state import AppState
+from chatserve.tool_calls import ToolCall, ToolCallParser
 
 
 def _access_checked(route):
@@ -129,13 +130,17 @@ class OpenAIRoutes:
         timer = s.metrics.start_request()
         try:
             body = await self._read_json(request)
-            parse = P.parse_chat_completion_request if is_chat else P.parse_completion_request
-            req = parse(body, s.config.max_tokens_limit, s.engine.max_model_len, s.sampling_defaults)
+            if is_chat:
+                req = P.parse_chat_completion_request(body, s.config.max_tokens_limit, s.engine.max_model_len,
+                                                      s.sampling_defaults, s.engine.are_tool_tags_tokens)
+            else:
+                req = P.parse_completion_request(body, s.config.max_tokens_limit, s.engine.max_model_len,
+                                                 s.sampling_defaults)
             P.check_spec_method(req.params, s.engine.spec_methods)
             if req.model is not None:
                 self._check_model(req.model)
             if is_chat:
-                prompt_ids = await s.tokenize_chat(req.messages)
+                prompt_ids = await s.tokenize_chat(req.messages, tools=req.tools)
             else:
                 prompt_ids = req.prompt_token_ids or await s.tokenize(req.prompt)
             s.access.check_prompt(prompt_ids)
@@ -165,7 +170,8 @@ class OpenAIRoutes:
             await close()
             return Response(status_code=499)  # the client left during the prefill
         token_text = (lambda t: s.engine.detokenize([t])) if req.params.logprobs is not None else None
-        shape = _Shape(is_chat, request_id, s.model_name, int(time.time()), req.include_usage, token_text)
+        shape = _Shape(is_chat, request_id, s.model_name, int(time.time()), req.include_usage, token_text,
+                       has_tools=req.tools is not None, max_tool_calls=None if req.is_parallel_tool_calls else 1)
         if req.stream:
             return _SSEResponse(self._events(shape, first, deltas, len(prompt_ids)), close)
         try:
@@ -180,17 +186,20 @@ class OpenAIRoutes:
         if shape.is_chat:
             yield _sse(shape.chunk("", None, role=True))
         delta, num_tokens, text_offset = first, 0, 0
+        parser = shape.tool_call_parser()
         while True:
             num_tokens += len(delta.token_ids)
             if delta.finish_reason == "error":
                 yield _sse(P.openai_error(P.ENGINE_ERROR, f"generation failed: {delta.error}", 500))
                 break
             logprobs = shape.logprobs(delta.logprobs, text_offset)
-            if delta.text or logprobs:
-                yield _sse(shape.chunk(delta.text, None, logprobs=logprobs))
+            pieces = _pieces(parser, delta.text, is_last=delta.finished)
+            for piece in pieces or ([""] if logprobs else []):  # logprobs ride on the delta's first chunk
+                yield _sse(shape.piece_chunk(piece, parser, logprobs))
+                logprobs = None
             text_offset += len(delta.text)
             if delta.finished:
-                yield _sse(shape.chunk("", delta.finish_reason))
+                yield _sse(shape.chunk("", shape.finish_reason(delta.finish_reason, parser)))
                 if shape.include_usage:
                     yield _sse(shape.usage_chunk(_usage(delta, num_prompt_tokens, num_tokens)))
                 break
@@ -217,7 +226,19 @@ class OpenAIRoutes:
             return error_response(P.ProtocolError(P.ENGINE_ERROR, f"generation failed: {delta.error}", 500))
         usage = _usage(delta, num_prompt_tokens, num_tokens)
         logprobs = shape.logprobs(token_logprobs, 0)
-        return JSONResponse(shape.whole("".join(parts), delta.finish_reason or "abort", usage, logprobs))
+        parser = shape.tool_call_parser()
+        text = "".join(parts)
+        if parser is not None:
+            text = "".join(p for p in _pieces(parser, text, is_last=True) if isinstance(p, str))
+        finish_reason = shape.finish_reason(delta.finish_reason or "abort", parser)
+        return JSONResponse(shape.whole(text, finish_reason, usage, logprobs, parser.calls if parser else None))
+
+
+def _pieces(parser: ToolCallParser | None, text: str, is_last: bool) -> list:
+    """A delta's text -> what to send now: content strings and ToolCalls (without tools: the text)."""
+    if parser is None:
+        return [text] if text else []
+    return parser.feed(text) + (parser.finish() if is_last else [])
 
 
 @dataclass(frozen=True)
@@ -230,6 +251,25 @@ class _Shape:
     created: int
     include_usage: bool
     token_text: Callable[[int], str] | None = None  # set when logprobs were asked for
+    has_tools: bool = False  # the reply is parsed for tool calls
+    max_tool_calls: int | None = None  # parallel_tool_calls false: 1
+
+    def tool_call_parser(self) -> ToolCallParser | None:
+        return ToolCallParser(self.max_tool_calls) if self.has_tools else None
+
+    @staticmethod
+    def finish_reason(reason: str, parser: ToolCallParser | None) -> str:
+        """OpenAI's "tool_calls" when the model stopped after calling (not when cut by max_tokens)."""
+        return "tool_calls" if reason == "stop" and parser is not None and parser.calls else reason
+
+    def piece_chunk(self, piece: str | ToolCall, parser: ToolCallParser | None, logprobs: dict | None) -> dict:
+        """A streamed content piece, or a whole tool call (`delta.tool_calls`, index = its place
+        among the reply's calls: id, type, name and arguments in one chunk)."""
+        if isinstance(piece, str):
+            return self.chunk(piece, None, logprobs=logprobs)
+        entry = piece.to_dict(index=parser.calls.index(piece))
+        return P.chat_completion_chunk(self.id, self.model, self.created, {"tool_calls": [entry]}, None,
+                                       self.include_usage, logprobs)
 
     def logprobs(self, tokens: list | None, text_offset: int) -> dict | None:
         """Delta.logprobs entries -> the choice's `logprobs` (None when not asked for or none)."""
@@ -251,9 +291,12 @@ class _Shape:
         kind = "chat.completion.chunk" if self.is_chat else "text_completion"
         return P.usage_chunk(kind, self.id, self.model, self.created, usage)
 
-    def whole(self, text: str, finish_reason: str, usage: dict, logprobs: dict | None = None) -> dict:
+    def whole(self, text: str, finish_reason: str, usage: dict, logprobs: dict | None = None,
+              tool_calls: list[ToolCall] | None = None) -> dict:
         if self.is_chat:
-            return P.chat_completion_response(self.id, self.model, self.created, text, finish_reason, usage, logprobs)
+            calls = [c.to_dict() for c in tool_calls or []]
+            return P.chat_completion_response(self.id, self.model, self.created, text, finish_reason, usage, logprobs,
+                                              calls)
         return P.completion_response(self.id, self.model, self.created, text, finish_reason, usage,
                                      logprobs=logprobs)
 

@@ -37,11 +37,12 @@ class AppState:
         for request_id in list(self.request_ids):
             self.engine.abort(request_id)
 
-    async def tokenize_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    async def tokenize_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> list[int]:
         """The chat template runs in a worker thread. Any failure is the messages' fault (a template
         may refuse, e.g. roles that do not alternate), so it is a client error."""
         try:
-            return await asyncio.to_thread(self.engine.tokenize_chat, messages, add_generation_prompt)
+            return await asyncio.to_thread(self.engine.tokenize_chat, messages, add_generation_prompt, tools)
         except Exception as e:
             raise P.ProtocolError(P.BAD_MESSAGE, f"cannot apply the chat template: {e}", param="messages") from None
 

@@ -8,6 +8,7 @@ the stream so cancel and disconnect land mid-generation.
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import time
 import uuid
@@ -52,14 +53,18 @@ class FakeEngine:
     def detokenize(self, token_ids: list[int]) -> str:
         return "".join(map(chr, token_ids))
 
-    def tokenize_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    are_tool_tags_tokens = False  # the tags are spelled in characters
+
+    def tokenize_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                      tools: list[dict] | None = None) -> list[int]:
         for i, message in enumerate(messages):
             if message["role"] == "system" and i != 0:
                 raise ValueError("a system message must come first")
             if i and message["role"] == messages[i - 1]["role"] == "assistant":
                 raise LookupError("roles must alternate")  # like jinja's TemplateError: not a ValueError
         text = "".join(f"<{m['role']}>{m['content']}</{m['role']}>" for m in messages)
-        return self.tokenize(text + "<assistant>" * add_generation_prompt)
+        offered = f"<tools>{json.dumps(tools)}</tools>" if tools else ""  # so tests can see what was offered
+        return self.tokenize(offered + text + "<assistant>" * add_generation_prompt)
 
     # ---- generation
 

@@ -59,8 +59,8 @@ TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"
 
 
 @pytest.mark.parametrize("kwargs,param", [
-    ({"tools": [TOOL]}, "tools"), ({"tools": [TOOL], "tool_choice": "required"}, "tool_choice"),
-    ({"n": 2}, "n"), ({"extra_body": {"echo": True}}, "echo"), ({"reasoning_effort": "low"}, "reasoning_effort"),
+    ({"functions": [TOOL["function"]]}, "functions"), ({"n": 2}, "n"), ({"extra_body": {"echo": True}}, "echo"),
+    ({"reasoning_effort": "low"}, "reasoning_effort"),
     ({"extra_body": {"chat_template_kwargs": {"x": 1}}}, "chat_template_kwargs"),
 ])
 def test_openai_client_unimplemented_fields_are_refused_by_name(live, kwargs, param):

@@ -1,0 +1,144 @@
+"""tools / tool_choice on /v1/chat/completions with a FakeEngine that replies with scripted calls:
+message.tool_calls and finish_reason "tool_calls", the same streamed as delta.tool_calls with no
+tag leaked as content, what each tool_choice offers and constrains, tool messages in, refusals."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from chatserve import protocol as P
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                          "required": ["city"]}}}
+NOW = {"type": "function", "function": {"name": "now", "description": "The time."}}
+ASK = {"messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": [WEATHER, NOW]}
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+def sse_chunks(response) -> list[dict]:
+    lines = [line[len("data: "):] for line in response.text.splitlines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def test_a_call_in_the_reply_becomes_message_tool_calls(client, engine):
+    engine.reply = "Let me look.\n" + CALL
+    body = client.post("/v1/chat/completions", json=ASK).json()
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    assert choice["message"]["content"] == "Let me look."
+    [call] = choice["message"]["tool_calls"]
+    assert call["type"] == "function" and call["id"].startswith("call_")
+    assert call["function"]["name"] == "get_weather"
+    assert json.loads(call["function"]["arguments"]) == {"city": "Paris"}
+    assert engine.params[-1].grammar is None  # auto: parsed after, not constrained
+    assert "<tools>" in engine.detokenize(engine.prompts[-1])  # offered through the template
+
+
+def test_only_a_call_gives_null_content(client, engine):
+    engine.reply = CALL
+    message = client.post("/v1/chat/completions", json=ASK).json()["choices"][0]["message"]
+    assert message["content"] is None and len(message["tool_calls"]) == 1
+
+
+@pytest.mark.parametrize("tokens_per_delta", [1, 3, 1000])
+def test_streamed_calls_never_leak_a_tag(make_client, tokens_per_delta):
+    from .fake_engine import FakeEngine
+
+    engine = FakeEngine("Checking <tool_c.\n" + CALL + "\n" + CALL.replace("Paris", "Oslo"),
+                        tokens_per_delta=tokens_per_delta)
+    response = make_client(engine).post("/v1/chat/completions", json={**ASK, "stream": True})
+    chunks = sse_chunks(response)
+    content = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+    assert content == "Checking <tool_c."
+    calls = [tc for c in chunks for tc in c["choices"][0]["delta"].get("tool_calls", [])]
+    assert [tc["index"] for tc in calls] == [0, 1]
+    assert [json.loads(tc["function"]["arguments"])["city"] for tc in calls] == ["Paris", "Oslo"]
+    assert all(tc["id"].startswith("call_") and tc["type"] == "function" for tc in calls)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_malformed_call_stays_content_and_stops(client, engine):
+    engine.reply = "<tool_call>\n{not json}\n</tool_call>"
+    choice = client.post("/v1/chat/completions", json=ASK).json()["choices"][0]
+    assert choice["message"]["content"] == engine.reply and "tool_calls" not in choice["message"]
+    assert choice["finish_reason"] == "stop"
+
+
+def test_parallel_tool_calls_false_keeps_the_first(client, engine):
+    engine.reply = CALL + "\n" + CALL.replace("Paris", "Oslo")
+    body = client.post("/v1/chat/completions", json={**ASK, "parallel_tool_calls": False}).json()
+    calls = body["choices"][0]["message"]["tool_calls"]
+    assert [json.loads(c["function"]["arguments"])["city"] for c in calls] == ["Paris"]
+
+
+def test_tool_choice_none_offers_nothing_and_parses_nothing(client, engine):
+    engine.reply = CALL
+    choice = client.post("/v1/chat/completions", json={**ASK, "tool_choice": "none"}).json()["choices"][0]
+    assert choice["message"] == {"role": "assistant", "content": CALL} and choice["finish_reason"] == "stop"
+    assert "<tools>" not in engine.detokenize(engine.prompts[-1])
+
+
+def test_required_and_named_choices_set_a_grammar(client, engine):
+    engine.reply = CALL
+    client.post("/v1/chat/completions", json={**ASK, "tool_choice": "required"})
+    required = engine.params[-1].grammar
+    assert '"get_weather"' in required and '"now"' in required and '("\\n" tool_call)*' in required
+    named = {"type": "function", "function": {"name": "now"}}
+    client.post("/v1/chat/completions", json={**ASK, "tool_choice": named, "parallel_tool_calls": False})
+    grammar = engine.params[-1].grammar
+    assert '"now"' in grammar and "get_weather" not in grammar and "tool_call)*" not in grammar
+    assert '"<tool_call>"' in grammar  # the fake tokenizer spells the tags
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}]}, "tools"),
+    ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tool_choice": "always"}, "tool_choice"),
+    ({"tools": [], "tool_choice": "required"}, "tool_choice"),
+    ({"parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+    ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+])
+def test_bad_tool_fields_are_400s_naming_them(client, engine, extra, param):
+    response = client.post("/v1/chat/completions", json={**ASK, **extra})
+    assert response.status_code == 400 and response.json()["error"]["param"] == param
+    assert engine.prompts == []
+
+
+ROUND_TRIP = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
+]
+
+
+def test_tool_results_and_assistant_calls_are_accepted(client, engine):
+    engine.reply = "It is sunny."
+    body = client.post("/v1/chat/completions", json={"messages": ROUND_TRIP, "tools": [WEATHER]}).json()
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": "It is sunny."}
+    assert "<tool>sunny, 21 C</tool>" in engine.detokenize(engine.prompts[-1])
+
+
+def test_messages_are_normalized_for_the_template():
+    """arguments become objects (the Qwen2.5 template writes `arguments | tojson`)."""
+    assistant, tool = P.parse_chat_messages(ROUND_TRIP)[1:]
+    assert assistant == {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}
+    assert tool == {"role": "tool", "content": "sunny, 21 C", "tool_call_id": "call_1"}
+
+
+@pytest.mark.parametrize("message, match", [
+    ({"role": "tool", "content": "x"}, "tool_call_id"),
+    ({"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": "{"}}]},
+     "not JSON"),
+    ({"role": "assistant", "content": None, "tool_calls": [{"function": {"arguments": "{}"}}]}, "tool_calls"),
+    ({"role": "assistant", "content": None}, "content"),
+])
+def test_bad_tool_messages_are_refused(message, match):
+    with pytest.raises(P.ProtocolError, match=match):
+        P.parse_chat_messages([{"role": "user", "content": "x"}, message])
