@@ -12,11 +12,14 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
-from chatserve.grammar import JSON_OPTIONS, json_schema_grammar
+from chatserve.grammar import json_schema_grammar
 
 OPEN_TAG, CLOSE_TAG = "<tool_call>", "</tool_call>"
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function name
-_NO_PARAMETERS = {"type": "object", "properties": {}}
+_NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}  # a function without any
+# A forced call is written as the chat templates write calls in the history (jinja's tojson is
+# json.dumps: ", " and ": ", no other whitespace), which also keeps a model from padding it.
+_CALL_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 # ---------------------------------------------------------------- the request: tools and tool_choice
@@ -93,9 +96,9 @@ def tool_call_grammar(tools: list[dict], name: str | None, is_parallel: bool, ar
 
 def _call_schema(function: dict) -> dict:
     """The JSON object of one call: "name" first (llguidance keeps the properties' order), then
-    the arguments; whitespace bounded as for response_format."""
+    the arguments."""
     return {"type": "object", "properties": {"name": {"const": function["name"]}, "arguments": function["parameters"]},
-            "required": ["name", "arguments"], "additionalProperties": False, "x-guidance": JSON_OPTIONS}
+            "required": ["name", "arguments"], "additionalProperties": False, "x-guidance": _CALL_JSON_OPTIONS}
 
 
 # ---------------------------------------------------------------- the reply: text -> content and calls

@@ -1,14 +1,21 @@
-"""chatserve/tool_calls.py without a model: the reply parser (whole and streamed in every split),
-tools / tool_choice checks, and the grammar that forces a call, checked by an llguidance matcher
-on the tiny tokenizer (tags spelled out) and on tokens like Qwen2.5's (tags as added tokens)."""
+"""chatserve/tool_calls.py: the reply parser (whole and streamed in every split), tools / tool_choice
+checks, the grammar that forces a call, checked by an llguidance matcher on the tiny tokenizer (tags
+spelled out) and on tokens like Qwen2.5's (tags as added tokens); then forced calls decoded by the
+tiny model: they parse, validate, and n-gram speculation leaves greedy output unchanged."""
 
 import json
+from typing import Literal
 
 import pytest
+from pydantic import BaseModel, ConfigDict, Field
 
+from chatserve.config import EngineConfig, SpecConfig
+from chatserve.engine import Engine
 from chatserve.grammar import GrammarMatcher, grammar_tokenizer, lark_grammar
 from chatserve.tool_calls import (ToolCall, ToolCallParser, parse_call, parse_tool_choice, parse_tools,
                                   split_reply, tool_call_grammar)
+from chatserve.sampling_params import SamplingParams
+from tests.chatserve.test_engine import assert_pool_empty
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city.",
@@ -106,7 +113,8 @@ def test_items_come_in_order():
 
 def test_parse_tools_and_tool_choice():
     tools = parse_tools([WEATHER, NOW])
-    assert tools[1]["function"] == {"name": "now", "parameters": {"type": "object", "properties": {}}}
+    assert tools[1]["function"] == {"name": "now", "parameters": {"type": "object", "properties": {},
+                                                                  "additionalProperties": False}}
     assert parse_tool_choice(None, tools) == "auto" and parse_tool_choice(None, []) == "none"
     assert parse_tool_choice("required", tools) == "required"
     assert parse_tool_choice({"type": "function", "function": {"name": "now"}}, tools) == "now"
@@ -152,6 +160,7 @@ def test_grammar_forces_a_declared_call(tiny_tok):
     assert not accepts(tiny_tok, required, '<tool_call>\n{"name": "other", "arguments": {}}\n</tool_call>')
     assert not accepts(tiny_tok, required, '<tool_call>\n{"name": "get_weather", "arguments": {}}')  # city required
     assert not accepts(tiny_tok, required, "Sure")
+    assert not accepts(tiny_tok, required, CALL.replace('": "', '":"'))  # written as templates write calls
     assert not accepts(tiny_tok, required, CALL + "\n" + CALL)  # not parallel: one call
     parallel = tool_call_grammar(tools, None, is_parallel=True, are_tags_tokens=False)
     assert accepts(tiny_tok, parallel, CALL + "\n" + CALL)
@@ -174,3 +183,64 @@ def test_grammar_with_tags_as_tokens(tmp_path):
     assert ids[0] == hf.convert_tokens_to_ids("<tool_call>")
     assert GrammarMatcher(ll_tok, lark_grammar(grammar)).num_valid(ids) == len(ids)
     assert hf.decode(ids, skip_special_tokens=True) == CALL  # the tags survive decoding
+
+
+# ---------------------------------------------------------------- decoding a forced call (tiny model)
+
+class Weather(BaseModel):
+    """Bounded, so a random model's call ends well within max_tokens."""
+
+    model_config = ConfigDict(extra="forbid")
+    city: str = Field(max_length=8)
+    unit: Literal["C", "F"]
+
+
+BOUNDED_TOOLS = parse_tools([
+    {"type": "function", "function": {"name": "get_weather", "parameters": Weather.model_json_schema()}},
+    {"type": "function", "function": {"name": "now"}},
+])
+# The prompts hold calls, so n-gram lookup finds drafts in them.
+CHATS = [[{"role": "user", "content": 'Call like <tool_call>\n{"name": "get_weather", "arguments": '
+                                      '{"city": "Oslo", "unit": "C"}}\n</tool_call> please'}],
+         [{"role": "user", "content": "What time is it?"}]]
+
+
+def assert_declared_call(result) -> ToolCall:
+    assert result["finish_reason"] == "stop", result
+    content, calls = split_reply(result["text"])
+    assert content == "" and len(calls) == 1, result["text"]
+    arguments = json.loads(calls[0].arguments)
+    if calls[0].name == "get_weather":
+        Weather.model_validate(arguments)
+    else:
+        assert calls[0].name == "now" and arguments == {}
+    return calls[0]
+
+
+@pytest.mark.parametrize("name", [None, "get_weather", "now"])
+def test_forced_call_parses_and_ngram_speculation_leaves_it_unchanged(tiny_llama_dir, name):
+    grammar = tool_call_grammar(BOUNDED_TOOLS, name, is_parallel=False, are_tags_tokens=False)
+    params = SamplingParams(max_tokens=300, temperature=0.0, grammar=grammar)
+    plain = Engine(EngineConfig(model=str(tiny_llama_dir), kv_cache_memory=8 << 20))
+    prompts = [plain.tokenizer.apply_chat_template(chat, tools=BOUNDED_TOOLS) for chat in CHATS]
+    expected = plain.generate(prompts, params)
+    for result in expected:
+        call = assert_declared_call(result)
+        assert name is None or call.name == name
+    spec = SpecConfig(method="ngram", num_draft_tokens=4, adaptive=False)
+    ngram = Engine(EngineConfig(model=str(tiny_llama_dir), spec=spec, kv_cache_memory=8 << 20))
+    results = [ngram.generate([p], params)[0] for p in prompts]
+    assert [r["token_ids"] for r in results] == [r["token_ids"] for r in expected]
+    assert sum(r["stats"].num_drafted for r in results) > 0
+    assert_pool_empty(plain)
+    assert_pool_empty(ngram)
+
+
+def test_a_bad_grammar_is_refused_naming_grammar(tiny_llama_dir):
+    engine = Engine(EngineConfig(model=str(tiny_llama_dir), kv_cache_memory=8 << 20))
+    with_tags_as_tokens = tool_call_grammar(BOUNDED_TOOLS, None, False, are_tags_tokens=True)  # not this tokenizer's
+    with pytest.raises(ValueError, match="grammar: .*<tool_call>"):
+        engine.add_request([1, 2], SamplingParams(grammar=with_tags_as_tokens))
+    with pytest.raises(ValueError, match="grammar"):
+        SamplingParams(grammar="start: x", json_schema='{"type": "object"}')
+    assert_pool_empty(engine)
