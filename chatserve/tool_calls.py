@@ -143,17 +143,53 @@ class ToolCallParser:
     content). A call whose JSON does not parse stays content, tags included. At the end an
     unclosed call counts if its JSON parses (the model stopped before `</tool_call>`).
     `max_calls`: later calls are dropped (parallel_tool_calls false: 1).
+
+    Bare calls: Qwen2.5-Coder often answers with the call's JSON and no tags, alone or in a
+    ```json fence. With `tool_names` given, a reply that starts with "{" or "```" is held to the
+    end, and is one call if it is exactly such an object naming one of the tools; otherwise it is
+    parsed as above.
     """
 
-    def __init__(self, max_calls: int | None = None):
+    def __init__(self, max_calls: int | None = None, tool_names: tuple[str, ...] = ()):
         self.max_calls = max_calls
+        self.tool_names = tool_names
         self.calls: list[ToolCall] = []
         self._pending = ""  # text not yet classified
         self._blank = ""  # whitespace content held back
         self._is_in_call = False
+        self._is_bare = None if tool_names else False  # may the reply be a bare call? None: not yet known
 
     def feed(self, text: str) -> list:
         self._pending += text
+        if self._is_bare is None:
+            head = self._pending.lstrip()
+            if not head or (head.startswith("`") and "```".startswith(head)):
+                return []
+            self._is_bare = head.startswith(("{", "```"))
+        return [] if self._is_bare else self._feed_tagged()
+
+    def finish(self) -> list:
+        """Everything still held back, at the end of the reply."""
+        items: list = []
+        if self._is_bare is not False:
+            self._is_bare = False
+            call = _parse_bare_call(self._pending, self.tool_names)
+            if call is not None:
+                self.calls.append(call)
+                self._pending = ""
+                return [call]
+            items = self._feed_tagged()
+        if self._is_in_call:
+            self._is_in_call = False
+            self._end_call(self._pending, items, is_closed=False)
+        else:
+            self._content(self._pending, items)
+        if not self.calls and self._blank:  # a reply without calls keeps its whitespace
+            items.append(self._blank)
+        self._pending = self._blank = ""
+        return items
+
+    def _feed_tagged(self) -> list:
         items: list = []
         while True:
             if self._is_in_call:
@@ -172,19 +208,6 @@ class ToolCallParser:
             self._content(self._pending[:start], items)
             self._pending, self._is_in_call = self._pending[start + len(OPEN_TAG):], True
 
-    def finish(self) -> list:
-        """Everything still held back, at the end of the reply."""
-        items: list = []
-        if self._is_in_call:
-            self._is_in_call = False
-            self._end_call(self._pending, items, is_closed=False)
-        else:
-            self._content(self._pending, items)
-        if not self.calls and self._blank:  # a reply without calls keeps its whitespace
-            items.append(self._blank)
-        self._pending = self._blank = ""
-        return items
-
     def _end_call(self, body: str, items: list, is_closed: bool = True) -> None:
         call = parse_call(body)
         if call is None:
@@ -201,13 +224,26 @@ class ToolCallParser:
         self._blank = text[len(stripped):]
 
 
+_FENCE = re.compile(r"```(?:json)?\s*(.*?)\s*```", re.S)
+
+
+def _parse_bare_call(text: str, tool_names: tuple[str, ...]) -> ToolCall | None:
+    """`{"name": ..., "arguments": ...}` alone, or alone in a ``` / ```json fence, naming one of
+    tool_names -> the call; anything else None (a JSON answer that is not a call stays content)."""
+    text = text.strip()
+    fenced = _FENCE.fullmatch(text)
+    call = parse_call(fenced.group(1) if fenced else text) if text else None
+    return call if call is not None and call.name in tool_names else None
+
+
 def _partial_tag_len(text: str) -> int:
     """The length of the longest tail of `text` that is a proper prefix of OPEN_TAG."""
     return next((n for n in range(min(len(text), len(OPEN_TAG) - 1), 0, -1) if text.endswith(OPEN_TAG[:n])), 0)
 
 
-def split_reply(text: str, max_calls: int | None = None) -> tuple[str, list[ToolCall]]:
+def split_reply(text: str, max_calls: int | None = None,
+                tool_names: tuple[str, ...] = ()) -> tuple[str, list[ToolCall]]:
     """A whole reply -> (content, calls); content is the text outside the calls."""
-    parser = ToolCallParser(max_calls)
+    parser = ToolCallParser(max_calls, tool_names)
     items = parser.feed(text) + parser.finish()
     return "".join(i for i in items if isinstance(i, str)), parser.calls

@@ -171,7 +171,8 @@ class OpenAIRoutes:
             return Response(status_code=499)  # the client left during the prefill
         token_text = (lambda t: s.engine.detokenize([t])) if req.params.logprobs is not None else None
         shape = _Shape(is_chat, request_id, s.model_name, int(time.time()), req.include_usage, token_text,
-                       has_tools=req.tools is not None, max_tool_calls=None if req.is_parallel_tool_calls else 1)
+                       tool_names=None if req.tools is None else tuple(t["function"]["name"] for t in req.tools),
+                       max_tool_calls=None if req.is_parallel_tool_calls else 1)
         if req.stream:
             return _SSEResponse(self._events(shape, first, deltas, len(prompt_ids)), close)
         try:
@@ -251,11 +252,11 @@ class _Shape:
     created: int
     include_usage: bool
     token_text: Callable[[int], str] | None = None  # set when logprobs were asked for
-    has_tools: bool = False  # the reply is parsed for tool calls
+    tool_names: tuple[str, ...] | None = None  # the tools offered; None: the reply is not parsed for calls
     max_tool_calls: int | None = None  # parallel_tool_calls false: 1
 
     def tool_call_parser(self) -> ToolCallParser | None:
-        return ToolCallParser(self.max_tool_calls) if self.has_tools else None
+        return None if self.tool_names is None else ToolCallParser(self.max_tool_calls, self.tool_names)
 
     @staticmethod
     def finish_reason(reason: str, parser: ToolCallParser | None) -> str:

@@ -24,9 +24,9 @@ NOW = {"type": "function", "function": {"name": "now"}}
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 
 
-def streamed(text: str, cuts: list[int], max_calls=None) -> tuple[str, list[ToolCall], list]:
+def streamed(text: str, cuts: list[int], max_calls=None, tool_names=()) -> tuple[str, list[ToolCall], list]:
     """Feed `text` cut at `cuts`; every item as it came out."""
-    parser, items = ToolCallParser(max_calls), []
+    parser, items = ToolCallParser(max_calls, tool_names), []
     for a, b in zip([0, *cuts], [*cuts, len(text)]):
         items += parser.feed(text[a:b])
     items += parser.finish()
@@ -109,6 +109,33 @@ def test_partial_tag_is_held_back_not_leaked():
 def test_items_come_in_order():
     _, _, items = streamed("a" + CALL + "b", [3, 30])
     assert [type(i) for i in items] == [str, ToolCall, str]
+
+
+BARE = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+
+
+@pytest.mark.parametrize("text, is_call", [
+    (BARE, True), (f"```json\n{BARE}\n```", True), (f"  ```\n{BARE}```\n", True),
+    ('{"name": "other", "arguments": {}}', False), ('{"answer": 42}', False), ("```python\nprint(1)\n```", False),
+    ("{not json", False), (f"Here: {BARE}", False),
+])
+def test_bare_calls_naming_a_tool(text, is_call):
+    """Qwen2.5-Coder's habit: the call's JSON without tags, maybe in a ```json fence."""
+    content, calls = split_reply(text, tool_names=("get_weather",))
+    assert (content, [c.name for c in calls]) == (("", ["get_weather"]) if is_call else (text, []))
+    assert split_reply(text) == (text, [])  # without tools: never a call
+    for cut in range(len(text) + 1):
+        streamed_content, streamed_calls, _ = streamed(text, [cut], tool_names=("get_weather",))
+        assert streamed_content == content and [c.arguments for c in streamed_calls] == [c.arguments for c in calls]
+
+
+def test_a_reply_that_may_be_a_bare_call_is_held_to_the_end():
+    parser = ToolCallParser(tool_names=("get_weather",))
+    assert parser.feed(" ``") == [] and parser.feed("`json\n{") == [] and parser.feed('"a": 1}\n```') == []
+    assert parser.finish() == [' ```json\n{"a": 1}\n```']
+    tagged = ToolCallParser(tool_names=("get_weather",))
+    assert tagged.feed("`x` ") == ["`x`"]  # not a fence: streamed at once
+    assert [type(i) for i in tagged.feed(CALL) + tagged.finish()] == [ToolCall]
 
 
 def test_parse_tools_and_tool_choice():
