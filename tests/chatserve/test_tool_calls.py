@@ -94,7 +94,8 @@ def test_every_two_way_split_streams_what_the_whole_gives(text):
 @pytest.mark.parametrize("text", TEXTS)
 def test_character_by_character(text):
     content, calls, _ = streamed(text, list(range(1, len(text))))
-    assert (content, [c.arguments for c in calls]) == (split_reply(text)[0], [c.arguments for c in split_reply(text)[1]])
+    whole_content, whole_calls = split_reply(text)
+    assert (content, [c.arguments for c in calls]) == (whole_content, [c.arguments for c in whole_calls])
 
 
 def test_partial_tag_is_held_back_not_leaked():

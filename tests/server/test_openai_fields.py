@@ -12,7 +12,8 @@ COMPLETION = {"prompt": "Once upon"}
 
 TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
 ASKING = {  # a value of each unsupported field that asks for something
-    "functions": [TOOL["function"]], "function_call": "auto", "n": 2, "best_of": 3, "echo": True, "suffix": "and they lived",
+    "functions": [TOOL["function"]], "function_call": "auto", "n": 2, "best_of": 3, "echo": True,
+    "suffix": "and they lived",
     "audio": {"voice": "alloy", "format": "wav"}, "modalities": ["text", "audio"],
     "prediction": {"type": "content", "content": "x"}, "web_search_options": {}, "reasoning_effort": "low",
     "verbosity": "low",
