@@ -77,6 +77,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=2, help="runs of each config per workload, alternated; the best counts")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -84,27 +85,32 @@ def main() -> None:
     configs = {"off": None, "eagle": SpecConfig(method="eagle", eagle_head=args.eagle_head)}
     if args.draft_model:
         configs["draft"] = SpecConfig(method="draft", draft_model=args.draft_model)
-    results: dict = {"model": args.model, "runs": {}}
-    expected = {}
-    for name, spec in configs.items():
-        engine = Engine(EngineConfig(**common, spec=spec))
-        tok = engine.tokenizer
-        engine.generate([tok.encode("warm-up")], SamplingParams(max_tokens=8, temperature=0.0))
+    results: dict = {"model": args.model, "rounds": args.rounds, "runs": {}}
+    engines = {}
+    for name, spec in configs.items():  # all loaded first: the runs below alternate between them
+        engine = engines[name] = Engine(EngineConfig(**common, spec=spec))
+        engine.generate([engine.tokenizer.encode("warm-up")], SamplingParams(max_tokens=8, temperature=0.0))
         if name == "eagle":
             results["step_costs"] = [step_costs(engine, c) for c in (128, 1024)]
             results["head"] = engine.models.eagle_runner.head.info
             print(json.dumps(results["step_costs"]), file=sys.stderr)
-        for kind in ("code", "chat"):
-            prompts = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS[kind]]
-            for batch in (1, 2):
-                run = decode_run(engine, prompts, batch, args.max_tokens)
-                key = f"{kind}/b{batch}"
-                if name == "off":
-                    expected[key] = run["token_ids"]
-                run["greedy_equal"] = run["token_ids"] == expected[key]
+    tok = engines["off"].tokenizer
+    for kind in ("code", "chat"):
+        prompts = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS[kind]]
+        for batch in (1, 2):
+            key, best = f"{kind}/b{batch}", {}
+            for r in range(args.rounds):  # off, eagle, ... then the reverse order: drift hits both alike
+                order = list(configs) if r % 2 == 0 else list(configs)[::-1]
+                for name in order:
+                    run = decode_run(engines[name], prompts, batch, args.max_tokens)
+                    if name not in best or run["tok_per_s"] > best[name]["tok_per_s"]:
+                        best[name] = run
+            for name in configs:
+                run = best[name]
+                run["greedy_equal"] = run["token_ids"] == best["off"]["token_ids"]
                 results["runs"].setdefault(key, {})[name] = {k: v for k, v in run.items() if k != "token_ids"}
-                print(f"{name:6s} {key}: {run['tok_per_s']:.2f} tok/s, acceptance {run['acceptance']}, "
-                      f"equal {run['greedy_equal']}", file=sys.stderr)
+                print(f"{name:6s} {key}: {run['tok_per_s']:.2f} tok/s (best of {args.rounds}), acceptance "
+                      f"{run['acceptance']}, equal {run['greedy_equal']}", file=sys.stderr)
     for runs in results["runs"].values():
         for run in runs.values():
             run["speedup_vs_off"] = run["tok_per_s"] / runs["off"]["tok_per_s"]
