@@ -95,3 +95,23 @@ def test_serve_without_a_named_drafter_gets_one_that_fits():
     assert spec_on["stats"].spec_method == "suffix" and spec_on["stats"].num_accepted > 0
     assert spec_on["token_ids"] == spec_off["token_ids"]
     assert "quick brown fox" in spec_on["text"]
+
+
+def test_a_json_schema_reply_is_the_same_with_speculation_on_and_off(engine):
+    """Issue #16: with a grammar, greedy output with n-gram speculation equals speculation off on
+    the real model, and the reply validates against the schema."""
+    import json
+
+    schema = {"type": "object", "properties": {"city": {"type": "string"}, "population": {"type": "integer"},
+                                               "landmarks": {"type": "array", "items": {"type": "string"}}},
+              "required": ["city", "population", "landmarks"], "additionalProperties": False}
+    ngram = Engine(EngineConfig(model=MODEL, kv_cache_memory=256 << 20,
+                                spec=SpecConfig(method="ngram", num_draft_tokens=4, adaptive=False)))
+    prompt = chat_ids(engine, "Describe Paris as JSON with its city name, population and three landmarks.")
+    params = SamplingParams(max_tokens=120, temperature=0.0, json_schema=json.dumps(schema))
+    off, on = engine.generate([prompt], params)[0], ngram.generate([prompt], params)[0]
+    assert on["token_ids"] == off["token_ids"] and on["stats"].num_drafted > 0
+    reply = json.loads(off["text"])
+    assert off["finish_reason"] == "stop" and set(reply) == {"city", "population", "landmarks"}
+    assert isinstance(reply["population"], int) and all(isinstance(x, str) for x in reply["landmarks"])
+    assert ngram.block_manager.num_free_blocks == ngram.block_manager.num_blocks
