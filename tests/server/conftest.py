@@ -13,6 +13,7 @@ from chatserve.config import ServerConfig
 from chatserve.server import create_app, make_uvicorn_server
 
 from .fake_engine import FakeEngine
+from .real_server import RealServer
 
 
 @pytest.fixture
@@ -92,3 +93,19 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def drafted_server(tiny_llama_dir, tiny_draft_dir):
+    """A real `chatserve serve` on the tiny model with the tiny draft model (fixed draft length),
+    shared by the modules that drive it with the official openai client; each leaves it idle."""
+    srv = RealServer(tiny_llama_dir, "--draft-model", str(tiny_draft_dir), "--no-adaptive")
+    yield srv.base
+    srv.stop()
+
+
+@pytest.fixture
+def drafted_client(drafted_server):
+    import openai
+
+    return openai.OpenAI(base_url=drafted_server + "/v1", api_key="unused", max_retries=0)

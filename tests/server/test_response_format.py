@@ -9,52 +9,40 @@ import pytest
 
 from tests.chatserve.test_structured_output import Person
 
-from .real_server import RealServer, wait_pool_free, ws_connect
+from .real_server import wait_pool_free, ws_connect
 
 RESPONSE_FORMAT = {"type": "json_schema",
                    "json_schema": {"name": "person", "schema": Person.model_json_schema(), "strict": True}}
 
 
-@pytest.fixture(scope="module")
-def server(tiny_llama_dir, tiny_draft_dir):
-    srv = RealServer(tiny_llama_dir, "--draft-model", str(tiny_draft_dir), "--no-adaptive")
-    yield srv.base
-    srv.stop()
-
-
-@pytest.fixture
-def client(server):
-    return openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0)
-
-
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_chat_completion_reply_validates(server, client, temperature):
-    reply = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Who are you?"}],
+def test_chat_completion_reply_validates(drafted_server, drafted_client, temperature):
+    reply = drafted_client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Who are you?"}],
                                            max_tokens=300, temperature=temperature, seed=3,
                                            response_format=RESPONSE_FORMAT)
     assert reply.choices[0].finish_reason == "stop"
     Person.model_validate_json(reply.choices[0].message.content)
-    wait_pool_free(server)
+    wait_pool_free(drafted_server)
 
 
-def test_streamed_chat_completion_validates(server, client):
-    chunks = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
+def test_streamed_chat_completion_validates(drafted_server, drafted_client):
+    chunks = drafted_client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
                                             max_tokens=300, temperature=0, response_format=RESPONSE_FORMAT,
                                             stream=True)
     Person.model_validate_json("".join(c.choices[0].delta.content or "" for c in chunks if c.choices))
-    wait_pool_free(server)
+    wait_pool_free(drafted_server)
 
 
-def test_completion_json_object_and_text(server, client):
-    reply = client.completions.create(model="tiny", prompt="{", max_tokens=48, temperature=0,
+def test_completion_json_object_and_text(drafted_server, drafted_client):
+    reply = drafted_client.completions.create(model="tiny", prompt="{", max_tokens=48, temperature=0,
                                       extra_body={"response_format": {"type": "json_object"}})
     assert reply.choices[0].text.startswith("{")
     if reply.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(reply.choices[0].text), dict)
-    plain = client.completions.create(model="tiny", prompt="{", max_tokens=8, temperature=0,
+    plain = drafted_client.completions.create(model="tiny", prompt="{", max_tokens=8, temperature=0,
                                       extra_body={"response_format": {"type": "text"}})
     assert plain.choices[0].finish_reason == "length" and plain.usage.completion_tokens == 8  # unconstrained
-    wait_pool_free(server)
+    wait_pool_free(drafted_server)
 
 
 @pytest.mark.parametrize("response_format", [
@@ -63,15 +51,15 @@ def test_completion_json_object_and_text(server, client):
     {"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}},
     {"type": "yaml"},
 ])
-def test_bad_response_format_is_a_400_naming_it(client, response_format):
+def test_bad_response_format_is_a_400_naming_it(drafted_client, response_format):
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
+        drafted_client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
                                        response_format=response_format)
     assert info.value.body["param"] == "response_format" and "response_format" in info.value.body["message"]
 
 
-def test_websocket_setting(server):
-    with ws_connect(server) as ws:
+def test_websocket_setting(drafted_server):
+    with ws_connect(drafted_server) as ws:
         ws.send(json.dumps({"type": "settings", "params": {"response_format": RESPONSE_FORMAT, "max_tokens": 300,
                                                            "temperature": 0}}))
         assert json.loads(ws.recv(timeout=60))["params"]["response_format"] == RESPONSE_FORMAT
@@ -84,4 +72,4 @@ def test_websocket_setting(server):
         ws.send(json.dumps({"type": "settings", "params": {"response_format": {"type": "json_schema"}}}))
         error = json.loads(ws.recv(timeout=60))
         assert error["type"] == "error" and "response_format" in error["message"]
-    wait_pool_free(server)
+    wait_pool_free(drafted_server)

@@ -9,24 +9,12 @@ import pytest
 
 from tests.chatserve.test_tool_calls import Weather
 
-from .real_server import RealServer, wait_pool_free
+from .real_server import wait_pool_free
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
                                            "parameters": Weather.model_json_schema()}},
          {"type": "function", "function": {"name": "now", "description": "The time."}}]
 QUESTION = {"role": "user", "content": "What's the weather in Paris?"}
-
-
-@pytest.fixture(scope="module")
-def server(tiny_llama_dir, tiny_draft_dir):
-    srv = RealServer(tiny_llama_dir, "--draft-model", str(tiny_draft_dir), "--no-adaptive")
-    yield srv.base
-    srv.stop()
-
-
-@pytest.fixture
-def client(server):
-    return openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0)
 
 
 def assert_valid(name: str, arguments: str) -> None:
@@ -54,13 +42,13 @@ def streamed_call(client, **kwargs) -> tuple[dict, str]:
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_round_trip_call_tool_message_answer(server, client, stream):
+def test_round_trip_call_tool_message_answer(drafted_server, drafted_client, stream):
     ask = dict(model="tiny", messages=[QUESTION], tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
                temperature=0, max_tokens=300)
     if stream:
-        assistant, finish_reason = streamed_call(client, **ask)
+        assistant, finish_reason = streamed_call(drafted_client, **ask)
     else:
-        reply = client.chat.completions.create(**ask)
+        reply = drafted_client.chat.completions.create(**ask)
         finish_reason = reply.choices[0].finish_reason
         assistant = reply.choices[0].message.model_dump(exclude_none=True)
     assert finish_reason == "tool_calls" and assistant.get("content") is None
@@ -68,27 +56,27 @@ def test_round_trip_call_tool_message_answer(server, client, stream):
     assert call["id"].startswith("call_") and call["type"] == "function"
     assert_valid(call["function"]["name"], call["function"]["arguments"])
     result = {"role": "tool", "tool_call_id": call["id"], "content": '{"temperature_c": 21, "sky": "clear"}'}
-    answer = client.chat.completions.create(model="tiny", messages=[QUESTION, assistant, result], tools=TOOLS,
+    answer = drafted_client.chat.completions.create(model="tiny", messages=[QUESTION, assistant, result], tools=TOOLS,
                                             temperature=0, max_tokens=16)
     assert answer.choices[0].finish_reason in ("stop", "length")
     assert isinstance(answer.choices[0].message.content, str) and not answer.choices[0].message.tool_calls
-    wait_pool_free(server)
+    wait_pool_free(drafted_server)
 
 
-def test_streamed_and_whole_give_the_same_call(client):
+def test_streamed_and_whole_give_the_same_call(drafted_client):
     named = {"type": "function", "function": {"name": "get_weather"}}
     ask = dict(model="tiny", messages=[QUESTION], tools=TOOLS, tool_choice=named, temperature=0, max_tokens=300,
                parallel_tool_calls=False)
-    whole = client.chat.completions.create(**ask).choices[0].message.tool_calls
-    streamed, _ = streamed_call(client, **ask)
+    whole = drafted_client.chat.completions.create(**ask).choices[0].message.tool_calls
+    streamed, _ = streamed_call(drafted_client, **ask)
     assert [(c.function.name, c.function.arguments) for c in whole] == \
         [(c["function"]["name"], c["function"]["arguments"]) for c in streamed["tool_calls"]]
     assert whole[0].function.name == "get_weather"
     assert_valid("get_weather", whole[0].function.arguments)
 
 
-def test_unknown_named_function_is_a_400(client):
+def test_unknown_named_function_is_a_400(drafted_client):
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model="tiny", messages=[QUESTION], tools=TOOLS,
+        drafted_client.chat.completions.create(model="tiny", messages=[QUESTION], tools=TOOLS,
                                        tool_choice={"type": "function", "function": {"name": "nope"}})
     assert info.value.body["param"] == "tool_choice"
