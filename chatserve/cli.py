@@ -235,7 +235,8 @@ def cmd_train_head(args) -> int:
         dtype=default_dtype() if args.dtype == "auto" else args.dtype,
         quantization=_quantization(args.quantization),
         max_model_len=args.max_model_len,
-        max_num_seqs=4,
+        max_num_seqs=16,  # head_data.collect answers 16 prompts at once
+        enable_prefix_caching=False,  # every position fed, so its feature is recorded
         num_threads=args.threads,
     ))
     path = run(engine, args.model, resolve(args.model), cfg, args.out, show_progress=not args.quiet)

@@ -57,6 +57,9 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._grammar_tokenizer = None  # built on the first request with a json_schema or grammar
+        # train-head's data: called as observer(scheduled, items, features) after every step
+        # with the target's features for every fed row (head_data.FeatureRecorder)
+        self.feature_observer = None
 
     @classmethod
     def from_model(cls, model: str, **kwargs) -> "Engine":
@@ -172,7 +175,7 @@ class Engine:
             self.spec.propose(scheduled)
         items = [self._batch_item(s) for s in scheduled]
         features = None
-        if self.spec and self.spec.reads_features:
+        if (self.spec and self.spec.reads_features) or self.feature_observer:
             logits, cu_logits, features = self.models.target_runner.run_with_features(items)
             # The block ids as scheduled: a request that finishes below releases its table first.
             items = [dataclasses.replace(it, block_ids=list(it.block_ids)) for it in items]
@@ -185,8 +188,10 @@ class Engine:
             delta = self._update(s, rows, now)
             if delta is not None:
                 deltas.append(delta)
-        if features is not None:
+        if features is not None and self.spec and self.spec.reads_features:
             self.spec.observe(scheduled, items, features)  # [num_tokens, hidden]
+        if self.feature_observer:
+            self.feature_observer(scheduled, items, features)
         self.scheduler.costs.observe(time.perf_counter() - start, num_prompt_tokens, len(scheduled) - num_prompts)
         return deltas
 
@@ -279,7 +284,7 @@ class Engine:
         """Run a batch to completion; returns one dict per prompt (text, token_ids, logprobs, stats)."""
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
-        results = {i: {"text": "", "token_ids": [], "logprobs": [], "finish_reason": None, "stats": None} for i in ids}
+        results = {i: {"request_id": i, "text": "", "token_ids": [], "logprobs": [], "finish_reason": None, "stats": None} for i in ids}
         while self.has_unfinished():
             for d in self.step():
                 r = results[d.request_id]

@@ -345,3 +345,30 @@ def test_training_data_skips_prompts_longer_than_the_context(tiny_llama_dir, mon
     monkeypatch.setattr(head_data, "plain_sources", lambda tok, seed: iter([]))
     sequences = head_data.collect(engine, max_tokens=10**6, seconds=60, reply_tokens=8, batch=2)
     assert len(sequences) == 2 and all(len(s.token_ids) <= 256 for s in sequences)
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_training_data_records_features_while_generating(tiny_llama_dir, monkeypatch, prefix_caching):
+    """collect() keeps the features the engine computed as it generated each reply (prefill chunks
+    and decodes): they match one prefill over the same tokens. With the prefix cache on, the
+    prompt admitted second finds the first's head cached, never fed: its features come from
+    that prefill instead."""
+    from chatserve import head_data
+
+    engine = Engine(EngineConfig(model=str(tiny_llama_dir), max_model_len=256, kv_cache_memory=8 << 20,
+                                 max_num_batched_tokens=16, enable_prefix_caching=prefix_caching))
+    shared = "def add(a, b):\n    return a + b\n" * 2
+    turns = iter([shared + "what does it do?", shared + "rename it"])
+    monkeypatch.setattr(head_data, "user_turns", lambda seed: turns)
+    monkeypatch.setattr(head_data, "plain_sources", lambda tok, seed: iter([]))
+    fed = []
+    monkeypatch.setattr(head_data, "target_features",
+                        lambda engine, ids: fed.append(len(ids)) or target_features(engine, ids))
+    sequences = head_data.collect(engine, max_tokens=10**6, seconds=60, reply_tokens=12, batch=2)
+    assert len(sequences) == 2 and engine.feature_observer is None
+    for seq in sequences:
+        assert seq.num_prompt_tokens < len(seq.token_ids) and len(seq.features) == len(seq.token_ids)
+        torch.testing.assert_close(seq.features.float(), target_features(engine, seq.token_ids.tolist()).float(),
+                                   atol=2e-2, rtol=2e-2)
+    assert len(fed) == prefix_caching and set(fed) <= {len(s.token_ids) for s in sequences}
+    assert_pool_empty(engine)
