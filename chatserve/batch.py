@@ -18,6 +18,7 @@ class AttnMetadata:
     block_tables: torch.Tensor  # [batch, max_blocks] int32
     seq_lens: list[int]  # [batch] context length including the new tokens
     cu_q_lens: list[int]  # [batch + 1] query row offsets
+    kernels: str = "torch"  # attention and KV store: "torch" (CPU: C++ ops, torch) or "triton" (kernels/backend.py)
 
     def query_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
         """seqs, contexts [num_tokens] int64: each query row's sequence (block_tables row) and
@@ -48,7 +49,8 @@ class BatchItem:
     num_logits: int  # how many of the last rows need logits (0 for a mid-prompt chunk)
 
 
-def build_batch(items: list[BatchItem], block_size: int, device: torch.device | str = "cpu") -> Batch:
+def build_batch(items: list[BatchItem], block_size: int, device: torch.device | str = "cpu",
+                kernels: str = "torch") -> Batch:
     """Lay out `items` into flat tensors. Worked example, block_size 4:
     items = [([7, 8, 9], start 0, blocks [5], 1), ([3], start 6, blocks [2, 0], 1)]
     -> input_ids [7, 8, 9, 3], positions [0, 1, 2, 6], slot_mapping [20, 21, 22, 2],
@@ -77,5 +79,5 @@ def build_batch(items: list[BatchItem], block_size: int, device: torch.device | 
         cu_logits.append(cu_logits[-1] + it.num_logits)
         tables[b, : len(it.block_ids)] = torch.tensor(it.block_ids, dtype=torch.int32)
     as_long = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)  # noqa: E731
-    attn = AttnMetadata(as_long(slots), tables.to(device), seq_lens, cu_q_lens)
+    attn = AttnMetadata(as_long(slots), tables.to(device), seq_lens, cu_q_lens, kernels)
     return Batch(as_long(input_ids), as_long(positions), attn, as_long(logits_indices), cu_logits)

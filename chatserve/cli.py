@@ -9,6 +9,7 @@ import sys
 import time
 
 from chatserve.config import DRAFT_CATCH_UPS, KV_CACHE_DTYPES, EngineConfig, ServerConfig, SpecConfig
+from kernels.backend import DEVICES, KERNELS
 
 
 def _engine_args(p: argparse.ArgumentParser, default_model: str, speculate_by_default: bool) -> None:
@@ -33,13 +34,19 @@ def _engine_args(p: argparse.ArgumentParser, default_model: str, speculate_by_de
     p.add_argument("--draft-catch-up", default="decode", choices=DRAFT_CATCH_UPS,
                    help="when a draft model catches up on tokens it has not seen: in bounded chunks inside "
                         "decode steps (default), beside the target's prefill chunks, or all at once")
+    p.add_argument("--device", default="cpu", choices=DEVICES,
+                   help="where the engine runs: cpu (default), cuda (fails at start without a CUDA device), "
+                        "or auto (CUDA when torch sees one, else the CPU)")
+    p.add_argument("--kernels", default="auto", choices=KERNELS,
+                   help="attention and KV store: auto = Triton on CUDA, torch on the CPU; triton on the CPU "
+                        "runs Triton's interpreter (needs TRITON_INTERPRET=1; slow, for testing the GPU path)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="activation and unquantized-weight dtype: auto = bfloat16 where the CPU has native "
-                        "bf16 (AVX-512 BF16 / AMX), else float32 (float32 for bit-exact comparisons)")
+                   help="activation and unquantized-weight dtype: auto = bfloat16 on CUDA and where the CPU has "
+                        "native bf16 (AVX-512 BF16 / AMX), else float32 (float32 for bit-exact comparisons)")
     p.add_argument("--quantization", "-q", default="auto", choices=["auto", "int4", "int8", "none", "bnb-int8", "bnb-nf4"],
-                   help="weight quantization after loading: auto (default) = int4 where its CPU kernel builds "
-                        "(groups of 32, 0.625 bytes per weight; LM head int8), else int8 (per channel); "
-                        "none = weights in --dtype")
+                   help="weight quantization after loading: auto (default) = on the CPU int4 where its kernel "
+                        "builds (groups of 32, 0.625 bytes per weight; LM head int8), else int8 (per channel); "
+                        "on CUDA none; none = weights in --dtype")
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     p.add_argument("--draft-kv-cache-dtype", default=None, choices=KV_CACHE_DTYPES,
                    help="the draft model's KV format (default: same as --kv-cache-dtype)")
@@ -107,11 +114,15 @@ def engine_config(args) -> EngineConfig:
             draft_catch_up=args.draft_catch_up,
             eagle_head=args.eagle_head,
         )
+    from kernels.backend import resolve_device
     from kernels.cpu_features import default_dtype
 
+    device = resolve_device(args.device)  # a missing GPU fails here, before anything loads
     return EngineConfig(
         model=args.model,
-        dtype=default_dtype() if args.dtype == "auto" else args.dtype,
+        device=device,
+        kernels=args.kernels,
+        dtype=("bfloat16" if device == "cuda" else default_dtype()) if args.dtype == "auto" else args.dtype,
         kv_cache_dtype=args.kv_cache_dtype,
         kv_cache_unquantized_layers=args.kv_cache_unquantized_layers,
         kv_smooth_keys=not args.no_kv_smooth_keys,
@@ -122,12 +133,14 @@ def engine_config(args) -> EngineConfig:
         stall_limit=args.stall_limit,
         num_threads=args.threads,
         spec=spec,
-        quantization=_quantization(args.quantization),
+        quantization=_quantization(args.quantization, device),
         chat_template=args.chat_template,
     )
 
 
-def _quantization(choice: str) -> str | None:
+def _quantization(choice: str, device: str = "cpu") -> str | None:
+    if choice == "auto" and device == "cuda":
+        return None  # the int4 / int8 kernels are the CPU's
     if choice == "auto":
         from kernels import quant_matmul
 

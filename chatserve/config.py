@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from kernels.backend import DEVICES, KERNELS
+
 KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3", "fp8_e5m2")
 DRAFT_CATCH_UPS = ("decode", "prefill", "whole")
 
@@ -72,6 +74,8 @@ class EngineConfig:
     spec: SpecConfig | None = None
     quantization: str | None = None  # weight quantization: "int4", "int8" (fast on CPU), "bnb-int8", "bnb-nf4"
     chat_template: str | None = None  # a Jinja file replacing the tokenizer's chat template
+    device: str = "cpu"  # "auto" | "cpu" | "cuda" (kernels/backend.py)
+    kernels: str = "auto"  # attention + KV store: "auto" | "torch" | "triton" (kernels/backend.py)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -88,6 +92,9 @@ class EngineConfig:
             raise ValueError(f"stall_limit: 0 (off) or at least 1.5 decode steps, got {self.stall_limit}")
         if self.quantization not in (None, "int4", "int8", "bnb-int8", "bnb-nf4"):
             raise ValueError(f"quantization: one of int4, int8, bnb-int8, bnb-nf4, got {self.quantization!r}")
+        if self.device not in DEVICES or self.kernels not in KERNELS:
+            raise ValueError(f"device: one of {DEVICES}, kernels: one of {KERNELS}; got {self.device!r}, "
+                             f"{self.kernels!r}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory: must be positive bytes, got {self.kv_cache_memory}")
 

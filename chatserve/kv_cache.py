@@ -81,17 +81,20 @@ class LayerCache(NamedTuple):
 
 
 class KVCache:
-    def __init__(self, shape: CacheShape, num_blocks: int, block_size: int):
+    def __init__(self, shape: CacheShape, num_blocks: int, block_size: int, device: str = "cpu"):
         self.shape = shape
         self.num_blocks, self.block_size = num_blocks, block_size
+        self.device = torch.device(device)
         num_plain = shape.num_plain_layers
         dims = (2, num_blocks, block_size, shape.num_kv_heads)
         # [num_plain, 2, num_blocks, block_size, num_kv_heads, head_dim] in the model dtype
-        self.plain_pool = torch.zeros((num_plain, *dims, shape.head_dim), dtype=shape.dtype)
+        self.plain_pool = torch.zeros((num_plain, *dims, shape.head_dim), dtype=shape.dtype, device=device)
         # [num_pooled, 2, num_blocks, block_size, num_kv_heads, head_dim] in the storage dtype
         num_pooled = shape.num_layers - num_plain
-        self.pool = torch.zeros((num_pooled, *dims, shape.head_dim), dtype=kv_storage_dtype(shape.kv_format, shape.dtype))
-        self.scales = torch.zeros((num_pooled, *dims), dtype=SCALE_DTYPE) if is_quantized(shape.kv_format) else None
+        self.pool = torch.zeros((num_pooled, *dims, shape.head_dim), dtype=kv_storage_dtype(shape.kv_format, shape.dtype),
+                                device=device)
+        self.scales = (torch.zeros((num_pooled, *dims), dtype=SCALE_DTYPE, device=device)
+                       if is_quantized(shape.kv_format) else None)
         self.layers = [LayerCache(p[0], p[1], None, None) for p in self.plain_pool]
         if self.scales is None:
             self.layers += [LayerCache(p[0], p[1], None, None) for p in self.pool]

@@ -44,8 +44,9 @@ def compute_key_means(model, token_ids: list[int], dtype: torch.dtype, block_siz
     assert n >= 1
     num_blocks = -(-n // block_size)
     shape = CacheShape(model.num_layers, model.num_kv_heads, model.head_dim, dtype)  # "auto": plain K
-    cache = KVCache(shape, num_blocks, block_size)
-    ModelRunner(model, cache).run([BatchItem(list(token_ids), 0, list(range(num_blocks)), 1)])
+    device = next(model.buffers(), torch.empty(0)).device  # a quantized embedding has no .weight
+    cache = KVCache(shape, num_blocks, block_size, device)
+    ModelRunner(model, cache, "triton" if device.type == "cuda" else "torch").run([BatchItem(list(token_ids), 0, list(range(num_blocks)), 1)])
     k = cache.pool[:, 0].reshape(model.num_layers, num_blocks * block_size, model.num_kv_heads, model.head_dim)
     return k[:, :n].float().mean(dim=1)
 
@@ -69,19 +70,19 @@ def wants_smoothing(shape: CacheShape, smooth_keys: bool) -> bool:
 
 
 def smoothed_kv_cache(model, shape: CacheShape, num_blocks: int, block_size: int, smooth_keys: bool,
-                      token_ids: list[int]) -> KVCache:
+                      token_ids: list[int], device: str = "cpu") -> KVCache:
     """A KVCache for `model`; quantized (and smooth_keys) -> with the model's calibrated K means
     on its quantized layers (layers kept in the model dtype stay unsmoothed, see
     KVCache.set_key_means)."""
-    cache = KVCache(shape, num_blocks, block_size)
+    cache = KVCache(shape, num_blocks, block_size, device)
     if wants_smoothing(shape, smooth_keys):
         cache.set_key_means(key_means(model, token_ids, shape.dtype))
     return cache
 
 
 def smoothed_kv_caches(models, shapes: list[CacheShape], num_blocks: int, block_size: int, smooth_keys: bool,
-                       tokenizer) -> list[KVCache]:
+                       tokenizer, device: str = "cpu") -> list[KVCache]:
     """smoothed_kv_cache for each (model, shape) pair (the target's, then the draft's); the
     calibration text is tokenized only when some cache smooths."""
     calib = calibration_ids(tokenizer) if any(wants_smoothing(s, smooth_keys) for s in shapes) else []
-    return [smoothed_kv_cache(m, s, num_blocks, block_size, smooth_keys, calib) for m, s in zip(models, shapes)]
+    return [smoothed_kv_cache(m, s, num_blocks, block_size, smooth_keys, calib, device) for m, s in zip(models, shapes)]

@@ -21,6 +21,7 @@ from chatserve.models.llama import DecoderLM
 from chatserve.models.loader import load_model
 from chatserve.sampling_params import SamplingParams
 from chatserve.tokenizer import Tokenizer
+from kernels.backend import resolve_device, resolve_kernels
 from spec.draft_vocab import SubsetHead, subset_head
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -38,6 +39,7 @@ class LoadedModels:
     vocab_size: int
     eagle_runner: HeadRunner | None = None  # an EAGLE head on the target's features
     sampling_defaults: dict = field(default_factory=dict)  # from generation_config.json (read_sampling_defaults)
+    device: str = "cpu"  # where weights, the pool and the logits live (kernels/backend.py)
 
 
 def resolve(name_or_path: str) -> Path:
@@ -56,12 +58,17 @@ def read_config(model_dir: Path):
 
 
 def load_models(config: EngineConfig) -> LoadedModels:
+    device = resolve_device(config.device)
+    kernels = resolve_kernels(config.kernels, device)
+    if device == "cuda" and config.quantization in ("int4", "int8"):
+        raise ValueError(f"quantization {config.quantization} is the CPU's kernels; on CUDA use none (bf16 "
+                         "weights) or bnb-int8 / bnb-nf4")
     dtype = DTYPES[config.dtype]
     target_dir = resolve(config.model)
     target_cfg = read_config(target_dir)
     max_model_len = min(config.max_model_len or 10**9, target_cfg.max_position_embeddings)
     tokenizer = Tokenizer(target_dir, config.chat_template)
-    target = _quantized(_load(target_dir, target_cfg, dtype, max_model_len, config), config)
+    target = _quantized(_load(target_dir, target_cfg, dtype, max_model_len, config), config).to(device)
     draft = None
     if config.spec and config.spec.draft_model:
         draft_dir = resolve(config.spec.draft_model)
@@ -70,7 +77,7 @@ def load_models(config: EngineConfig) -> LoadedModels:
         restrict = functools.partial(subset_head, num_kept=config.spec.draft_vocab_size,
                                      always=tokenizer.special_token_ids)
         draft = _load(draft_dir, draft_cfg, dtype, max_model_len, config, restrict)
-        draft = _quantized(draft, config)
+        draft = _quantized(draft, config).to(device)
     shapes = [cache_shape(target, dtype, config.kv_cache_dtype, config.kv_cache_unquantized_layers)]
     if draft:
         shapes.append(cache_shape(draft, dtype, config.spec.draft_kv_cache_dtype or config.kv_cache_dtype))
@@ -78,23 +85,23 @@ def load_models(config: EngineConfig) -> LoadedModels:
     pooled = list(shapes)
     if head:  # its one layer's KV in the model dtype, unsmoothed (1/num_layers of the target's), + a feature
         pooled += [CacheShape(1, head.num_kv_heads, head.head_dim, dtype), FeatureShape(head.hidden_size, dtype)]
-    num_blocks = plan_num_blocks(kv_budget(config, pooled, max_model_len), pooled, config.block_size)
+    num_blocks = plan_num_blocks(kv_budget(config, pooled, max_model_len, device), pooled, config.block_size)
     if num_blocks < 4:
         raise ValueError(f"kv_cache_memory: room for only {num_blocks} KV blocks; give the pool more memory")
     bm = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
     # K smoothing for quantized caches: calibrated here, once per model (chatserve/kv_smooth.py).
     caches = smoothed_kv_caches((target, draft), shapes, num_blocks, config.block_size, config.kv_smooth_keys,
-                                tokenizer)
-    target_runner = ModelRunner(target, caches[0])
-    draft_runner = ModelRunner(draft, caches[1]) if draft else None
+                                tokenizer, device)
+    target_runner = ModelRunner(target, caches[0], kernels)
+    draft_runner = ModelRunner(draft, caches[1], kernels) if draft else None
     eagle_runner = None
     if head:
-        head_cache = KVCache(pooled[len(shapes)], num_blocks, config.block_size)
-        eagle_runner = HeadRunner(head, target.embed_tokens, head_cache)
+        head_cache = KVCache(pooled[len(shapes)], num_blocks, config.block_size, device)
+        eagle_runner = HeadRunner(head.to(device), target.embed_tokens, head_cache, kernels)
     vocab = target_cfg.vocab_size
     release_free_memory()
     return LoadedModels(tokenizer, target, target_runner, draft, draft_runner, bm, max_model_len, vocab, eagle_runner,
-                        read_sampling_defaults(target_dir))
+                        read_sampling_defaults(target_dir), device)
 
 
 SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -227,14 +234,15 @@ def cache_shape(model: DecoderLM, dtype: torch.dtype, kv_format: str, num_unquan
     return CacheShape(model.num_layers, model.num_kv_heads, model.head_dim, dtype, kv_format, num_unquantized_layers)
 
 
-def kv_budget(config: EngineConfig, shapes: list[CacheShape], max_model_len: int) -> int:
+def kv_budget(config: EngineConfig, shapes: list[CacheShape], max_model_len: int, device: str = "cpu") -> int:
     """Bytes for the pool: as given, else enough for max_num_seqs full contexts, capped at a
-    quarter of free memory."""
+    quarter of free memory (the GPU's, on CUDA)."""
     if config.kv_cache_memory:
         return config.kv_cache_memory
     per_token = sum(s.bytes_per_block(config.block_size) for s in shapes) // config.block_size
     wanted = per_token * max_model_len * config.max_num_seqs
-    return max(min(wanted, available_memory_bytes() // 4), 64 * per_token * config.block_size)
+    free = torch.cuda.mem_get_info()[0] if device == "cuda" else available_memory_bytes()
+    return max(min(wanted, free // 4), 64 * per_token * config.block_size)
 
 
 def check_same_vocab(target_tok: Tokenizer, draft_tok: Tokenizer, target_cfg, draft_cfg) -> None:

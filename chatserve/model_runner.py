@@ -12,10 +12,12 @@ from chatserve.models.llama import DecoderLM
 
 
 class ModelRunner:
-    def __init__(self, model: DecoderLM, kv_cache: KVCache):
+    def __init__(self, model: DecoderLM, kv_cache: KVCache, kernels: str = "torch"):
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
+        self.kernels = kernels  # "torch" | "triton" (kernels/backend.py)
+        self.device = kv_cache.device
 
     @torch.inference_mode()
     def forward(self, batch: Batch) -> torch.Tensor:
@@ -24,14 +26,14 @@ class ModelRunner:
         return self.model.compute_logits(hidden[batch.logits_indices])
 
     def run(self, items: list[BatchItem]) -> tuple[torch.Tensor, list[int]]:
-        batch = build_batch(items, self.block_size)
+        batch = build_batch(items, self.block_size, self.device, self.kernels)
         return self.forward(batch), batch.cu_logits
 
     @torch.inference_mode()
     def run_with_features(self, items: list[BatchItem]) -> tuple[torch.Tensor, list[int], torch.Tensor]:
         """run(), plus features [num_tokens, hidden]: the final norm's output for every fed row
         (what the LM head reads), in the items' order. Logits only for the rows asked for."""
-        batch = build_batch(items, self.block_size)
+        batch = build_batch(items, self.block_size, self.device, self.kernels)
         hidden = self.model(batch.input_ids, batch.positions, batch.attn, self.kv_cache.layers)
         return self.model.compute_logits(hidden[batch.logits_indices]), batch.cu_logits, self.model.norm(hidden)
 
@@ -41,12 +43,15 @@ class HeadRunner:
     (shared) and block_features [num_blocks, hidden]: per block, the target's feature at its
     last position (kv_cache.FeatureShape)."""
 
-    def __init__(self, head: EagleHead, embed: torch.nn.Module, kv_cache: KVCache):
+    def __init__(self, head: EagleHead, embed: torch.nn.Module, kv_cache: KVCache, kernels: str = "torch"):
         self.head = head
         self.embed = embed
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
-        self.block_features = torch.zeros(kv_cache.num_blocks, head.hidden_size, dtype=kv_cache.shape.dtype)
+        self.kernels = kernels
+        self.device = kv_cache.device
+        self.block_features = torch.zeros(kv_cache.num_blocks, head.hidden_size, dtype=kv_cache.shape.dtype,
+                                          device=self.device)
 
     @property
     def num_bytes(self) -> int:
@@ -56,6 +61,6 @@ class HeadRunner:
     def run(self, items: list[BatchItem], features: torch.Tensor) -> torch.Tensor:
         """items: row i feeds token t_i at position i; features [num_tokens, hidden]: f_{i-1} per
         row, in the items' order -> the head's output before its norm, [num_tokens, hidden]."""
-        batch = build_batch(items, self.block_size)
+        batch = build_batch(items, self.block_size, self.device, self.kernels)
         embeds = self.embed(batch.input_ids)  # [num_tokens, hidden]
         return self.head(features, embeds, batch.positions, batch.attn, self.kv_cache.layers[0])

@@ -10,7 +10,8 @@ block_tables[b, :ceil(seq_lens[b] / block_size)]. The new tokens sit at position
     context  [0 ........................ seq_len)
     queries                    [seq_len - q_len, seq_len)   query i sees keys <= its position
 
-Dispatch: CUDA tensors -> kernels/triton_attention.py; anything else -> kernels/attention_cpu.py.
+Dispatch (kernels/backend.py): CUDA tensors, or kernels="triton" -> kernels/triton_attention.py
+(on CPU tensors that needs Triton's interpreter); anything else -> kernels/attention_cpu.py.
 The Triton module is imported lazily, on the first CUDA call: Triton's interpreter
 (TRITON_INTERPRET=1, how tests run the kernel on CPU) only works if the variable is set before
 `triton` is first imported, so importing `kernels` must not import it.
@@ -34,13 +35,14 @@ def paged_attention(
     scale: float,
     k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] bf16, quantized only
     v_scale: torch.Tensor | None = None,
+    kernels: str = "torch",  # "triton": the Triton kernel whatever the device (kernels/backend.py)
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Attention of the new tokens over their paged context; CUDA -> Triton, else torch.
 
     seq_lens and cu_q_lens are Python lists (the runner has them on the host anyway), so the
     CPU path never syncs; the CUDA path copies them to the device (one small copy per call).
     """
-    if query.is_cuda:
+    if query.is_cuda or kernels == "triton":
         from kernels.triton_attention import paged_attention_triton
 
         return paged_attention_triton(query, k_cache, v_cache, block_tables, seq_lens, cu_q_lens,

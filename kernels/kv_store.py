@@ -4,7 +4,8 @@ Layout (one layer): k_cache, v_cache: [num_blocks, block_size, num_kv_heads, hea
 model dtype, or int8 / float8 with k_scale, v_scale: [num_blocks, block_size, num_kv_heads]
 bfloat16 (quant.kv.SCALE_DTYPE: one scale per token per head, see quant/kv.py).
 slot = block_id * block_size + offset; a slot of -1 is skipped.
-Dispatch: CUDA -> kernels/triton_kv_store.py (imported lazily, see kernels/attention.py);
+Dispatch: CUDA, or kernels="triton" -> kernels/triton_kv_store.py (imported lazily, see
+kernels/attention.py);
 a float32 cache and key on a CPU with the C++ kernels -> kernels/decode_ops.store_kv; otherwise
 torch `index_copy_`.
 """
@@ -25,9 +26,10 @@ def kv_store(
     slot_mapping: torch.Tensor,  # [num_tokens] int64
     k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] bf16, quantized only
     v_scale: torch.Tensor | None = None,
+    kernels: str = "torch",  # "triton": the Triton kernel whatever the device (kernels/backend.py)
 ) -> None:
     """Write key/value (and, for an int8/fp8 cache, their per-token-per-head scales) in place."""
-    if key.is_cuda:
+    if key.is_cuda or kernels == "triton":
         from kernels.triton_kv_store import kv_store_triton
 
         return kv_store_triton(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)

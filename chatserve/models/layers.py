@@ -125,9 +125,9 @@ class Attention(nn.Module):
             # decode, verification, prefix-cached blocks) is stored and read minus the same
             # mean, which shifts each query's scores by one constant: softmax is unchanged.
             k = k - k_mean
-        kv_store(k, v, k_cache, v_cache, attn.slot_mapping, k_scale=k_scale, v_scale=v_scale)
+        kv_store(k, v, k_cache, v_cache, attn.slot_mapping, k_scale=k_scale, v_scale=v_scale, kernels=attn.kernels)
         o = paged_attention(q, k_cache, v_cache, attn.block_tables, attn.seq_lens, attn.cu_q_lens, self.scale,
-                            k_scale=k_scale, v_scale=v_scale)
+                            k_scale=k_scale, v_scale=v_scale, kernels=attn.kernels)
         return self.o_proj(o.reshape(-1, self.q_size))
 
 

@@ -96,7 +96,7 @@ class LayerStack:
     def run(self, layers, x: torch.Tensor, positions, attn: AttnMetadata, kv_caches) -> torch.Tensor | None:
         """The layers' output (x + the last delta) for this step, x updated in place as the modules
         do; None where the modules must run it (then nothing was touched)."""
-        if (not self.enabled or x.shape[0] > decode_ops.STACK_MAX_ROWS or not x.is_contiguous()
+        if (not self.enabled or attn.kernels != "torch" or x.shape[0] > decode_ops.STACK_MAX_ROWS or not x.is_contiguous()
                 or not decode_ops.usable(x, x.shape[-1])):
             return None
         if self.caches is None or len(self.caches) != len(kv_caches) or any(
