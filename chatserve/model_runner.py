@@ -21,9 +21,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: Batch) -> torch.Tensor:
-        """-> logits [num_logits, vocab] float32, the rows batch.logits_indices asks for."""
+        """-> logits [num_logits, vocab] float32 on the host, the rows batch.logits_indices asks
+        for. (On CUDA they are copied over: the sampler, its generators and the grammar masks
+        run on the host; sampling on the device is left for when a GPU can measure it.)"""
         hidden = self.model(batch.input_ids, batch.positions, batch.attn, self.kv_cache.layers)
-        return self.model.compute_logits(hidden[batch.logits_indices])
+        return self.model.compute_logits(hidden[batch.logits_indices]).cpu()
 
     def run(self, items: list[BatchItem]) -> tuple[torch.Tensor, list[int]]:
         batch = build_batch(items, self.block_size, self.device, self.kernels)
@@ -35,7 +37,7 @@ class ModelRunner:
         (what the LM head reads), in the items' order. Logits only for the rows asked for."""
         batch = build_batch(items, self.block_size, self.device, self.kernels)
         hidden = self.model(batch.input_ids, batch.positions, batch.attn, self.kv_cache.layers)
-        return self.model.compute_logits(hidden[batch.logits_indices]), batch.cu_logits, self.model.norm(hidden)
+        return self.model.compute_logits(hidden[batch.logits_indices]).cpu(), batch.cu_logits, self.model.norm(hidden)
 
 
 class HeadRunner:

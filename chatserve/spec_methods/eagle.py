@@ -155,7 +155,7 @@ class EagleMethod:
             out = self.runner.run(items, features)
             predicted = self.runner.head.norm(out if last_rows is None else out[last_rows])  # [drafting, hidden]
             last_rows = None
-            logits = self.runner.head.compute_logits(predicted)  # [drafting, vocab]
+            logits = self.runner.head.compute_logits(predicted).cpu()  # [drafting, vocab], on the host as the target's
             next_active, next_items, next_rows = [], [], []
             for row, i in enumerate(active):
                 req = reqs[i]
