@@ -68,3 +68,17 @@ def test_bad_values_name_the_variable(monkeypatch, capsys, name, value):
     with pytest.raises(SystemExit) as e:
         build_parser()
     assert e.value.code == 2 and f"{ENV_PREFIX}{name}={value!r}" in capsys.readouterr().err
+
+
+def test_serve_on_cuda_without_a_gpu_fails_at_start_and_auto_falls_back(capsys, tiny_llama_dir):
+    import torch
+
+    from chatserve.cli import engine_config, main
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    assert main(["serve", "--model", str(tiny_llama_dir), "--device", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert "device cuda" in err and "sees no CUDA device" in err and "--device auto" in err
+    config = engine_config(build_parser().parse_args(["serve", "--model", str(tiny_llama_dir), "--device", "auto"]))
+    assert config.device == "cpu" and config.kernels == "auto"
