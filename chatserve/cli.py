@@ -242,7 +242,7 @@ def cmd_train_head(args) -> int:
 
     cfg = TrainConfig(minutes=args.minutes, max_steps=args.max_steps, max_data_tokens=args.max_data_tokens,
                       reply_tokens=args.reply_tokens, head_vocab_size=args.head_vocab_size, fresh=args.fresh,
-                      seed=args.seed)
+                      seed=args.seed, unroll=args.unroll)
     engine = Engine(EngineConfig(
         model=args.model,
         dtype=default_dtype() if args.dtype == "auto" else args.dtype,
@@ -331,6 +331,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--reply-tokens", type=int, default=256, help="max tokens of each of the model's own replies")
     t.add_argument("--head-vocab-size", type=int, default=32768, help="rows of the head's LM head (most frequent ids)")
     t.add_argument("--fresh", action="store_true", help="ignore saved data and checkpoint: start over")
+    t.add_argument("--unroll", type=int, default=1,
+                   help="training-time test: also train each row as the 2nd..Nth token of a drafted chain, "
+                        "from the head's own features (N passes; each costs about one more pass)")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="as for serve: features come from the model as it will be served")

@@ -34,6 +34,7 @@ from chatserve.models.eagle_head import EagleHead
 CHECKPOINT_FORMAT = 1
 FEATURE_NOISE = 0.1  # EAGLE's uniform noise on input features
 CE_WEIGHT = 0.1  # EAGLE's weight of the token loss next to the feature loss
+UNROLL_DECAY = 0.8  # weight of the s-th unrolled pass (training-time test): 0.8**s
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,7 @@ class TrainConfig:
     reply_tokens: int = 256  # max_tokens of each of the target's greedy replies
     head_vocab_size: int = 32768  # N: the head's LM head rows
     window: int = 256
+    unroll: int = 1  # passes of training-time test (EagleHead.forward_unrolled); 1 = EAGLE-1's training
     batch_tokens: int = 2048
     lr: float = 3e-4
     warmup_steps: int = 20
@@ -97,22 +99,33 @@ def batch_windows(sequences: list[Sequence], num_windows: int, window: int, gen:
     return features_in, token_ids, targets, mask
 
 
-def loss_fn(head: EagleHead, embed, features_in, token_ids, targets, mask, noise_gen=None):
-    """-> (loss, metrics): EAGLE's feature regression + 0.1 x token cross-entropy over the valid rows."""
+def loss_fn(head: EagleHead, embed, features_in, token_ids, targets, mask, noise_gen=None, unroll: int = 1):
+    """-> (loss, metrics): EAGLE's feature regression + 0.1 x token cross-entropy over the valid
+    rows. unroll > 1 adds the passes of EagleHead.forward_unrolled (the 2nd.. token of a drafted
+    chain, from the head's own features), pass s weighted UNROLL_DECAY**s; "top1" is pass 0's
+    agreement, "top1_<s>" pass s's."""
     if noise_gen is not None:
         features_in = features_in + (torch.rand(features_in.shape, generator=noise_gen) - 0.5) * 2 * FEATURE_NOISE
     with torch.no_grad():
         embeds = embed(token_ids).float()  # [B, W, hidden]
-        target_logp = F.log_softmax(F.linear(targets[mask], head.lm_head.weight), -1)  # [rows, kept]
-    predicted = F.rms_norm(head.forward_dense(features_in, embeds), head.norm.weight.shape, head.norm.weight,
-                           head.norm.eps)[mask]  # [rows, hidden]
-    logp = F.log_softmax(F.linear(predicted, head.lm_head.weight), -1)
-    feature_loss = F.smooth_l1_loss(predicted, targets[mask])
-    token_loss = -(target_logp.exp() * logp).sum(-1).mean()
-    agree = (logp.argmax(-1) == target_logp.argmax(-1)).float().mean()
-    loss = feature_loss + CE_WEIGHT * token_loss
-    metrics = {"loss": loss, "feature": feature_loss, "token": token_loss, "top1": agree}
-    return loss, {name: float(value.detach()) for name, value in metrics.items()}
+        target_logits = F.linear(targets, head.lm_head.weight)  # [B, W, kept]
+    outs = head.forward_unrolled(features_in, embeds, unroll) if unroll > 1 else [head.forward_dense(features_in, embeds)]
+    loss, metrics = 0.0, {}
+    for s, y in enumerate(outs):
+        rows = mask.clone()
+        rows[:, :s] = False  # a chain's (s+1)-th row needs its anchor inside the window
+        target_logp = F.log_softmax(target_logits[rows], -1)  # [rows, kept]
+        predicted = F.rms_norm(y, head.norm.weight.shape, head.norm.weight, head.norm.eps)[rows]  # [rows, hidden]
+        logp = F.log_softmax(F.linear(predicted, head.lm_head.weight), -1)
+        feature_loss = F.smooth_l1_loss(predicted, targets[rows])
+        token_loss = -(target_logp.exp() * logp).sum(-1).mean()
+        loss = loss + UNROLL_DECAY**s * (feature_loss + CE_WEIGHT * token_loss)
+        agree = float((logp.argmax(-1) == target_logp.argmax(-1)).float().mean())
+        if s == 0:
+            metrics = {"feature": float(feature_loss.detach()), "token": float(token_loss.detach()), "top1": agree}
+        else:
+            metrics[f"top1_{s}"] = agree
+    return loss, {"loss": float(loss.detach()), **metrics}
 
 
 def train(head: EagleHead, embed, sequences: list[Sequence], cfg: TrainConfig, seconds: float, state: dict,
@@ -135,7 +148,8 @@ def train(head: EagleHead, embed, sequences: list[Sequence], cfg: TrainConfig, s
         for group in opt.param_groups:
             group["lr"] = cfg.lr * min(1.0, (state["step"] + 1) / cfg.warmup_steps)
         with torch.enable_grad():
-            loss, metrics = loss_fn(head, embed, *batch_windows(sequences, num_windows, cfg.window, gen), noise_gen=gen)
+            loss, metrics = loss_fn(head, embed, *batch_windows(sequences, num_windows, cfg.window, gen), noise_gen=gen,
+                                    unroll=cfg.unroll)
             opt.zero_grad(set_to_none=True)
             loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 0.5)
@@ -190,7 +204,8 @@ def run(engine, model: str, target_dir: Path, cfg: TrainConfig, out: Path | None
     def progress(metrics: dict) -> None:
         if bar is not None:
             bar.update(max(min(int(time.perf_counter() - train_start), bar.total) - bar.n, 0))
-            bar.set_postfix(step=metrics["step"], loss=f"{metrics['loss']:.3f}", top1=f"{metrics['top1']:.2f}")
+            chained = {k: f"{v:.2f}" for k, v in metrics.items() if k.startswith("top1_")}
+            bar.set_postfix(step=metrics["step"], loss=f"{metrics['loss']:.3f}", top1=f"{metrics['top1']:.2f}", **chained)
 
     state = train(head, target.embed_tokens, sequences, cfg, remaining, state, save, progress)
     if bar is not None:

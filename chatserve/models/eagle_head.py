@@ -69,6 +69,34 @@ class EagleHead(nn.Module):
     def forward_dense(self, features: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
         """The paged forward over whole sequences with causal attention, differentiable.
         features, embeds: [B, T, hidden] (row j at position j) -> y [B, T, hidden]."""
+        x, q, k, v = self._dense_qkv(features, embeds)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.layer.self_attn.scale,
+                                           enable_gqa=True)  # (B, H, T, D)
+        return self._dense_out(x, o)
+
+    def forward_unrolled(self, features: torch.Tensor, embeds: torch.Tensor, depth: int) -> list[torch.Tensor]:
+        """Training-time test (as EAGLE-3 and HASS train): `depth` passes over whole sequences,
+        pass s computing every row as the (s+1)-th token of a chain drafted from the row s
+        positions back. Pass 0 is forward_dense. Pass s > 0 reads, at row i, pass s-1's predicted
+        feature norm(y_{i-1}) instead of the target's, and attends as drafting does: to pass 0's
+        keys up to position i - s (the head KV written from the target's features) and to pass
+        r's key at position i - s + r for r = 1..s (the chain's own rows). Rows i < s of pass s
+        have no such chain (their anchor is before the window): callers leave them out.
+        features, embeds: [B, T, hidden] -> [y of pass s] each [B, T, hidden]."""
+        attn = self.layer.self_attn
+        outs, keys, values = [], [], []
+        for s in range(depth):
+            if s:
+                predicted = _rms_norm(outs[-1], self.norm)
+                features = torch.cat((torch.zeros_like(predicted[:, :1]), predicted[:, :-1]), dim=1)
+            x, q, k, v = self._dense_qkv(features, embeds)
+            keys.append(k)
+            values.append(v)
+            outs.append(self._dense_out(x, _chain_attention(q, keys, values, attn.scale)))
+        return outs
+
+    def _dense_qkv(self, features, embeds):
+        """-> x (the layer's input [B, T, hidden]), q (B, H, T, D), k, v (B, Hkv, T, D), RoPE'd."""
         layer, attn = self.layer, self.layer.self_attn
         b, t, _ = features.shape
         x = F.linear(torch.cat((features, embeds), dim=-1), self.fc.weight, self.fc.bias)
@@ -81,12 +109,40 @@ class EagleHead(nn.Module):
         qk = qk.view(t, b, num_qk, -1).transpose(0, 1)  # (B, T, H + Hkv, D)
         q, k = qk.split([attn.num_heads, attn.num_kv_heads], dim=2)
         v = qkv[:, :, num_qk:]
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                           is_causal=True, scale=attn.scale, enable_gqa=True)  # (B, H, T, D)
+        return x, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+    def _dense_out(self, x, o):
+        """x + attention output o (B, H, T, D) through o_proj, then the MLP with its residual."""
+        layer, attn = self.layer, self.layer.self_attn
+        b, _, t, _ = o.shape
         x = x + F.linear(o.transpose(1, 2).reshape(b, t, attn.q_size), attn.o_proj.weight)
         mlp = layer.mlp
         gate, up = F.linear(_rms_norm(x, layer.post_attention_layernorm), mlp.gate_up_proj.weight).chunk(2, dim=-1)
         return x + F.linear(F.silu(gate) * up, mlp.down_proj.weight)
+
+
+def _chain_attention(q, keys, values, scale: float) -> torch.Tensor:
+    """Pass s = len(keys) - 1 of EagleHead.forward_unrolled: q (B, H, T, D); keys[r], values[r]
+    (B, Hkv, T, D) of pass r. Row i sees keys[0] at j <= i - s and keys[r] at j = i - s + r."""
+    s = len(keys) - 1
+    b, h, t, d = q.shape
+    group = h // keys[0].shape[1]
+    expand = lambda x: x.repeat_interleave(group, dim=1)  # noqa: E731  (B, H, T, D)
+    rows = torch.arange(t)
+    scores = [(q @ expand(keys[0]).transpose(-1, -2)) * scale]  # (B, H, T, T)
+    scores[0] = scores[0].masked_fill(rows[None, :] > rows[:, None] - s, float("-inf"))
+    shifted_values = []
+    for r in range(1, s + 1):
+        shift = s - r  # row i reads position i - shift
+        k_r = F.pad(expand(keys[r]), (0, 0, shift, 0))[:, :, :t]
+        shifted_values.append(F.pad(expand(values[r]), (0, 0, shift, 0))[:, :, :t])
+        score = (q * k_r).sum(-1, keepdim=True) * scale  # (B, H, T, 1)
+        scores.append(score.masked_fill((rows < shift)[:, None], float("-inf")))
+    weights = torch.softmax(torch.cat(scores, dim=-1), dim=-1)
+    out = weights[..., :t] @ expand(values[0])
+    for r, v_r in enumerate(shifted_values, start=1):
+        out = out + weights[..., t + r - 1 : t + r] * v_r
+    return out
 
 
 def _rms_norm(x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:

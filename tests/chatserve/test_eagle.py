@@ -87,13 +87,37 @@ def trained_head(tiny_llama_dir, conversation, tmp_path_factory):
     sequences = [Sequence(torch.tensor(ids), target_features(engine, ids), 0) for ids in texts]
     head_ids = choose_vocab(sequences, target.vocab_size, 200, tok.special_token_ids)
     head = new_head(target, tiny_llama_dir, engine.max_model_len, head_ids, seed=0)
-    cfg = TrainConfig(max_steps=100, window=64, batch_tokens=512, lr=1e-3, warmup_steps=10)
+    cfg = TrainConfig(max_steps=100, window=64, batch_tokens=512, lr=1e-3, warmup_steps=10, unroll=2)
     with one_thread():
         state = train(head, target.embed_tokens, sequences, cfg, 300.0, {})
-    assert state["step"] == 100 and state["metrics"]["top1"] > 0.3
+    assert state["step"] == 100 and state["metrics"]["top1"] > 0.3 and "top1_1" in state["metrics"]
     path = tmp_path_factory.mktemp("head") / "eagle-head.pt"
     save_head(path, head, weights_hash(tiny_llama_dir), {"steps": 100})
     return path
+
+
+def test_unrolled_training_makes_the_second_drafted_token_better(tiny_llama_dir):
+    """Two heads from the same init, data and steps, trained with unroll=1 and unroll=2: the
+    second's 2nd chained prediction (from its own feature) agrees with the target more often."""
+    from chatserve.train_head import batch_windows, loss_fn
+
+    engine = make_engine(tiny_llama_dir, method=None)
+    tok, target = engine.tokenizer, engine.models.target
+    texts = [tok.encode(p) for p in PROMPTS]
+    texts = [p + engine.generate([p], dataclasses.replace(GREEDY, max_tokens=48))[0]["token_ids"] for p in texts]
+    sequences = [Sequence(torch.tensor(ids), target_features(engine, ids), 0) for ids in texts]
+    heads = {}
+    for unroll in (1, 2):
+        ids = choose_vocab(sequences, target.vocab_size, 200, tok.special_token_ids)
+        head = new_head(target, tiny_llama_dir, engine.max_model_len, ids, seed=0)
+        cfg = TrainConfig(max_steps=100, window=64, batch_tokens=512, lr=1e-3, warmup_steps=10, unroll=unroll)
+        with one_thread():
+            train(head, target.embed_tokens, sequences, cfg, 300.0, {})
+        heads[unroll] = head
+    windows = batch_windows(sequences, 16, 64, torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        second = {u: loss_fn(h, target.embed_tokens, *windows, unroll=2)[1]["top1_1"] for u, h in heads.items()}
+    assert second[2] > second[1], second
 
 
 @pytest.fixture(scope="module")
@@ -372,3 +396,31 @@ def test_training_data_records_features_while_generating(tiny_llama_dir, monkeyp
                                    atol=2e-2, rtol=2e-2)
     assert len(fed) == prefix_caching and set(fed) <= {len(s.token_ids) for s in sequences}
     assert_pool_empty(engine)
+
+
+def test_the_unrolled_training_passes_equal_drafting_in_a_chain(tiny_qwen_dir):
+    """forward_unrolled's pass s at row i is what drafting computes for the (s+1)-th token of a
+    chain from position i - s: rows up to it from the target's features, then each next row from
+    the head's own predicted feature, attending causally (forward_dense over the grown prefix)."""
+    import torch.nn.functional as F
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(str(tiny_qwen_dir))
+    torch.manual_seed(0)
+    head = EagleHead(cfg, 64, torch.arange(cfg.vocab_size)).float()
+    with torch.no_grad():
+        for p in head.parameters():
+            p.copy_(torch.randn_like(p) * 0.3 if p.dim() == 2 else 1 + 0.1 * torch.randn_like(p))
+    t, hidden = 10, cfg.hidden_size
+    features, embeds = torch.randn(1, t, hidden), torch.randn(1, t, hidden)
+    norm = lambda y: F.rms_norm(y, head.norm.weight.shape, head.norm.weight, head.norm.eps)  # noqa: E731
+    with torch.no_grad():
+        passes = head.forward_unrolled(features, embeds, depth=3)
+        torch.testing.assert_close(passes[0], head.forward_dense(features, embeds), atol=1e-5, rtol=1e-5)
+        for anchor in range(t - 2):
+            feats = features[:, : anchor + 1].clone()
+            y = head.forward_dense(feats, embeds[:, : anchor + 1])
+            for s in range(1, 3):
+                feats = torch.cat((feats, norm(y[:, -1:])), dim=1)  # the next row reads the prediction
+                y = head.forward_dense(feats, embeds[:, : anchor + 1 + s])
+                torch.testing.assert_close(passes[s][:, anchor + s], y[:, -1], atol=1e-4, rtol=1e-4)
