@@ -39,6 +39,13 @@ def process_memory() -> dict:
     return out
 
 
+def _num_prompt_positions(s: ScheduledSeq) -> int:
+    """How many of the tokens fed for `s` sit at prompt positions (all of a prefill chunk, none of a
+    decode; a preempted request's recompute counts its prompt again)."""
+    start = s.req.num_computed_tokens
+    return max(0, min(start + s.num_new_tokens, s.req.num_prompt_tokens) - start)
+
+
 class Engine:
     def __init__(self, config: EngineConfig, models: LoadedModels | None = None):
         self.config = config
@@ -57,13 +64,17 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._grammar_tokenizer = None  # built on the first request with a json_schema or grammar
+        self.num_prompt_tokens_computed = 0  # prompt positions fed to the target (prefix-cache hits are not)
 
     @classmethod
     def from_model(cls, model: str, **kwargs) -> "Engine":
         return cls(EngineConfig.from_dict({"model": model, **kwargs}))
 
     # -- requests -------------------------------------------------------------------------
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                    prompt_source_id: str | None = None) -> str:
+        """prompt_source_id: a running request with the same prompt (an earlier choice of one n > 1
+        request); this one waits until that one has computed the prompt, then shares its blocks."""
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already running")
@@ -71,6 +82,9 @@ class Engine:
         self.check_params(params)
         req = Request(request_id, list(prompt_token_ids), params)
         req.detok = IncrementalDetokenizer(self.tokenizer.decode, params.stop)
+        source = self.requests.get(prompt_source_id) if prompt_source_id is not None else None
+        if source is not None and source.prompt_token_ids == req.prompt_token_ids:
+            req.prompt_source = source
         if params.json_schema is not None or params.grammar is not None:
             req.grammar = self._grammar_matcher(params)
         if self.spec:
@@ -168,6 +182,7 @@ class Engine:
             return []
         num_prompts = sum(s.req.is_prefilling for s in scheduled)
         num_prompt_tokens = sum(s.num_new_tokens for s in scheduled if s.req.is_prefilling)
+        self.num_prompt_tokens_computed += sum(_num_prompt_positions(s) for s in scheduled)
         if self.spec:
             self.spec.propose(scheduled)
         items = [self._batch_item(s) for s in scheduled]
@@ -301,6 +316,7 @@ class Engine:
             "prefix_cache_queries": bm.num_prefix_queries,
             "prefix_cache_hits": bm.num_prefix_hits,
             "num_preemptions": self.scheduler.num_preemptions,
+            "prompt_tokens_computed": self.num_prompt_tokens_computed,
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
         }
