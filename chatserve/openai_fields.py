@@ -2,7 +2,7 @@
 
 Nothing is silently ignored: a field that would change the reply's content or shape and is not
 implemented is refused with a 400 naming it, unless it is set to the value that asks for nothing
-(`n: 1`, `functions: []`, `logprobs: false`). Parsing the fields that are read is protocol.py's.
+(`n: 1`, `functions: []`, `logprobs: false`). Parsing the fields that are read is openai_protocol.py's.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import json
 
 UNSUPPORTED_PARAMETER = "unsupported_parameter"  # OpenAI's own code for a field a model does not take
 
-# Read by protocol._parse_openai_common (sampling extensions as in vLLM: top_k, min_p, ...).
+# Read by openai_protocol._parse_openai_common (sampling extensions as in vLLM: top_k, min_p, ...).
 COMMON_FIELDS = frozenset({
     "model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "seed", "stop",
     "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs",

@@ -19,6 +19,7 @@ from typing import AsyncIterator, Callable
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from chatserve import openai_protocol as OP
 from chatserve import protocol as P
 from chatserve.sampling_params import Delta
 from chatserve.server.state import AppState
@@ -51,19 +52,19 @@ class OpenAIRoutes:
     @_access_checked
     async def models(self, request: Request) -> Response:
         s = self.state
-        return JSONResponse(P.models_response(s.model_name, s.engine.max_model_len, s.created))
+        return JSONResponse(OP.models_response(s.model_name, s.engine.max_model_len, s.created))
 
     @_access_checked
     async def model(self, request: Request) -> Response:
         s = self.state
         self._check_model(request.path_params["model_id"])
-        return JSONResponse(P.model_object(s.model_name, s.engine.max_model_len, s.created))
+        return JSONResponse(OP.model_object(s.model_name, s.engine.max_model_len, s.created))
 
     @_access_checked
     async def tokenize(self, request: Request) -> Response:
         """A prompt, or messages through the chat template as /v1/chat/completions applies it."""
         s = self.state
-        req = P.parse_tokenize_request(await self._read_json(request))
+        req = OP.parse_tokenize_request(await self._read_json(request))
         if req.messages is not None:
             token_ids = await s.tokenize_chat(req.messages, req.add_generation_prompt)
         else:
@@ -73,7 +74,7 @@ class OpenAIRoutes:
     @_access_checked
     async def detokenize(self, request: Request) -> Response:
         s = self.state
-        token_ids = P.parse_detokenize_request(await self._read_json(request), s.engine.vocab_size)
+        token_ids = OP.parse_detokenize_request(await self._read_json(request), s.engine.vocab_size)
         return JSONResponse({"prompt": await s.detokenize(token_ids)})
 
     @_access_checked
@@ -131,10 +132,10 @@ class OpenAIRoutes:
         try:
             body = await self._read_json(request)
             if is_chat:
-                req = P.parse_chat_completion_request(body, s.config.max_tokens_limit, s.engine.max_model_len,
+                req = OP.parse_chat_completion_request(body, s.config.max_tokens_limit, s.engine.max_model_len,
                                                       s.sampling_defaults, s.engine.are_tool_tags_tokens)
             else:
-                req = P.parse_completion_request(body, s.config.max_tokens_limit, s.engine.max_model_len,
+                req = OP.parse_completion_request(body, s.config.max_tokens_limit, s.engine.max_model_len,
                                                  s.sampling_defaults)
             P.check_spec_method(req.params, s.engine.spec_methods)
             if req.model is not None:
@@ -148,7 +149,7 @@ class OpenAIRoutes:
             release()
             return error_response(e)
         request_id = ("chatcmpl-" if is_chat else "cmpl-") + uuid.uuid4().hex
-        params = P.fit_to_context(req.params, len(prompt_ids), s.engine.max_model_len)
+        params = OP.fit_to_context(req.params, len(prompt_ids), s.engine.max_model_len)
         deltas = s.generate(prompt_ids, params, request_id, timer)
 
         async def close() -> None:
@@ -191,7 +192,7 @@ class OpenAIRoutes:
         while True:
             num_tokens += len(delta.token_ids)
             if delta.finish_reason == "error":
-                yield _sse(P.openai_error(P.ENGINE_ERROR, f"generation failed: {delta.error}", 500))
+                yield _sse(OP.openai_error(P.ENGINE_ERROR, f"generation failed: {delta.error}", 500))
                 break
             logprobs = shape.logprobs(delta.logprobs, text_offset)
             pieces = _pieces(parser, delta.text, is_last=delta.finished)
@@ -207,7 +208,7 @@ class OpenAIRoutes:
             try:
                 delta = await anext(deltas, None)
             except P.ProtocolError as e:  # headers are sent: report in-band, as OpenAI does
-                yield _sse(P.openai_error(e.code, e.message, e.status))
+                yield _sse(OP.openai_error(e.code, e.message, e.status))
                 break
             if delta is None:
                 break
@@ -269,7 +270,7 @@ class _Shape:
         if isinstance(piece, str):
             return self.chunk(piece, None, logprobs=logprobs)
         entry = piece.to_dict(index=parser.calls.index(piece))
-        return P.chat_completion_chunk(self.id, self.model, self.created, {"tool_calls": [entry]}, None,
+        return OP.chat_completion_chunk(self.id, self.model, self.created, {"tool_calls": [entry]}, None,
                                        self.include_usage, logprobs)
 
     def logprobs(self, tokens: list | None, text_offset: int) -> dict | None:
@@ -278,27 +279,27 @@ class _Shape:
             return None
         text = self.token_text
         shaped = [(text(t), lp, [(text(alt), alp) for alt, alp in top]) for t, lp, top in tokens]
-        return P.chat_logprobs(shaped) if self.is_chat else P.completion_logprobs(shaped, text_offset)
+        return OP.chat_logprobs(shaped) if self.is_chat else OP.completion_logprobs(shaped, text_offset)
 
     def chunk(self, text: str, finish_reason: str | None, role: bool = False, logprobs: dict | None = None) -> dict:
         if not self.is_chat:
-            return P.completion_response(self.id, self.model, self.created, text, finish_reason,
+            return OP.completion_response(self.id, self.model, self.created, text, finish_reason,
                                          with_usage=self.include_usage, logprobs=logprobs)
         delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-        return P.chat_completion_chunk(self.id, self.model, self.created, delta, finish_reason, self.include_usage,
+        return OP.chat_completion_chunk(self.id, self.model, self.created, delta, finish_reason, self.include_usage,
                                        logprobs)
 
     def usage_chunk(self, usage: dict) -> dict:
         kind = "chat.completion.chunk" if self.is_chat else "text_completion"
-        return P.usage_chunk(kind, self.id, self.model, self.created, usage)
+        return OP.usage_chunk(kind, self.id, self.model, self.created, usage)
 
     def whole(self, text: str, finish_reason: str, usage: dict, logprobs: dict | None = None,
               tool_calls: list[ToolCall] | None = None) -> dict:
         if self.is_chat:
             calls = [c.to_dict() for c in tool_calls or []]
-            return P.chat_completion_response(self.id, self.model, self.created, text, finish_reason, usage, logprobs,
+            return OP.chat_completion_response(self.id, self.model, self.created, text, finish_reason, usage, logprobs,
                                               calls)
-        return P.completion_response(self.id, self.model, self.created, text, finish_reason, usage,
+        return OP.completion_response(self.id, self.model, self.created, text, finish_reason, usage,
                                      logprobs=logprobs)
 
 
@@ -339,8 +340,8 @@ async def _until_disconnect(request: Request, work):
 def _usage(last: Delta, num_prompt_tokens: int, num_tokens: int) -> dict:
     stats = last.stats
     if stats is None:
-        return P.usage_dict(num_prompt_tokens, num_tokens, None)
-    return P.usage_dict(stats.prompt_tokens or num_prompt_tokens, stats.num_generated, stats.cached_tokens)
+        return OP.usage_dict(num_prompt_tokens, num_tokens, None)
+    return OP.usage_dict(stats.prompt_tokens or num_prompt_tokens, stats.num_generated, stats.cached_tokens)
 
 
 def _sse(obj: dict) -> str:
@@ -349,5 +350,5 @@ def _sse(obj: dict) -> str:
 
 def error_response(error: P.ProtocolError) -> JSONResponse:
     headers = {"Retry-After": str(error.retry_after)} if error.retry_after is not None else None
-    return JSONResponse(P.openai_error(error.code, error.message, error.status, error.param), status_code=error.status,
+    return JSONResponse(OP.openai_error(error.code, error.message, error.status, error.param), status_code=error.status,
                         headers=headers)

@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from chatserve import openai_protocol as OP
 from chatserve import protocol as P
 
 WEATHER = {"type": "function", "function": {
@@ -147,9 +148,9 @@ def test_bad_tool_messages_are_refused(message, match):
 def test_tags_as_tokens_reach_the_grammar():
     """With Qwen2.5's tokenizer (<tool_call> an added token) the grammar names the token."""
     body = {**ASK, "tool_choice": "required"}
-    as_tokens = P.parse_chat_completion_request(body, 64, 2048, are_tool_tags_tokens=True).params.grammar
-    as_text = P.parse_chat_completion_request(body, 64, 2048).params.grammar
+    as_tokens = OP.parse_chat_completion_request(body, 64, 2048, are_tool_tags_tokens=True).params.grammar
+    as_text = OP.parse_chat_completion_request(body, 64, 2048).params.grammar
     assert 'tool_call: <tool_call> "\\n"' in as_tokens and 'tool_call: "<tool_call>" "\\n"' in as_text
-    auto = P.parse_chat_completion_request(ASK, 64, 2048)
+    auto = OP.parse_chat_completion_request(ASK, 64, 2048)
     assert auto.params.grammar is None and [t["function"]["name"] for t in auto.tools] == ["get_weather", "now"]
-    assert P.parse_chat_completion_request({**ASK, "tool_choice": "none"}, 64, 2048).tools is None
+    assert OP.parse_chat_completion_request({**ASK, "tool_choice": "none"}, 64, 2048).tools is None
