@@ -2,7 +2,7 @@
 
 Nothing is silently ignored: a field that would change the reply's content or shape and is not
 implemented is refused with a 400 naming it, unless it is set to the value that asks for nothing
-(`n: 1`, `functions: []`, `logprobs: false`). Parsing the fields that are read is openai_protocol.py's.
+(`best_of: 1`, `functions: []`, `echo: false`). Parsing the fields that are read is openai_protocol.py's.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ UNSUPPORTED_PARAMETER = "unsupported_parameter"  # OpenAI's own code for a field
 
 # Read by openai_protocol._parse_openai_common (sampling extensions as in vLLM: top_k, min_p, ...).
 COMMON_FIELDS = frozenset({
-    "model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "seed", "stop",
+    "model", "n", "stream", "stream_options", "max_tokens", "temperature", "top_p", "seed", "stop",
     "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs",
     "top_logprobs", "response_format", "ignore_eos", "speculation", "spec_method", "num_draft_tokens",
 })
@@ -31,7 +31,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[tuple, str]] = {
     # The deprecated forerunners of tools / tool_choice: send those instead.
     "functions": (([],), "the deprecated functions API is not implemented; use tools"),
     "function_call": (("none",), "the deprecated functions API is not implemented; use tool_choice"),
-    "n": ((1,), "only one choice per request (n = 1) is implemented"),
     "best_of": ((1,), "only best_of = 1 is implemented"),
     "echo": ((False,), "echo is not implemented"),
     "suffix": (("",), "suffix (insertion) is not implemented"),

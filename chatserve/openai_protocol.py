@@ -15,6 +15,8 @@ from chatserve.protocol import (BAD_MESSAGE, EMPTY_MESSAGES, INVALID_PARAMS, Pro
 from chatserve.sampling_params import SamplingParams
 from chatserve.tool_calls import parse_tool_choice, parse_tools, tool_call_grammar
 
+MAX_CHOICES = 16  # n: each choice is a generation of its own, counted against the admission limits
+
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
                429: "rate_limit_error", 503: "service_unavailable_error"}
@@ -33,6 +35,7 @@ class OpenAIRequest:
     params: SamplingParams
     stream: bool
     include_usage: bool
+    n: int = 1  # choices: n generations of one prompt, computed once (Engine.add_request's prompt_source_id)
     messages: list[dict] | None = None
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
@@ -126,6 +129,22 @@ def _parse_logprobs(body: dict, is_chat: bool) -> int | None:
     return (top or 0) if logprobs else None
 
 
+def _parse_n(body: dict) -> int:
+    n = body.get("n")
+    if n is None:
+        return 1
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_CHOICES:
+        raise ProtocolError(INVALID_PARAMS, f"n: must be an integer in [1, {MAX_CHOICES}] (choices per request), "
+                            f"got {n!r:.40}", param="n")
+    return n
+
+
+def choice_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Choice `index`'s settings: with a seed, seed + index (vLLM's rule), so the choices differ and
+    the request as a whole is reproducible; choice 0 samples as an n = 1 request would."""
+    return params if params.seed is None else replace(params, seed=params.seed + index)
+
+
 def _parse_openai_common(body, default_max_tokens: int, max_model_len: int, defaults: dict, is_chat: bool) -> dict:
     """max_tokens may be anything up to the context (fit_to_context cuts it to what the prompt leaves)."""
     if not isinstance(body, dict):
@@ -154,7 +173,7 @@ def _parse_openai_common(body, default_max_tokens: int, max_model_len: int, defa
     if isinstance(settings.get("stop"), list) and not all(isinstance(s, str) for s in settings["stop"]):
         raise ProtocolError(INVALID_PARAMS, "stop: must be a string or a list of strings", param="stop")
     return {"model": model, "params": build_sampling_params(settings, max_model_len), "stream": bool(stream),
-            "include_usage": bool(options and options.get("include_usage"))}
+            "include_usage": bool(options and options.get("include_usage")), "n": _parse_n(body)}
 
 
 def fit_to_context(params: SamplingParams, num_prompt_tokens: int, max_model_len: int) -> SamplingParams:
@@ -208,31 +227,39 @@ def _finite(logprob: float) -> float:
     return max(logprob, -9999.0)
 
 
-def chat_completion_response(id: str, model: str, created: int, text: str, finish_reason: str, usage: dict,
-                             logprobs: dict | None = None, tool_calls: list[dict] | None = None) -> dict:
-    """With tool_calls: the message carries them, and content is null when no text is left."""
+def chat_choice(index: int, text: str, finish_reason: str, logprobs: dict | None = None,
+                tool_calls: list[dict] | None = None) -> dict:
+    """One choice of a chat completion. With tool_calls: the message carries them, and content is
+    null when no text is left."""
     message = {"role": "assistant", "content": text}
     if tool_calls:
         message = {"role": "assistant", "content": text or None, "tool_calls": tool_calls}
-    choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
-    return {"id": id, "object": "chat.completion", "created": created, "model": model, "choices": [choice],
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def chat_completion_response(id: str, model: str, created: int, choices: list[dict], usage: dict) -> dict:
+    return {"id": id, "object": "chat.completion", "created": created, "model": model, "choices": choices,
             "usage": usage}
 
 
 def chat_completion_chunk(id: str, model: str, created: int, delta: dict, finish_reason: str | None = None,
-                          with_usage: bool = False, logprobs: dict | None = None) -> dict:
-    choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+                          with_usage: bool = False, logprobs: dict | None = None, index: int = 0) -> dict:
+    """A streamed piece of choice `index` (choices interleave as they come)."""
+    choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
     chunk = {"id": id, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [choice]}
     if with_usage:
         chunk["usage"] = None  # include_usage: every chunk carries "usage": null except the last
     return chunk
 
 
-def completion_response(id: str, model: str, created: int, text: str, finish_reason: str | None,
-                        usage: dict | None = None, with_usage: bool = False, logprobs: dict | None = None) -> dict:
-    """A whole completion (usage set) or one streamed chunk (usage None)."""
-    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-    out = {"id": id, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
+def completion_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None = None) -> dict:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def completion_response(id: str, model: str, created: int, choices: list[dict], usage: dict | None = None,
+                        with_usage: bool = False) -> dict:
+    """A whole completion (usage set) or one streamed chunk (usage None, one choice)."""
+    out = {"id": id, "object": "text_completion", "created": created, "model": model, "choices": choices}
     if usage is not None or with_usage:
         out["usage"] = usage
     return out

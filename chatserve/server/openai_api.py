@@ -13,7 +13,7 @@ import functools
 import importlib.metadata
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
 from starlette.requests import Request
@@ -105,58 +105,50 @@ class OpenAIRoutes:
         return P.loads(bytes(body), "request body")
 
     async def _complete(self, request: Request, is_chat: bool) -> Response:
-        s = self.state
         try:
-            s.access.check_http(request.headers)
-            s.admission.acquire_http()
+            self.state.access.check_http(request.headers)
+            hold = _Hold(self.state.admission)
         except P.ProtocolError as e:
             return error_response(e)
-        is_released = False
-
-        def release() -> None:  # exactly once, however the request ends
-            nonlocal is_released
-            if not is_released:
-                is_released = True
-                s.admission.release_http()
-
         try:
-            return await self._admitted(request, is_chat, release)
+            return await self._admitted(request, is_chat, hold)
         except BaseException:
-            release()
+            hold.release()
             raise
 
-    async def _admitted(self, request: Request, is_chat: bool, release) -> Response:
-        """_complete once admitted; `release` frees the admission, here or when a stream ends."""
+    async def _admitted(self, request: Request, is_chat: bool, hold: "_Hold") -> Response:
+        """_complete once admitted; `hold` is released here or when a stream ends."""
         s = self.state
         timer = s.metrics.start_request()
         try:
             body = await self._read_json(request)
             if is_chat:
                 req = OP.parse_chat_completion_request(body, s.config.max_tokens_limit, s.engine.max_model_len,
-                                                      s.sampling_defaults, s.engine.are_tool_tags_tokens)
+                                                       s.sampling_defaults, s.engine.are_tool_tags_tokens)
             else:
                 req = OP.parse_completion_request(body, s.config.max_tokens_limit, s.engine.max_model_len,
-                                                 s.sampling_defaults)
+                                                  s.sampling_defaults)
             P.check_spec_method(req.params, s.engine.spec_methods)
             if req.model is not None:
                 self._check_model(req.model)
+            hold.add_choices(req.n - 1)
             if is_chat:
                 prompt_ids = await s.tokenize_chat(req.messages, tools=req.tools)
             else:
                 prompt_ids = req.prompt_token_ids or await s.tokenize(req.prompt)
             s.access.check_prompt(prompt_ids)
         except P.ProtocolError as e:
-            release()
+            hold.release()
             return error_response(e)
         request_id = ("chatcmpl-" if is_chat else "cmpl-") + uuid.uuid4().hex
         params = OP.fit_to_context(req.params, len(prompt_ids), s.engine.max_model_len)
-        deltas = s.generate(prompt_ids, params, request_id, timer)
+        deltas = _merged([self._choice_deltas(prompt_ids, params, request_id, i, timer) for i in range(req.n)])
 
         async def close() -> None:
             try:
                 await deltas.aclose()
             finally:
-                release()
+                hold.release()
 
         try:  # wait for the first delta before answering: the engine's ValueError (too long) becomes a 400
             first = await _until_disconnect(request, anext(deltas))
@@ -174,66 +166,72 @@ class OpenAIRoutes:
         shape = _Shape(is_chat, request_id, s.model_name, int(time.time()), req.include_usage, token_text,
                        tool_names=None if req.tools is None else tuple(t["function"]["name"] for t in req.tools),
                        max_tool_calls=None if req.is_parallel_tool_calls else 1)
+        choices = [_Choice(i, shape.tool_call_parser()) for i in range(req.n)]
         if req.stream:
-            return _SSEResponse(self._events(shape, first, deltas, len(prompt_ids)), close)
+            return _SSEResponse(self._events(shape, first, deltas, choices, len(prompt_ids)), close)
         try:
-            whole = await _until_disconnect(request, self._whole(shape, first, deltas, len(prompt_ids)))
+            whole = await _until_disconnect(request, self._whole(shape, first, deltas, choices, len(prompt_ids)))
             return whole or Response(status_code=499)
         except P.ProtocolError as e:
             return error_response(e)
         finally:
             await close()
 
-    async def _events(self, shape: "_Shape", first: Delta, deltas, num_prompt_tokens: int) -> AsyncIterator[str]:
+    def _choice_deltas(self, prompt_ids: list[int], params, request_id: str, index: int,
+                       timer) -> AsyncIterator[Delta]:
+        """Choice `index` as an engine request of its own: choice 0 under the request's id and timer,
+        the others named after it, waiting for it to compute the prompt and then sharing its blocks."""
+        s = self.state
+        if index == 0:
+            return s.generate(prompt_ids, params, request_id, timer)
+        return s.generate(prompt_ids, OP.choice_params(params, index), f"{request_id}-{index}",
+                          s.metrics.start_request(), prompt_source_id=request_id)
+
+    async def _events(self, shape: "_Shape", first: tuple[int, Delta], deltas, choices: list["_Choice"],
+                      num_prompt_tokens: int) -> AsyncIterator[str]:
         if shape.is_chat:
-            yield _sse(shape.chunk("", None, role=True))
-        delta, num_tokens, text_offset = first, 0, 0
-        parser = shape.tool_call_parser()
+            for choice in choices:
+                yield _sse(shape.chunk(choice.index, "", None, role=True))
+        item, num_open = first, len(choices)
         while True:
-            num_tokens += len(delta.token_ids)
+            index, delta = item
+            choice = choices[index]
+            choice.add(delta)
             if delta.finish_reason == "error":
                 yield _sse(OP.openai_error(P.ENGINE_ERROR, f"generation failed: {delta.error}", 500))
                 break
-            logprobs = shape.logprobs(delta.logprobs, text_offset)
-            pieces = _pieces(parser, delta.text, is_last=delta.finished)
+            logprobs = shape.logprobs(delta.logprobs, choice.text_offset)
+            pieces = _pieces(choice.parser, delta.text, is_last=delta.finished)
             for piece in pieces or ([""] if logprobs else []):  # logprobs ride on the delta's first chunk
-                yield _sse(shape.piece_chunk(piece, parser, logprobs))
+                yield _sse(shape.piece_chunk(choice, piece, logprobs))
                 logprobs = None
-            text_offset += len(delta.text)
+            choice.text_offset += len(delta.text)
             if delta.finished:
-                yield _sse(shape.chunk("", shape.finish_reason(delta.finish_reason, parser)))
-                if shape.include_usage:
-                    yield _sse(shape.usage_chunk(_usage(delta, num_prompt_tokens, num_tokens)))
-                break
+                yield _sse(shape.chunk(index, "", shape.finish_reason(delta.finish_reason, choice.parser)))
+                num_open -= 1
+                if num_open == 0:
+                    if shape.include_usage:
+                        yield _sse(shape.usage_chunk(_usage(choices, num_prompt_tokens)))
+                    break
             try:
-                delta = await anext(deltas, None)
+                item = await anext(deltas, None)
             except P.ProtocolError as e:  # headers are sent: report in-band, as OpenAI does
                 yield _sse(OP.openai_error(e.code, e.message, e.status))
                 break
-            if delta is None:
+            if item is None:
                 break
         yield "data: [DONE]\n\n"
 
-    async def _whole(self, shape: "_Shape", first: Delta, deltas, num_prompt_tokens: int) -> Response:
-        parts, num_tokens, delta, token_logprobs = [], 0, first, []
-        while True:
-            parts.append(delta.text)
-            token_logprobs += delta.logprobs or []
-            num_tokens += len(delta.token_ids)
-            following = None if delta.finished else await anext(deltas, None)
-            if following is None:
-                break
-            delta = following
-        if delta.finish_reason == "error":
-            return error_response(P.ProtocolError(P.ENGINE_ERROR, f"generation failed: {delta.error}", 500))
-        usage = _usage(delta, num_prompt_tokens, num_tokens)
-        logprobs = shape.logprobs(token_logprobs, 0)
-        parser = shape.tool_call_parser()
-        text = "".join(parts)
-        if parser is not None:
-            text = "".join(p for p in _pieces(parser, text, is_last=True) if isinstance(p, str))
-        finish_reason = shape.finish_reason(delta.finish_reason or "abort", parser)
-        return JSONResponse(shape.whole(text, finish_reason, usage, logprobs, parser.calls if parser else None))
+    async def _whole(self, shape: "_Shape", first: tuple[int, Delta], deltas, choices: list["_Choice"],
+                     num_prompt_tokens: int) -> Response:
+        item = first
+        while item is not None:
+            index, delta = item
+            choices[index].add(delta)
+            if delta.finish_reason == "error":
+                return error_response(P.ProtocolError(P.ENGINE_ERROR, f"generation failed: {delta.error}", 500))
+            item = await anext(deltas, None)
+        return JSONResponse(shape.whole(choices, _usage(choices, num_prompt_tokens)))
 
 
 def _pieces(parser: ToolCallParser | None, text: str, is_last: bool) -> list:
@@ -241,6 +239,82 @@ def _pieces(parser: ToolCallParser | None, text: str, is_last: bool) -> list:
     if parser is None:
         return [text] if text else []
     return parser.feed(text) + (parser.finish() if is_last else [])
+
+
+class _Hold:
+    """What one HTTP request holds of the admission: a connection and a generation per choice,
+    released exactly once however the request ends."""
+
+    def __init__(self, admission):
+        self.admission = admission
+        admission.acquire_http()  # a full queue is a 429 before the body is read
+        self.num_more_choices = 0
+        self.is_released = False
+
+    def add_choices(self, num: int) -> None:
+        """`num` more generations (choices 1..n-1); 400 naming `n` when n could never be admitted."""
+        if 1 + num > self.admission.max_generations:
+            raise P.ProtocolError(P.INVALID_PARAMS, f"n: {1 + num} choices are more generations than this server "
+                                  f"takes at once ({self.admission.max_generations})", param="n")
+        self.admission.acquire_generation(num)
+        self.num_more_choices = num
+
+    def release(self) -> None:
+        if not self.is_released:
+            self.is_released = True
+            self.admission.release_http()
+            self.admission.release_generation(self.num_more_choices)
+
+
+@dataclass
+class _Choice:
+    """One choice's reply as its deltas arrive."""
+
+    index: int
+    parser: ToolCallParser | None  # None: the reply is not parsed for tool calls
+    parts: list[str] = field(default_factory=list)
+    token_logprobs: list = field(default_factory=list)
+    num_tokens: int = 0
+    text_offset: int = 0  # streaming: where the next delta's text starts
+    last: Delta | None = None  # the latest delta (the finished one at the end)
+
+    def add(self, delta: Delta) -> None:
+        self.parts.append(delta.text)
+        self.token_logprobs += delta.logprobs or []
+        self.num_tokens += len(delta.token_ids)
+        self.last = delta
+
+
+async def _merged(streams: list[AsyncIterator[Delta]]) -> AsyncIterator[tuple[int, Delta]]:
+    """(choice index, delta) from every stream as they come, until all have ended. An exception in
+    one is raised here; closing this early closes them all, so each aborts its engine request.
+    Stream i's first step (its engine add) runs before stream i + 1's: tasks start in order."""
+    arrivals: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncIterator[Delta]) -> None:
+        try:
+            async for delta in stream:
+                arrivals.put_nowait((index, delta, None))
+        except Exception as e:
+            arrivals.put_nowait((index, None, e))
+        else:
+            arrivals.put_nowait((index, None, None))
+
+    tasks = [asyncio.ensure_future(pump(i, stream)) for i, stream in enumerate(streams)]
+    try:
+        num_open = len(streams)
+        while num_open:
+            index, delta, error = await arrivals.get()
+            if error is not None:
+                raise error
+            if delta is None:
+                num_open -= 1
+            else:
+                yield index, delta
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 @dataclass(frozen=True)
@@ -264,14 +338,14 @@ class _Shape:
         """OpenAI's "tool_calls" when the model stopped after calling (not when cut by max_tokens)."""
         return "tool_calls" if reason == "stop" and parser is not None and parser.calls else reason
 
-    def piece_chunk(self, piece: str | ToolCall, parser: ToolCallParser | None, logprobs: dict | None) -> dict:
+    def piece_chunk(self, choice: _Choice, piece: str | ToolCall, logprobs: dict | None) -> dict:
         """A streamed content piece, or a whole tool call (`delta.tool_calls`, index = its place
         among the reply's calls: id, type, name and arguments in one chunk)."""
         if isinstance(piece, str):
-            return self.chunk(piece, None, logprobs=logprobs)
-        entry = piece.to_dict(index=parser.calls.index(piece))
+            return self.chunk(choice.index, piece, None, logprobs=logprobs)
+        entry = piece.to_dict(index=choice.parser.calls.index(piece))
         return OP.chat_completion_chunk(self.id, self.model, self.created, {"tool_calls": [entry]}, None,
-                                       self.include_usage, logprobs)
+                                        self.include_usage, logprobs, choice.index)
 
     def logprobs(self, tokens: list | None, text_offset: int) -> dict | None:
         """Delta.logprobs entries -> the choice's `logprobs` (None when not asked for or none)."""
@@ -281,26 +355,37 @@ class _Shape:
         shaped = [(text(t), lp, [(text(alt), alp) for alt, alp in top]) for t, lp, top in tokens]
         return OP.chat_logprobs(shaped) if self.is_chat else OP.completion_logprobs(shaped, text_offset)
 
-    def chunk(self, text: str, finish_reason: str | None, role: bool = False, logprobs: dict | None = None) -> dict:
+    def chunk(self, index: int, text: str, finish_reason: str | None, role: bool = False,
+              logprobs: dict | None = None) -> dict:
         if not self.is_chat:
-            return OP.completion_response(self.id, self.model, self.created, text, finish_reason,
-                                         with_usage=self.include_usage, logprobs=logprobs)
+            return OP.completion_response(self.id, self.model, self.created,
+                                          [OP.completion_choice(index, text, finish_reason, logprobs)],
+                                          with_usage=self.include_usage)
         delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
         return OP.chat_completion_chunk(self.id, self.model, self.created, delta, finish_reason, self.include_usage,
-                                       logprobs)
+                                        logprobs, index)
 
     def usage_chunk(self, usage: dict) -> dict:
         kind = "chat.completion.chunk" if self.is_chat else "text_completion"
         return OP.usage_chunk(kind, self.id, self.model, self.created, usage)
 
-    def whole(self, text: str, finish_reason: str, usage: dict, logprobs: dict | None = None,
-              tool_calls: list[ToolCall] | None = None) -> dict:
+    def whole(self, choices: list[_Choice], usage: dict) -> dict:
+        shaped = [self._whole_choice(c) for c in choices]
         if self.is_chat:
-            calls = [c.to_dict() for c in tool_calls or []]
-            return OP.chat_completion_response(self.id, self.model, self.created, text, finish_reason, usage, logprobs,
-                                              calls)
-        return OP.completion_response(self.id, self.model, self.created, text, finish_reason, usage,
-                                     logprobs=logprobs)
+            return OP.chat_completion_response(self.id, self.model, self.created, shaped, usage)
+        return OP.completion_response(self.id, self.model, self.created, shaped, usage)
+
+    def _whole_choice(self, choice: _Choice) -> dict:
+        """A finished choice: its text (tool calls taken out), finish reason and logprobs."""
+        text, parser = "".join(choice.parts), choice.parser
+        if parser is not None:
+            text = "".join(p for p in _pieces(parser, text, is_last=True) if isinstance(p, str))
+        reason = self.finish_reason(choice.last.finish_reason or "abort", parser)
+        logprobs = self.logprobs(choice.token_logprobs, 0)
+        if self.is_chat:
+            return OP.chat_choice(choice.index, text, reason, logprobs, [c.to_dict() for c in parser.calls] if parser
+                                  else None)
+        return OP.completion_choice(choice.index, text, reason, logprobs)
 
 
 class _SSEResponse(StreamingResponse):
@@ -337,11 +422,14 @@ async def _until_disconnect(request: Request, work):
     return None if work_task.cancelled() else work_task.result()
 
 
-def _usage(last: Delta, num_prompt_tokens: int, num_tokens: int) -> dict:
-    stats = last.stats
-    if stats is None:
-        return OP.usage_dict(num_prompt_tokens, num_tokens, None)
-    return OP.usage_dict(stats.prompt_tokens or num_prompt_tokens, stats.num_generated, stats.cached_tokens)
+def _usage(choices: list[_Choice], num_prompt_tokens: int) -> dict:
+    """The prompt once (it was computed once), the completion tokens of every choice; cached
+    tokens as choice 0 found them (the others attach the blocks it computed)."""
+    stats = [c.last.stats if c.last is not None else None for c in choices]
+    completion_tokens = sum(st.num_generated if st is not None else c.num_tokens for c, st in zip(choices, stats))
+    if stats[0] is None:
+        return OP.usage_dict(num_prompt_tokens, completion_tokens, None)
+    return OP.usage_dict(stats[0].prompt_tokens or num_prompt_tokens, completion_tokens, stats[0].cached_tokens)
 
 
 def _sse(obj: dict) -> str:

@@ -154,3 +154,23 @@ def test_tags_as_tokens_reach_the_grammar():
     auto = OP.parse_chat_completion_request(ASK, 64, 2048)
     assert auto.params.grammar is None and [t["function"]["name"] for t in auto.tools] == ["get_weather", "now"]
     assert OP.parse_chat_completion_request({**ASK, "tool_choice": "none"}, 64, 2048).tools is None
+
+
+def test_each_of_n_choices_is_parsed_for_calls_on_its_own(client, engine):
+    """Choice i's reply comes from its seed (seed + i): choice 0 calls, choice 1 answers in text."""
+    engine.reply_fn = lambda prompt, params: CALL if params.seed == 5 else "Sunny, I think."
+    body = client.post("/v1/chat/completions", json={**ASK, "n": 2, "seed": 5}).json()
+    calls, text = body["choices"]
+    assert (calls["index"], calls["finish_reason"], calls["message"]["content"]) == (0, "tool_calls", None)
+    assert calls["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
+    assert (text["index"], text["finish_reason"], text["message"]) == (1, "stop", {"role": "assistant",
+                                                                                  "content": "Sunny, I think."})
+    assert [p.seed for p in engine.params[-2:]] == [5, 6]
+    streamed = sse_chunks(client.post("/v1/chat/completions", json={**ASK, "n": 2, "seed": 5, "stream": True}))
+    by_index = {0: [], 1: []}
+    for chunk in streamed:
+        [choice] = chunk["choices"]
+        by_index[choice["index"]].append(choice)
+    assert any("tool_calls" in c["delta"] for c in by_index[0])
+    assert [c["finish_reason"] for c in by_index[0] + by_index[1] if c["finish_reason"]] == ["tool_calls", "stop"]
+    assert "".join(c["delta"].get("content") or "" for c in by_index[1]) == "Sunny, I think."
