@@ -35,6 +35,7 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._stopped = False
         self._stats: dict = engine.pool_stats() | self._spec_stats()
+        engine.grammar_tokenizer.start()  # off the engine thread: the first schema request must not stall a step
         self.released_openmp_team = release_thread_team()
         self._thread = threading.Thread(target=self._run, name="chatserve-engine", daemon=True)
         self._thread.start()

@@ -15,7 +15,7 @@ import torch
 
 from chatserve.batch import BatchItem
 from chatserve.config import EngineConfig, SpecConfig
-from chatserve.grammar import GrammarMatcher, grammar_tokenizer, json_schema_grammar, lark_grammar
+from chatserve.grammar import GrammarMatcher, GrammarTokenizer, json_schema_grammar, lark_grammar
 from chatserve.loading import LoadedModels, load_models
 from chatserve.request import Request, Status
 from chatserve.sampler import Sampler
@@ -63,7 +63,8 @@ class Engine:
         self.spec = SpecRunner.create(config.spec, self.models, config.max_num_seqs) if config.spec else None
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
-        self._grammar_tokenizer = None  # built on the first request with a json_schema or grammar
+        # For requests with a json_schema or grammar: built by its start() (AsyncEngine) or the first such request
+        self.grammar_tokenizer = GrammarTokenizer(self.tokenizer.hf, self.tokenizer.eos_token_ids)
         self.num_prompt_tokens_computed = 0  # prompt positions fed to the target (prefix-cache hits are not)
 
     @classmethod
@@ -122,9 +123,7 @@ class Engine:
                 grammar = json_schema_grammar(json.loads(params.json_schema))
             else:
                 grammar = lark_grammar(params.grammar)
-            if self._grammar_tokenizer is None:  # "Only fast tokenizers are supported" is a ValueError too
-                self._grammar_tokenizer = grammar_tokenizer(self.tokenizer.hf, self.tokenizer.eos_token_ids)
-            return GrammarMatcher(self._grammar_tokenizer, grammar)
+            return GrammarMatcher(self.grammar_tokenizer.get(), grammar)
         except ValueError as e:
             raise ValueError(f"{field}: {e}") from None
 
