@@ -1,7 +1,8 @@
 """OpenAI-compatible routes: /v1/chat/completions and /v1/completions (SSE or whole), /v1/models,
 and vLLM's /tokenize, /detokenize and /version.
 
-A request is checked (access, then admission: a full queue is a 429 before the body is read;
+n > 1 choices run as n engine requests whose deltas are merged as they come; openai_reply.py
+shapes them. A request is checked (access, then admission: a full queue is a 429 before the body is read;
 then body, limits) and waits for its first delta before any header is sent, so refusals are
 proper OpenAI error responses; after that, errors are reported in-band.
 """
@@ -13,8 +14,7 @@ import functools
 import importlib.metadata
 import time
 import uuid
-from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -22,8 +22,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from chatserve import openai_protocol as OP
 from chatserve import protocol as P
 from chatserve.sampling_params import Delta
+from chatserve.server import openai_reply as R
 from chatserve.server.state import AppState
-from chatserve.tool_calls import ToolCall, ToolCallParser
 
 
 def _access_checked(route):
@@ -163,10 +163,10 @@ class OpenAIRoutes:
             await close()
             return Response(status_code=499)  # the client left during the prefill
         token_text = (lambda t: s.engine.detokenize([t])) if req.params.logprobs is not None else None
-        shape = _Shape(is_chat, request_id, s.model_name, int(time.time()), req.include_usage, token_text,
+        shape = R.Shape(is_chat, request_id, s.model_name, int(time.time()), req.include_usage, token_text,
                        tool_names=None if req.tools is None else tuple(t["function"]["name"] for t in req.tools),
                        max_tool_calls=None if req.is_parallel_tool_calls else 1)
-        choices = [_Choice(i, shape.tool_call_parser()) for i in range(req.n)]
+        choices = [R.Choice(i, shape.tool_call_parser()) for i in range(req.n)]
         if req.stream:
             return _SSEResponse(self._events(shape, first, deltas, choices, len(prompt_ids)), close)
         try:
@@ -187,7 +187,7 @@ class OpenAIRoutes:
         return s.generate(prompt_ids, OP.choice_params(params, index), f"{request_id}-{index}",
                           s.metrics.start_request(), prompt_source_id=request_id)
 
-    async def _events(self, shape: "_Shape", first: tuple[int, Delta], deltas, choices: list["_Choice"],
+    async def _events(self, shape: R.Shape, first: tuple[int, Delta], deltas, choices: list[R.Choice],
                       num_prompt_tokens: int) -> AsyncIterator[str]:
         if shape.is_chat:
             for choice in choices:
@@ -201,7 +201,7 @@ class OpenAIRoutes:
                 yield _sse(OP.openai_error(P.ENGINE_ERROR, f"generation failed: {delta.error}", 500))
                 break
             logprobs = shape.logprobs(delta.logprobs, choice.text_offset)
-            pieces = _pieces(choice.parser, delta.text, is_last=delta.finished)
+            pieces = R.reply_pieces(choice.parser, delta.text, is_last=delta.finished)
             for piece in pieces or ([""] if logprobs else []):  # logprobs ride on the delta's first chunk
                 yield _sse(shape.piece_chunk(choice, piece, logprobs))
                 logprobs = None
@@ -211,7 +211,7 @@ class OpenAIRoutes:
                 num_open -= 1
                 if num_open == 0:
                     if shape.include_usage:
-                        yield _sse(shape.usage_chunk(_usage(choices, num_prompt_tokens)))
+                        yield _sse(shape.usage_chunk(R.total_usage(choices, num_prompt_tokens)))
                     break
             try:
                 item = await anext(deltas, None)
@@ -222,7 +222,7 @@ class OpenAIRoutes:
                 break
         yield "data: [DONE]\n\n"
 
-    async def _whole(self, shape: "_Shape", first: tuple[int, Delta], deltas, choices: list["_Choice"],
+    async def _whole(self, shape: R.Shape, first: tuple[int, Delta], deltas, choices: list[R.Choice],
                      num_prompt_tokens: int) -> Response:
         item = first
         while item is not None:
@@ -231,14 +231,7 @@ class OpenAIRoutes:
             if delta.finish_reason == "error":
                 return error_response(P.ProtocolError(P.ENGINE_ERROR, f"generation failed: {delta.error}", 500))
             item = await anext(deltas, None)
-        return JSONResponse(shape.whole(choices, _usage(choices, num_prompt_tokens)))
-
-
-def _pieces(parser: ToolCallParser | None, text: str, is_last: bool) -> list:
-    """A delta's text -> what to send now: content strings and ToolCalls (without tools: the text)."""
-    if parser is None:
-        return [text] if text else []
-    return parser.feed(text) + (parser.finish() if is_last else [])
+        return JSONResponse(shape.whole(choices, R.total_usage(choices, num_prompt_tokens)))
 
 
 class _Hold:
@@ -264,25 +257,6 @@ class _Hold:
             self.is_released = True
             self.admission.release_http()
             self.admission.release_generation(self.num_more_choices)
-
-
-@dataclass
-class _Choice:
-    """One choice's reply as its deltas arrive."""
-
-    index: int
-    parser: ToolCallParser | None  # None: the reply is not parsed for tool calls
-    parts: list[str] = field(default_factory=list)
-    token_logprobs: list = field(default_factory=list)
-    num_tokens: int = 0
-    text_offset: int = 0  # streaming: where the next delta's text starts
-    last: Delta | None = None  # the latest delta (the finished one at the end)
-
-    def add(self, delta: Delta) -> None:
-        self.parts.append(delta.text)
-        self.token_logprobs += delta.logprobs or []
-        self.num_tokens += len(delta.token_ids)
-        self.last = delta
 
 
 async def _merged(streams: list[AsyncIterator[Delta]]) -> AsyncIterator[tuple[int, Delta]]:
@@ -317,77 +291,6 @@ async def _merged(streams: list[AsyncIterator[Delta]]) -> AsyncIterator[tuple[in
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-@dataclass(frozen=True)
-class _Shape:
-    """Shapes chunks and responses for one OpenAI request (chat or text completion)."""
-
-    is_chat: bool
-    id: str
-    model: str
-    created: int
-    include_usage: bool
-    token_text: Callable[[int], str] | None = None  # set when logprobs were asked for
-    tool_names: tuple[str, ...] | None = None  # the tools offered; None: the reply is not parsed for calls
-    max_tool_calls: int | None = None  # parallel_tool_calls false: 1
-
-    def tool_call_parser(self) -> ToolCallParser | None:
-        return None if self.tool_names is None else ToolCallParser(self.max_tool_calls, self.tool_names)
-
-    @staticmethod
-    def finish_reason(reason: str, parser: ToolCallParser | None) -> str:
-        """OpenAI's "tool_calls" when the model stopped after calling (not when cut by max_tokens)."""
-        return "tool_calls" if reason == "stop" and parser is not None and parser.calls else reason
-
-    def piece_chunk(self, choice: _Choice, piece: str | ToolCall, logprobs: dict | None) -> dict:
-        """A streamed content piece, or a whole tool call (`delta.tool_calls`, index = its place
-        among the reply's calls: id, type, name and arguments in one chunk)."""
-        if isinstance(piece, str):
-            return self.chunk(choice.index, piece, None, logprobs=logprobs)
-        entry = piece.to_dict(index=choice.parser.calls.index(piece))
-        return OP.chat_completion_chunk(self.id, self.model, self.created, {"tool_calls": [entry]}, None,
-                                        self.include_usage, logprobs, choice.index)
-
-    def logprobs(self, tokens: list | None, text_offset: int) -> dict | None:
-        """Delta.logprobs entries -> the choice's `logprobs` (None when not asked for or none)."""
-        if self.token_text is None or not tokens:
-            return None
-        text = self.token_text
-        shaped = [(text(t), lp, [(text(alt), alp) for alt, alp in top]) for t, lp, top in tokens]
-        return OP.chat_logprobs(shaped) if self.is_chat else OP.completion_logprobs(shaped, text_offset)
-
-    def chunk(self, index: int, text: str, finish_reason: str | None, role: bool = False,
-              logprobs: dict | None = None) -> dict:
-        if not self.is_chat:
-            return OP.completion_response(self.id, self.model, self.created,
-                                          [OP.completion_choice(index, text, finish_reason, logprobs)],
-                                          with_usage=self.include_usage)
-        delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-        return OP.chat_completion_chunk(self.id, self.model, self.created, delta, finish_reason, self.include_usage,
-                                        logprobs, index)
-
-    def usage_chunk(self, usage: dict) -> dict:
-        kind = "chat.completion.chunk" if self.is_chat else "text_completion"
-        return OP.usage_chunk(kind, self.id, self.model, self.created, usage)
-
-    def whole(self, choices: list[_Choice], usage: dict) -> dict:
-        shaped = [self._whole_choice(c) for c in choices]
-        if self.is_chat:
-            return OP.chat_completion_response(self.id, self.model, self.created, shaped, usage)
-        return OP.completion_response(self.id, self.model, self.created, shaped, usage)
-
-    def _whole_choice(self, choice: _Choice) -> dict:
-        """A finished choice: its text (tool calls taken out), finish reason and logprobs."""
-        text, parser = "".join(choice.parts), choice.parser
-        if parser is not None:
-            text = "".join(p for p in _pieces(parser, text, is_last=True) if isinstance(p, str))
-        reason = self.finish_reason(choice.last.finish_reason or "abort", parser)
-        logprobs = self.logprobs(choice.token_logprobs, 0)
-        if self.is_chat:
-            return OP.chat_choice(choice.index, text, reason, logprobs, [c.to_dict() for c in parser.calls] if parser
-                                  else None)
-        return OP.completion_choice(choice.index, text, reason, logprobs)
-
-
 class _SSEResponse(StreamingResponse):
     """Server-sent events whose generator and engine request are closed however the stream ends."""
 
@@ -420,16 +323,6 @@ async def _until_disconnect(request: Request, work):
             work_task.cancel()
     await asyncio.gather(watch_task, work_task, return_exceptions=True)
     return None if work_task.cancelled() else work_task.result()
-
-
-def _usage(choices: list[_Choice], num_prompt_tokens: int) -> dict:
-    """The prompt once (it was computed once), the completion tokens of every choice; cached
-    tokens as choice 0 found them (the others attach the blocks it computed)."""
-    stats = [c.last.stats if c.last is not None else None for c in choices]
-    completion_tokens = sum(st.num_generated if st is not None else c.num_tokens for c, st in zip(choices, stats))
-    if stats[0] is None:
-        return OP.usage_dict(num_prompt_tokens, completion_tokens, None)
-    return OP.usage_dict(stats[0].prompt_tokens or num_prompt_tokens, completion_tokens, stats[0].cached_tokens)
 
 
 def _sse(obj: dict) -> str:
