@@ -43,6 +43,9 @@ class OpenAIRequest:
     # tools (none given, or tool_choice "none")
     tools: list[dict] | None = None
     is_parallel_tool_calls: bool = True  # false: at most one call
+    # Asked for with the deprecated `functions` / `function_call`: the reply carries
+    # `message.function_call` and finish_reason "function_call", as that API's did
+    is_legacy_functions: bool = False
 
 
 def parse_chat_completion_request(body, max_tokens_limit: int, max_model_len: int,
@@ -54,7 +57,29 @@ def parse_chat_completion_request(body, max_tokens_limit: int, max_model_len: in
     if "messages" not in body:
         raise ProtocolError(BAD_MESSAGE, "'messages' is required", param="messages")
     messages = parse_chat_messages(body["messages"])
-    return _with_tools(OpenAIRequest(**common, messages=messages), body, are_tool_tags_tokens)
+    legacy = _functions_as_tools(body)
+    req = OpenAIRequest(**common, messages=messages, is_legacy_functions=bool(legacy))
+    return _with_tools(req, {**body, **legacy}, are_tool_tags_tokens)
+
+
+def _functions_as_tools(body: dict) -> dict:
+    """The deprecated `functions` and `function_call` as `tools`, `tool_choice` and at most one
+    call (that API's limit): [f, ...] -> [{"type": "function", "function": f}, ...]; "none" and
+    "auto" stay; {"name": n} -> {"type": "function", "function": {"name": n}}. {} when neither is
+    given; either beside tools or tool_choice is a 400 naming it."""
+    functions, call = body.get("functions"), body.get("function_call")
+    if functions is None and call is None:
+        return {}
+    name = "functions" if functions is not None else "function_call"
+    if body.get("tools") is not None or body.get("tool_choice") is not None:
+        raise ProtocolError(INVALID_PARAMS, f"{name}: the deprecated form of tools and tool_choice; give one form, "
+                            "not both", param=name)
+    if not isinstance(functions if functions is not None else [], list):
+        raise ProtocolError(INVALID_PARAMS, "functions: must be a list of {name, description, parameters}",
+                            param="functions")
+    tools = [{"type": "function", "function": f} for f in functions or []]
+    choice = {"type": "function", "function": call} if isinstance(call, dict) else call
+    return {"tools": tools, "tool_choice": choice, "parallel_tool_calls": False}
 
 
 def _with_tools(req: OpenAIRequest, body: dict, are_tool_tags_tokens: bool) -> OpenAIRequest:
@@ -228,11 +253,13 @@ def _finite(logprob: float) -> float:
 
 
 def chat_choice(index: int, text: str, finish_reason: str, logprobs: dict | None = None,
-                tool_calls: list[dict] | None = None) -> dict:
-    """One choice of a chat completion. With tool_calls: the message carries them, and content is
-    null when no text is left."""
+                tool_calls: list[dict] | None = None, is_legacy_functions: bool = False) -> dict:
+    """One choice of a chat completion. With tool_calls: the message carries them (or the first as
+    the deprecated `function_call`), and content is null when no text is left."""
     message = {"role": "assistant", "content": text}
-    if tool_calls:
+    if tool_calls and is_legacy_functions:
+        message = {"role": "assistant", "content": text or None, "function_call": tool_calls[0]["function"]}
+    elif tool_calls:
         message = {"role": "assistant", "content": text or None, "tool_calls": tool_calls}
     return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
 

@@ -46,7 +46,7 @@ CLOSE_SLOW_READER = 4008  # the client left too much output unread; reconnecting
 
 MAX_JSON_DEPTH = 32  # our messages nest 4 deep ({"messages": [{"content": [{"type": ...}]}]})
 
-ROLES = ("system", "user", "assistant", "tool")
+ROLES = ("system", "user", "assistant", "tool", "function")  # function: the deprecated form of tool
 SETTINGS_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                  "frequency_penalty", "logit_bias", "max_tokens", "stop", "seed", "speculation", "spec_method",
                  "num_draft_tokens", "ignore_eos", "response_format")
@@ -160,11 +160,18 @@ def parse_chat_messages(messages) -> list[dict]:
         if role not in ROLES:
             raise ProtocolError(BAD_MESSAGE, f"{where}.role must be one of {list(ROLES)}, got {role!r}", param=where)
         calls = message.get("tool_calls") if role == "assistant" else None
+        if role == "assistant" and calls is None and message.get("function_call") is not None:
+            calls = [{"type": "function", "function": message["function_call"]}]  # the deprecated form
         content = message.get("content")
         out = {"role": role, "content": "" if content is None and calls else _message_text(content, where)}
         if calls:
             out["tool_calls"] = _parse_message_tool_calls(calls, where)
-        if role == "tool":
+        if role == "function":  # the deprecated form of a tool message: names the function, not the call
+            if not isinstance(message.get("name"), str):
+                raise ProtocolError(BAD_MESSAGE, f"{where}.name: a function message needs the name of the function "
+                                    "it answers", param=where)
+            out = {"role": "tool", "content": out["content"], "tool_call_id": message["name"]}
+        elif role == "tool":
             if not isinstance(message.get("tool_call_id"), str):
                 raise ProtocolError(BAD_MESSAGE, f"{where}.tool_call_id: a tool message needs the id of the call "
                                     "it answers", param=where)

@@ -165,7 +165,8 @@ class OpenAIRoutes:
         token_text = (lambda t: s.engine.detokenize([t])) if req.params.logprobs is not None else None
         shape = R.Shape(is_chat, request_id, s.model_name, int(time.time()), req.include_usage, token_text,
                        tool_names=None if req.tools is None else tuple(t["function"]["name"] for t in req.tools),
-                       max_tool_calls=None if req.is_parallel_tool_calls else 1)
+                       max_tool_calls=None if req.is_parallel_tool_calls else 1,
+                       is_legacy_functions=req.is_legacy_functions)
         choices = [R.Choice(i, shape.tool_call_parser()) for i in range(req.n)]
         if req.stream:
             return _SSEResponse(self._events(shape, first, deltas, choices, len(prompt_ids)), close)

@@ -49,23 +49,27 @@ class Shape:
     token_text: Callable[[int], str] | None = None  # set when logprobs were asked for
     tool_names: tuple[str, ...] | None = None  # the tools offered; None: the reply is not parsed for calls
     max_tool_calls: int | None = None  # parallel_tool_calls false: 1
+    is_legacy_functions: bool = False  # a call is `function_call`, not `tool_calls` (OpenAIRequest's)
 
     def tool_call_parser(self) -> ToolCallParser | None:
         return None if self.tool_names is None else ToolCallParser(self.max_tool_calls, self.tool_names)
 
-    @staticmethod
-    def finish_reason(reason: str, parser: ToolCallParser | None) -> str:
-        """OpenAI's "tool_calls" when the model stopped after calling (not when cut by max_tokens)."""
-        return "tool_calls" if reason == "stop" and parser is not None and parser.calls else reason
+    def finish_reason(self, reason: str, parser: ToolCallParser | None) -> str:
+        """OpenAI's "tool_calls" ("function_call") when the model stopped after calling (not when
+        cut by max_tokens)."""
+        if reason != "stop" or parser is None or not parser.calls:
+            return reason
+        return "function_call" if self.is_legacy_functions else "tool_calls"
 
     def piece_chunk(self, choice: Choice, piece: str | ToolCall, logprobs: dict | None) -> dict:
         """A streamed content piece, or a whole tool call (`delta.tool_calls`, index = its place
-        among the reply's calls: id, type, name and arguments in one chunk)."""
+        among the reply's calls: id, type, name and arguments in one chunk; or `delta.function_call`)."""
         if isinstance(piece, str):
             return self.chunk(choice.index, piece, None, logprobs=logprobs)
         entry = piece.to_dict(index=choice.parser.calls.index(piece))
-        return OP.chat_completion_chunk(self.id, self.model, self.created, {"tool_calls": [entry]}, None,
-                                        self.include_usage, logprobs, choice.index)
+        delta = {"function_call": entry["function"]} if self.is_legacy_functions else {"tool_calls": [entry]}
+        return OP.chat_completion_chunk(self.id, self.model, self.created, delta, None, self.include_usage, logprobs,
+                                        choice.index)
 
     def logprobs(self, tokens: list | None, text_offset: int) -> dict | None:
         """Delta.logprobs entries -> the choice's `logprobs` (None when not asked for or none)."""
@@ -103,8 +107,8 @@ class Shape:
         reason = self.finish_reason(choice.last.finish_reason or "abort", parser)
         logprobs = self.logprobs(choice.token_logprobs, 0)
         if self.is_chat:
-            return OP.chat_choice(choice.index, text, reason, logprobs, [c.to_dict() for c in parser.calls] if parser
-                                  else None)
+            calls = [c.to_dict() for c in parser.calls] if parser else None
+            return OP.chat_choice(choice.index, text, reason, logprobs, calls, self.is_legacy_functions)
         return OP.completion_choice(choice.index, text, reason, logprobs)
 
 

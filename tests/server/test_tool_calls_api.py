@@ -174,3 +174,43 @@ def test_each_of_n_choices_is_parsed_for_calls_on_its_own(client, engine):
     assert any("tool_calls" in c["delta"] for c in by_index[0])
     assert [c["finish_reason"] for c in by_index[0] + by_index[1] if c["finish_reason"]] == ["tool_calls", "stop"]
     assert "".join(c["delta"].get("content") or "" for c in by_index[1]) == "Sunny, I think."
+
+
+def test_the_deprecated_functions_api_is_read_as_tools(client, engine):
+    """functions / function_call in, message.function_call and finish_reason "function_call" out
+    (whole and streamed), and the deprecated messages (an assistant's function_call, a function
+    role answer) rendered as a tool call and a tool message."""
+    legacy = {"messages": ASK["messages"], "functions": [WEATHER["function"], NOW["function"]]}
+    engine.reply = CALL
+    choice = client.post("/v1/chat/completions", json=legacy).json()["choices"][0]
+    assert choice["finish_reason"] == "function_call" and "tool_calls" not in choice["message"]
+    assert choice["message"]["content"] is None
+    assert choice["message"]["function_call"]["name"] == "get_weather"
+    assert json.loads(choice["message"]["function_call"]["arguments"]) == {"city": "Paris"}
+    assert engine.params[-1].grammar is None and "<tools>" in engine.detokenize(engine.prompts[-1])
+    client.post("/v1/chat/completions", json={**legacy, "function_call": {"name": "get_weather"}})
+    assert engine.params[-1].grammar is not None  # a named function forces the call, as tool_choice does
+    chunks = sse_chunks(client.post("/v1/chat/completions", json={**legacy, "stream": True}))
+    [call] = [c["choices"][0]["delta"]["function_call"] for c in chunks if "function_call" in c["choices"][0]["delta"]]
+    assert call["name"] == "get_weather" and chunks[-1]["choices"][0]["finish_reason"] == "function_call"
+    client.post("/v1/chat/completions", json={**legacy, "function_call": "none"})
+    assert "<tools>" not in engine.detokenize(engine.prompts[-1])
+
+    engine.reply = "It is sunny in Paris."
+    history = [*ASK["messages"], {"role": "assistant", "content": None, "function_call": {
+        "name": "get_weather", "arguments": '{"city": "Paris"}'}}, {"role": "function", "name": "get_weather",
+                                                                    "content": "sunny"}]
+    answer = client.post("/v1/chat/completions", json={**legacy, "messages": history}).json()["choices"][0]
+    assert answer["message"] == {"role": "assistant", "content": "It is sunny in Paris."}
+    assert "<tool>sunny</tool>" in engine.detokenize(engine.prompts[-1])
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"functions": [WEATHER["function"]], "tools": [WEATHER]}, "functions"),
+    ({"function_call": "auto", "tool_choice": "auto", "tools": [WEATHER]}, "function_call"),
+    ({"functions": {"name": "f"}}, "functions"),
+    ({"functions": [WEATHER["function"]], "function_call": {"name": "nope"}}, "tool_choice"),
+])
+def test_the_deprecated_functions_api_refusals_name_a_field(client, body, param):
+    error = client.post("/v1/chat/completions", json={"messages": ASK["messages"], **body}).json()["error"]
+    assert error["param"] == param and error["code"] == "invalid_params"
