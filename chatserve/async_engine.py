@@ -35,6 +35,7 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._stopped = False
         self._stats: dict = engine.pool_stats() | self._spec_stats()
+        engine.grammar_tokenizer.start()  # off the engine thread: the first schema request must not stall a step
         self.released_openmp_team = release_thread_team()
         self._thread = threading.Thread(target=self._run, name="chatserve-engine", daemon=True)
         self._thread.start()
@@ -61,17 +62,18 @@ class AsyncEngine:
         return self.engine.tokenizer.decode(token_ids)
 
     async def generate(
-        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
+        prompt_source_id: str | None = None,
     ) -> AsyncIterator[Delta]:
         """Stream deltas until the request finishes. Raises ValueError before the first delta
         for a prompt that can never run. Stopping the iteration (aclose, task cancelled)
-        aborts the request and frees its blocks."""
+        aborts the request and frees its blocks. prompt_source_id: Engine.add_request's."""
         self.engine.check_prompt(prompt_token_ids)
         self.engine.check_params(params)
         request_id = request_id or uuid.uuid4().hex
         outbox: asyncio.Queue = asyncio.Queue()
         self._outboxes[request_id] = (asyncio.get_running_loop(), outbox)
-        self._send(("add", request_id, list(prompt_token_ids), params))
+        self._send(("add", request_id, list(prompt_token_ids), params, prompt_source_id))
         finished = False
         try:
             while not finished:
@@ -132,11 +134,11 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if command[0] == "add":
-                _, request_id, prompt, params = command
+                _, request_id, prompt, params, prompt_source_id = command
                 if request_id not in self._outboxes:
                     continue  # the caller already gave up
                 try:
-                    self.engine.add_request(prompt, params, request_id)
+                    self.engine.add_request(prompt, params, request_id, prompt_source_id)
                 except ValueError as exc:
                     self._deliver(Delta(request_id, "", [], "error", error=str(exc)))
             elif command[0] == "abort":

@@ -15,7 +15,7 @@ import torch
 
 from chatserve.batch import BatchItem
 from chatserve.config import EngineConfig, SpecConfig
-from chatserve.grammar import GrammarMatcher, grammar_tokenizer, json_schema_grammar, lark_grammar
+from chatserve.grammar import GrammarMatcher, GrammarTokenizer, json_schema_grammar, lark_grammar
 from chatserve.loading import LoadedModels, load_models
 from chatserve.request import Request, Status
 from chatserve.sampler import Sampler
@@ -39,6 +39,13 @@ def process_memory() -> dict:
     return out
 
 
+def _num_prompt_positions(s: ScheduledSeq) -> int:
+    """How many of the tokens fed for `s` sit at prompt positions (all of a prefill chunk, none of a
+    decode; a preempted request's recompute counts its prompt again)."""
+    start = s.req.num_computed_tokens
+    return max(0, min(start + s.num_new_tokens, s.req.num_prompt_tokens) - start)
+
+
 class Engine:
     def __init__(self, config: EngineConfig, models: LoadedModels | None = None):
         self.config = config
@@ -56,7 +63,9 @@ class Engine:
         self.spec = SpecRunner.create(config.spec, self.models, config.max_num_seqs) if config.spec else None
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
-        self._grammar_tokenizer = None  # built on the first request with a json_schema or grammar
+        # For requests with a json_schema or grammar: built by its start() (AsyncEngine) or the first such request
+        self.grammar_tokenizer = GrammarTokenizer(self.tokenizer.hf, self.tokenizer.eos_token_ids)
+        self.num_prompt_tokens_computed = 0  # prompt positions fed to the target (prefix-cache hits are not)
         # train-head's data: called as observer(scheduled, items, features) after every step
         # with the target's features for every fed row (head_data.FeatureRecorder)
         self.feature_observer = None
@@ -66,7 +75,10 @@ class Engine:
         return cls(EngineConfig.from_dict({"model": model, **kwargs}))
 
     # -- requests -------------------------------------------------------------------------
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                    prompt_source_id: str | None = None) -> str:
+        """prompt_source_id: a running request with the same prompt (an earlier choice of one n > 1
+        request); this one waits until that one has computed the prompt, then shares its blocks."""
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already running")
@@ -74,6 +86,9 @@ class Engine:
         self.check_params(params)
         req = Request(request_id, list(prompt_token_ids), params)
         req.detok = IncrementalDetokenizer(self.tokenizer.decode, params.stop)
+        source = self.requests.get(prompt_source_id) if prompt_source_id is not None else None
+        if source is not None and source.prompt_token_ids == req.prompt_token_ids:
+            req.prompt_source = source
         if params.json_schema is not None or params.grammar is not None:
             req.grammar = self._grammar_matcher(params)
         if self.spec:
@@ -111,9 +126,7 @@ class Engine:
                 grammar = json_schema_grammar(json.loads(params.json_schema))
             else:
                 grammar = lark_grammar(params.grammar)
-            if self._grammar_tokenizer is None:  # "Only fast tokenizers are supported" is a ValueError too
-                self._grammar_tokenizer = grammar_tokenizer(self.tokenizer.hf, self.tokenizer.eos_token_ids)
-            return GrammarMatcher(self._grammar_tokenizer, grammar)
+            return GrammarMatcher(self.grammar_tokenizer.get(), grammar)
         except ValueError as e:
             raise ValueError(f"{field}: {e}") from None
 
@@ -171,6 +184,7 @@ class Engine:
             return []
         num_prompts = sum(s.req.is_prefilling for s in scheduled)
         num_prompt_tokens = sum(s.num_new_tokens for s in scheduled if s.req.is_prefilling)
+        self.num_prompt_tokens_computed += sum(_num_prompt_positions(s) for s in scheduled)
         if self.spec:
             self.spec.propose(scheduled)
         items = [self._batch_item(s) for s in scheduled]
@@ -306,6 +320,7 @@ class Engine:
             "prefix_cache_queries": bm.num_prefix_queries,
             "prefix_cache_hits": bm.num_prefix_hits,
             "num_preemptions": self.scheduler.num_preemptions,
+            "prompt_tokens_computed": self.num_prompt_tokens_computed,
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
         }

@@ -32,6 +32,8 @@ _ENGINE_COUNTERS = {
     "prefix_cache_queries": ("chatserve:prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
     "prefix_cache_hits": ("chatserve:prefix_cache_hits", "Prompt tokens found in the prefix cache."),
     "num_preemptions": ("chatserve:num_preemptions", "Requests preempted (blocks freed, recomputed later)."),
+    "prompt_tokens_computed": ("chatserve:prompt_tokens_computed",
+                               "Prompt tokens fed to the target model (prefix-cache hits not included)."),
     "spec_num_drafts": ("chatserve:spec_decode_num_drafts", "Verification steps with at least one draft token."),
     "spec_num_draft_tokens": ("chatserve:spec_decode_num_draft_tokens", "Draft tokens proposed."),
     "spec_num_accepted_tokens": ("chatserve:spec_decode_num_accepted_tokens", "Draft tokens accepted."),

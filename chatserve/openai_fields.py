@@ -2,7 +2,7 @@
 
 Nothing is silently ignored: a field that would change the reply's content or shape and is not
 implemented is refused with a 400 naming it, unless it is set to the value that asks for nothing
-(`n: 1`, `functions: []`, `logprobs: false`). Parsing the fields that are read is protocol.py's.
+(`best_of: 1`, `echo: false`, `suffix: ""`). Parsing the fields that are read is openai_protocol.py's.
 """
 
 from __future__ import annotations
@@ -11,13 +11,14 @@ import json
 
 UNSUPPORTED_PARAMETER = "unsupported_parameter"  # OpenAI's own code for a field a model does not take
 
-# Read by protocol._parse_openai_common (sampling extensions as in vLLM: top_k, min_p, ...).
+# Read by openai_protocol._parse_openai_common (sampling extensions as in vLLM: top_k, min_p, ...).
 COMMON_FIELDS = frozenset({
-    "model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "seed", "stop",
+    "model", "n", "stream", "stream_options", "max_tokens", "temperature", "top_p", "seed", "stop",
     "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs",
     "top_logprobs", "response_format", "ignore_eos", "speculation", "spec_method", "num_draft_tokens",
 })
-CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "tools", "tool_choice", "parallel_tool_calls"}
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "tools", "tool_choice", "parallel_tool_calls",
+                               "functions", "function_call"}  # the last two: read as tools and tool_choice
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "max_completion_tokens"}
 
 # Accepted and not acted on: none of them changes what the model writes or the response's shape.
@@ -28,10 +29,6 @@ METADATA_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "promp
 
 # field -> (the values that ask for nothing, why the field is refused otherwise)
 UNSUPPORTED_FIELDS: dict[str, tuple[tuple, str]] = {
-    # The deprecated forerunners of tools / tool_choice: send those instead.
-    "functions": (([],), "the deprecated functions API is not implemented; use tools"),
-    "function_call": (("none",), "the deprecated functions API is not implemented; use tool_choice"),
-    "n": ((1,), "only one choice per request (n = 1) is implemented"),
     "best_of": ((1,), "only best_of = 1 is implemented"),
     "echo": ((False,), "echo is not implemented"),
     "suffix": (("",), "suffix (insertion) is not implemented"),

@@ -59,6 +59,10 @@ class Request:
     new_logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
     detok: object | None = None  # chatserve.tokenizer.IncrementalDetokenizer
     grammar: GrammarMatcher | None = None  # what the output must match (params.json_schema); None = free text
+    # A sibling with the same prompt (choice 0 of an n > 1 request) that computes it: this request
+    # waits to be admitted until that one's prompt KV is committed, then attaches it from the prefix
+    # cache instead of computing it again. None: no wait (or the wait is over).
+    prompt_source: Request | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -120,7 +120,7 @@ class Scheduler:
         stream_budget = self.prompt_budget(True)
         prefills = [r for r in self.running if r.is_prefilling]
         free_slots = max(self.max_num_seqs - len(self.running), 0)
-        arrivals = [self._attach_cached_prefix(r) for r in islice(self.waiting, free_slots)]
+        arrivals = [self._attach_cached_prefix(r) for r in self._admissible(free_slots)]
         admitting = True
         for req in sorted(prefills + arrivals, key=lambda r: r.num_uncomputed_tokens):
             if prompt_budget <= 0:
@@ -144,6 +144,10 @@ class Scheduler:
                 # its first token ends this step: the prompts after it must not hold it up either
                 prompt_budget = min(prompt_budget, stream_budget)
         return scheduled
+
+    def _admissible(self, free_slots: int) -> list[Request]:
+        """The first `free_slots` waiting requests that wait for no sibling's prompt."""
+        return list(islice((r for r in self.waiting if not _waits_for_prompt_source(r)), free_slots))
 
     def _attach_cached_prefix(self, req: Request) -> Request:
         """A waiting request's first look at the prefix cache (again after a preemption)."""
@@ -170,7 +174,7 @@ class Scheduler:
         num_decodes = sum(1 for r in self.running if not r.is_prefilling)
         pending = sum(r.num_uncomputed_tokens for r in self.running if r.is_prefilling)
         free_slots = max(self.max_num_seqs - len(self.running), 0)
-        pending += sum(r.num_uncomputed_tokens for r in islice(self.waiting, free_slots))
+        pending += sum(r.num_uncomputed_tokens for r in self._admissible(free_slots))
         return min(pending, max(self.max_num_batched_tokens - num_decodes, 0), self.prompt_budget(num_decodes > 0))
 
     def _allocate_or_preempt(self, req: Request, num_tokens: int, scheduled: list[ScheduledSeq]) -> bool:
@@ -202,3 +206,14 @@ class Scheduler:
         self.bm.free(req.table)
         req.status = Status.FINISHED
         req.finish_reason = reason
+
+
+def _waits_for_prompt_source(req: Request) -> bool:
+    """True while req.prompt_source is queued or still computing the prompt; then the link is
+    dropped, so a source preempted later (or finished) holds nobody up."""
+    source = req.prompt_source
+    if source is not None and (source.status == Status.WAITING or
+                               (source.status == Status.RUNNING and source.is_prefilling)):
+        return True
+    req.prompt_source = None
+    return False

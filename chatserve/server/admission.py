@@ -41,17 +41,22 @@ class Admission:
     def release_connection(self) -> None:
         self.num_connections -= 1
 
-    def acquire_generation(self) -> None:
+    @property
+    def max_generations(self) -> int:
+        return self.max_running + self.max_queued
+
+    def acquire_generation(self, num: int = 1) -> None:
+        """`num` generations at once (the choices of an n > 1 request), all or none."""
         self._check_not_draining()
-        if self.num_generations >= self.max_running + self.max_queued:
+        if self.num_generations + num > self.max_generations:
             raise P.ProtocolError(P.QUEUE_FULL, f"server busy: {self.num_generations} generations in flight, the "
                                   f"limit ({self.max_running} running + {self.max_queued} queued); retry later",
                                   429, retry_after=BUSY_RETRY_AFTER)
-        self.num_generations += 1
+        self.num_generations += num
         self._no_generations.clear()
 
-    def release_generation(self) -> None:
-        self.num_generations -= 1
+    def release_generation(self, num: int = 1) -> None:
+        self.num_generations -= num
         if self.num_generations == 0:
             self._no_generations.set()
 

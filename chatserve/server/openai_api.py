@@ -1,7 +1,8 @@
 """OpenAI-compatible routes: /v1/chat/completions and /v1/completions (SSE or whole), /v1/models,
 and vLLM's /tokenize, /detokenize and /version.
 
-A request is checked (access, then admission: a full queue is a 429 before the body is read;
+n > 1 choices run as n engine requests whose deltas are merged as they come; openai_reply.py
+shapes them. A request is checked (access, then admission: a full queue is a 429 before the body is read;
 then body, limits) and waits for its first delta before any header is sent, so refusals are
 proper OpenAI error responses; after that, errors are reported in-band.
 """
@@ -13,16 +14,16 @@ import functools
 import importlib.metadata
 import time
 import uuid
-from dataclasses import dataclass
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from chatserve import openai_protocol as OP
 from chatserve import protocol as P
 from chatserve.sampling_params import Delta
+from chatserve.server import openai_reply as R
 from chatserve.server.state import AppState
-from chatserve.tool_calls import ToolCall, ToolCallParser
 
 
 def _access_checked(route):
@@ -51,19 +52,19 @@ class OpenAIRoutes:
     @_access_checked
     async def models(self, request: Request) -> Response:
         s = self.state
-        return JSONResponse(P.models_response(s.model_name, s.engine.max_model_len, s.created))
+        return JSONResponse(OP.models_response(s.model_name, s.engine.max_model_len, s.created))
 
     @_access_checked
     async def model(self, request: Request) -> Response:
         s = self.state
         self._check_model(request.path_params["model_id"])
-        return JSONResponse(P.model_object(s.model_name, s.engine.max_model_len, s.created))
+        return JSONResponse(OP.model_object(s.model_name, s.engine.max_model_len, s.created))
 
     @_access_checked
     async def tokenize(self, request: Request) -> Response:
         """A prompt, or messages through the chat template as /v1/chat/completions applies it."""
         s = self.state
-        req = P.parse_tokenize_request(await self._read_json(request))
+        req = OP.parse_tokenize_request(await self._read_json(request))
         if req.messages is not None:
             token_ids = await s.tokenize_chat(req.messages, req.add_generation_prompt)
         else:
@@ -73,7 +74,7 @@ class OpenAIRoutes:
     @_access_checked
     async def detokenize(self, request: Request) -> Response:
         s = self.state
-        token_ids = P.parse_detokenize_request(await self._read_json(request), s.engine.vocab_size)
+        token_ids = OP.parse_detokenize_request(await self._read_json(request), s.engine.vocab_size)
         return JSONResponse({"prompt": await s.detokenize(token_ids)})
 
     @_access_checked
@@ -104,58 +105,50 @@ class OpenAIRoutes:
         return P.loads(bytes(body), "request body")
 
     async def _complete(self, request: Request, is_chat: bool) -> Response:
-        s = self.state
         try:
-            s.access.check_http(request.headers)
-            s.admission.acquire_http()
+            self.state.access.check_http(request.headers)
+            hold = _Hold(self.state.admission)
         except P.ProtocolError as e:
             return error_response(e)
-        is_released = False
-
-        def release() -> None:  # exactly once, however the request ends
-            nonlocal is_released
-            if not is_released:
-                is_released = True
-                s.admission.release_http()
-
         try:
-            return await self._admitted(request, is_chat, release)
+            return await self._admitted(request, is_chat, hold)
         except BaseException:
-            release()
+            hold.release()
             raise
 
-    async def _admitted(self, request: Request, is_chat: bool, release) -> Response:
-        """_complete once admitted; `release` frees the admission, here or when a stream ends."""
+    async def _admitted(self, request: Request, is_chat: bool, hold: "_Hold") -> Response:
+        """_complete once admitted; `hold` is released here or when a stream ends."""
         s = self.state
         timer = s.metrics.start_request()
         try:
             body = await self._read_json(request)
             if is_chat:
-                req = P.parse_chat_completion_request(body, s.config.max_tokens_limit, s.engine.max_model_len,
-                                                      s.sampling_defaults, s.engine.are_tool_tags_tokens)
+                req = OP.parse_chat_completion_request(body, s.config.max_tokens_limit, s.engine.max_model_len,
+                                                       s.sampling_defaults, s.engine.are_tool_tags_tokens)
             else:
-                req = P.parse_completion_request(body, s.config.max_tokens_limit, s.engine.max_model_len,
-                                                 s.sampling_defaults)
+                req = OP.parse_completion_request(body, s.config.max_tokens_limit, s.engine.max_model_len,
+                                                  s.sampling_defaults)
             P.check_spec_method(req.params, s.engine.spec_methods)
             if req.model is not None:
                 self._check_model(req.model)
+            hold.add_choices(req.n - 1)
             if is_chat:
                 prompt_ids = await s.tokenize_chat(req.messages, tools=req.tools)
             else:
                 prompt_ids = req.prompt_token_ids or await s.tokenize(req.prompt)
             s.access.check_prompt(prompt_ids)
         except P.ProtocolError as e:
-            release()
+            hold.release()
             return error_response(e)
         request_id = ("chatcmpl-" if is_chat else "cmpl-") + uuid.uuid4().hex
-        params = P.fit_to_context(req.params, len(prompt_ids), s.engine.max_model_len)
-        deltas = s.generate(prompt_ids, params, request_id, timer)
+        params = OP.fit_to_context(req.params, len(prompt_ids), s.engine.max_model_len)
+        deltas = _merged([self._choice_deltas(prompt_ids, params, request_id, i, timer) for i in range(req.n)])
 
         async def close() -> None:
             try:
                 await deltas.aclose()
             finally:
-                release()
+                hold.release()
 
         try:  # wait for the first delta before answering: the engine's ValueError (too long) becomes a 400
             first = await _until_disconnect(request, anext(deltas))
@@ -170,136 +163,133 @@ class OpenAIRoutes:
             await close()
             return Response(status_code=499)  # the client left during the prefill
         token_text = (lambda t: s.engine.detokenize([t])) if req.params.logprobs is not None else None
-        shape = _Shape(is_chat, request_id, s.model_name, int(time.time()), req.include_usage, token_text,
+        shape = R.Shape(is_chat, request_id, s.model_name, int(time.time()), req.include_usage, token_text,
                        tool_names=None if req.tools is None else tuple(t["function"]["name"] for t in req.tools),
-                       max_tool_calls=None if req.is_parallel_tool_calls else 1)
+                       max_tool_calls=None if req.is_parallel_tool_calls else 1,
+                       is_legacy_functions=req.is_legacy_functions)
+        choices = [R.Choice(i, shape.tool_call_parser()) for i in range(req.n)]
         if req.stream:
-            return _SSEResponse(self._events(shape, first, deltas, len(prompt_ids)), close)
+            return _SSEResponse(self._events(shape, first, deltas, choices, len(prompt_ids)), close)
         try:
-            whole = await _until_disconnect(request, self._whole(shape, first, deltas, len(prompt_ids)))
+            whole = await _until_disconnect(request, self._whole(shape, first, deltas, choices, len(prompt_ids)))
             return whole or Response(status_code=499)
         except P.ProtocolError as e:
             return error_response(e)
         finally:
             await close()
 
-    async def _events(self, shape: "_Shape", first: Delta, deltas, num_prompt_tokens: int) -> AsyncIterator[str]:
+    def _choice_deltas(self, prompt_ids: list[int], params, request_id: str, index: int,
+                       timer) -> AsyncIterator[Delta]:
+        """Choice `index` as an engine request of its own: choice 0 under the request's id and timer,
+        the others named after it, waiting for it to compute the prompt and then sharing its blocks."""
+        s = self.state
+        if index == 0:
+            return s.generate(prompt_ids, params, request_id, timer)
+        return s.generate(prompt_ids, OP.choice_params(params, index), f"{request_id}-{index}",
+                          s.metrics.start_request(), prompt_source_id=request_id)
+
+    async def _events(self, shape: R.Shape, first: tuple[int, Delta], deltas, choices: list[R.Choice],
+                      num_prompt_tokens: int) -> AsyncIterator[str]:
         if shape.is_chat:
-            yield _sse(shape.chunk("", None, role=True))
-        delta, num_tokens, text_offset = first, 0, 0
-        parser = shape.tool_call_parser()
+            for choice in choices:
+                yield _sse(shape.chunk(choice.index, "", None, role=True))
+        item, num_open = first, len(choices)
         while True:
-            num_tokens += len(delta.token_ids)
+            index, delta = item
+            choice = choices[index]
+            choice.add(delta)
             if delta.finish_reason == "error":
-                yield _sse(P.openai_error(P.ENGINE_ERROR, f"generation failed: {delta.error}", 500))
+                yield _sse(OP.openai_error(P.ENGINE_ERROR, f"generation failed: {delta.error}", 500))
                 break
-            logprobs = shape.logprobs(delta.logprobs, text_offset)
-            pieces = _pieces(parser, delta.text, is_last=delta.finished)
+            logprobs = shape.logprobs(delta.logprobs, choice.text_offset)
+            pieces = R.reply_pieces(choice.parser, delta.text, is_last=delta.finished)
             for piece in pieces or ([""] if logprobs else []):  # logprobs ride on the delta's first chunk
-                yield _sse(shape.piece_chunk(piece, parser, logprobs))
+                yield _sse(shape.piece_chunk(choice, piece, logprobs))
                 logprobs = None
-            text_offset += len(delta.text)
+            choice.text_offset += len(delta.text)
             if delta.finished:
-                yield _sse(shape.chunk("", shape.finish_reason(delta.finish_reason, parser)))
-                if shape.include_usage:
-                    yield _sse(shape.usage_chunk(_usage(delta, num_prompt_tokens, num_tokens)))
-                break
+                yield _sse(shape.chunk(index, "", shape.finish_reason(delta.finish_reason, choice.parser)))
+                num_open -= 1
+                if num_open == 0:
+                    if shape.include_usage:
+                        yield _sse(shape.usage_chunk(R.total_usage(choices, num_prompt_tokens)))
+                    break
             try:
-                delta = await anext(deltas, None)
+                item = await anext(deltas, None)
             except P.ProtocolError as e:  # headers are sent: report in-band, as OpenAI does
-                yield _sse(P.openai_error(e.code, e.message, e.status))
+                yield _sse(OP.openai_error(e.code, e.message, e.status))
                 break
-            if delta is None:
+            if item is None:
                 break
         yield "data: [DONE]\n\n"
 
-    async def _whole(self, shape: "_Shape", first: Delta, deltas, num_prompt_tokens: int) -> Response:
-        parts, num_tokens, delta, token_logprobs = [], 0, first, []
-        while True:
-            parts.append(delta.text)
-            token_logprobs += delta.logprobs or []
-            num_tokens += len(delta.token_ids)
-            following = None if delta.finished else await anext(deltas, None)
-            if following is None:
-                break
-            delta = following
-        if delta.finish_reason == "error":
-            return error_response(P.ProtocolError(P.ENGINE_ERROR, f"generation failed: {delta.error}", 500))
-        usage = _usage(delta, num_prompt_tokens, num_tokens)
-        logprobs = shape.logprobs(token_logprobs, 0)
-        parser = shape.tool_call_parser()
-        text = "".join(parts)
-        if parser is not None:
-            text = "".join(p for p in _pieces(parser, text, is_last=True) if isinstance(p, str))
-        finish_reason = shape.finish_reason(delta.finish_reason or "abort", parser)
-        return JSONResponse(shape.whole(text, finish_reason, usage, logprobs, parser.calls if parser else None))
+    async def _whole(self, shape: R.Shape, first: tuple[int, Delta], deltas, choices: list[R.Choice],
+                     num_prompt_tokens: int) -> Response:
+        item = first
+        while item is not None:
+            index, delta = item
+            choices[index].add(delta)
+            if delta.finish_reason == "error":
+                return error_response(P.ProtocolError(P.ENGINE_ERROR, f"generation failed: {delta.error}", 500))
+            item = await anext(deltas, None)
+        return JSONResponse(shape.whole(choices, R.total_usage(choices, num_prompt_tokens)))
 
 
-def _pieces(parser: ToolCallParser | None, text: str, is_last: bool) -> list:
-    """A delta's text -> what to send now: content strings and ToolCalls (without tools: the text)."""
-    if parser is None:
-        return [text] if text else []
-    return parser.feed(text) + (parser.finish() if is_last else [])
+class _Hold:
+    """What one HTTP request holds of the admission: a connection and a generation per choice,
+    released exactly once however the request ends."""
+
+    def __init__(self, admission):
+        self.admission = admission
+        admission.acquire_http()  # a full queue is a 429 before the body is read
+        self.num_more_choices = 0
+        self.is_released = False
+
+    def add_choices(self, num: int) -> None:
+        """`num` more generations (choices 1..n-1); 400 naming `n` when n could never be admitted."""
+        if 1 + num > self.admission.max_generations:
+            raise P.ProtocolError(P.INVALID_PARAMS, f"n: {1 + num} choices are more generations than this server "
+                                  f"takes at once ({self.admission.max_generations})", param="n")
+        self.admission.acquire_generation(num)
+        self.num_more_choices = num
+
+    def release(self) -> None:
+        if not self.is_released:
+            self.is_released = True
+            self.admission.release_http()
+            self.admission.release_generation(self.num_more_choices)
 
 
-@dataclass(frozen=True)
-class _Shape:
-    """Shapes chunks and responses for one OpenAI request (chat or text completion)."""
+async def _merged(streams: list[AsyncIterator[Delta]]) -> AsyncIterator[tuple[int, Delta]]:
+    """(choice index, delta) from every stream as they come, until all have ended. An exception in
+    one is raised here; closing this early closes them all, so each aborts its engine request.
+    Stream i's first step (its engine add) runs before stream i + 1's: tasks start in order."""
+    arrivals: asyncio.Queue = asyncio.Queue()
 
-    is_chat: bool
-    id: str
-    model: str
-    created: int
-    include_usage: bool
-    token_text: Callable[[int], str] | None = None  # set when logprobs were asked for
-    tool_names: tuple[str, ...] | None = None  # the tools offered; None: the reply is not parsed for calls
-    max_tool_calls: int | None = None  # parallel_tool_calls false: 1
+    async def pump(index: int, stream: AsyncIterator[Delta]) -> None:
+        try:
+            async for delta in stream:
+                arrivals.put_nowait((index, delta, None))
+        except Exception as e:
+            arrivals.put_nowait((index, None, e))
+        else:
+            arrivals.put_nowait((index, None, None))
 
-    def tool_call_parser(self) -> ToolCallParser | None:
-        return None if self.tool_names is None else ToolCallParser(self.max_tool_calls, self.tool_names)
-
-    @staticmethod
-    def finish_reason(reason: str, parser: ToolCallParser | None) -> str:
-        """OpenAI's "tool_calls" when the model stopped after calling (not when cut by max_tokens)."""
-        return "tool_calls" if reason == "stop" and parser is not None and parser.calls else reason
-
-    def piece_chunk(self, piece: str | ToolCall, parser: ToolCallParser | None, logprobs: dict | None) -> dict:
-        """A streamed content piece, or a whole tool call (`delta.tool_calls`, index = its place
-        among the reply's calls: id, type, name and arguments in one chunk)."""
-        if isinstance(piece, str):
-            return self.chunk(piece, None, logprobs=logprobs)
-        entry = piece.to_dict(index=parser.calls.index(piece))
-        return P.chat_completion_chunk(self.id, self.model, self.created, {"tool_calls": [entry]}, None,
-                                       self.include_usage, logprobs)
-
-    def logprobs(self, tokens: list | None, text_offset: int) -> dict | None:
-        """Delta.logprobs entries -> the choice's `logprobs` (None when not asked for or none)."""
-        if self.token_text is None or not tokens:
-            return None
-        text = self.token_text
-        shaped = [(text(t), lp, [(text(alt), alp) for alt, alp in top]) for t, lp, top in tokens]
-        return P.chat_logprobs(shaped) if self.is_chat else P.completion_logprobs(shaped, text_offset)
-
-    def chunk(self, text: str, finish_reason: str | None, role: bool = False, logprobs: dict | None = None) -> dict:
-        if not self.is_chat:
-            return P.completion_response(self.id, self.model, self.created, text, finish_reason,
-                                         with_usage=self.include_usage, logprobs=logprobs)
-        delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-        return P.chat_completion_chunk(self.id, self.model, self.created, delta, finish_reason, self.include_usage,
-                                       logprobs)
-
-    def usage_chunk(self, usage: dict) -> dict:
-        kind = "chat.completion.chunk" if self.is_chat else "text_completion"
-        return P.usage_chunk(kind, self.id, self.model, self.created, usage)
-
-    def whole(self, text: str, finish_reason: str, usage: dict, logprobs: dict | None = None,
-              tool_calls: list[ToolCall] | None = None) -> dict:
-        if self.is_chat:
-            calls = [c.to_dict() for c in tool_calls or []]
-            return P.chat_completion_response(self.id, self.model, self.created, text, finish_reason, usage, logprobs,
-                                              calls)
-        return P.completion_response(self.id, self.model, self.created, text, finish_reason, usage,
-                                     logprobs=logprobs)
+    tasks = [asyncio.ensure_future(pump(i, stream)) for i, stream in enumerate(streams)]
+    try:
+        num_open = len(streams)
+        while num_open:
+            index, delta, error = await arrivals.get()
+            if error is not None:
+                raise error
+            if delta is None:
+                num_open -= 1
+            else:
+                yield index, delta
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 class _SSEResponse(StreamingResponse):
@@ -336,18 +326,11 @@ async def _until_disconnect(request: Request, work):
     return None if work_task.cancelled() else work_task.result()
 
 
-def _usage(last: Delta, num_prompt_tokens: int, num_tokens: int) -> dict:
-    stats = last.stats
-    if stats is None:
-        return P.usage_dict(num_prompt_tokens, num_tokens, None)
-    return P.usage_dict(stats.prompt_tokens or num_prompt_tokens, stats.num_generated, stats.cached_tokens)
-
-
 def _sse(obj: dict) -> str:
     return f"data: {P.dumps(obj)}\n\n"
 
 
 def error_response(error: P.ProtocolError) -> JSONResponse:
     headers = {"Retry-After": str(error.retry_after)} if error.retry_after is not None else None
-    return JSONResponse(P.openai_error(error.code, error.message, error.status, error.param), status_code=error.status,
+    return JSONResponse(OP.openai_error(error.code, error.message, error.status, error.param), status_code=error.status,
                         headers=headers)

@@ -59,13 +59,14 @@ class AppState:
             raise P.ProtocolError(P.BAD_MESSAGE, f"cannot detokenize: {e}", param="tokens") from None
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
-                       timer: RequestTimer) -> AsyncIterator[Delta]:
+                       timer: RequestTimer, prompt_source_id: str | None = None) -> AsyncIterator[Delta]:
         """engine.generate plus metrics; closing this early (aclose, cancel) aborts the request.
+        prompt_source_id: an earlier choice of the same request, whose prompt blocks this one shares.
 
         The engine's ValueError before the first delta becomes ProtocolError(invalid_prompt); an
         exception after that becomes ProtocolError(engine_error). An "error" delta is passed on.
         """
-        deltas = self.engine.generate(prompt_ids, params, request_id)
+        deltas = self.engine.generate(prompt_ids, params, request_id, prompt_source_id)
         is_finished, num_deltas = False, 0
         self.request_ids.add(request_id)
         try:

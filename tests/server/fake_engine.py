@@ -68,8 +68,9 @@ class FakeEngine:
 
     # ---- generation
 
-    async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
-                       request_id: str | None = None) -> AsyncIterator[Delta]:
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                       prompt_source_id: str | None = None) -> AsyncIterator[Delta]:
+        """prompt_source_id is taken and not acted on: sharing blocks is the real engine's (its tests)."""
         request_id = request_id or uuid.uuid4().hex
         prompt_text = self.detokenize(prompt_token_ids)
         if len(prompt_token_ids) >= self.max_model_len:

@@ -110,3 +110,26 @@ def test_draining_refuses_new_http_and_ws_work(make_client):
         assert chat(ws, id="t", content="hi")[-1]["code"] == "shutting_down"
         health = client.get("/health")
         assert health.status_code == 503 and health.json()["status"] == "draining"
+
+
+def test_each_choice_of_n_is_a_generation(make_client):
+    """1 running + 2 queued: n = 4 can never be admitted (400 naming n); n = 3 fits an idle server
+    and is a 429 beside one generation in flight; all counts come back to zero."""
+    engine = FakeEngine("slow " * 200, token_delay=0.01, max_num_seqs=1)
+    client = make_client(engine, max_queued_requests=2)
+    admission = client.app.state.server.admission
+    error = client.post("/v1/chat/completions", json={**BODY, "n": 4}).json()["error"]
+    assert error["param"] == "n" and error["code"] == "invalid_params" and "(3)" in error["message"]
+    with client.websocket_connect("/ws") as ws:
+        ws.receive_json()
+        ws.send_json({"type": "chat", "id": "a", "content": "one"})
+        wait_for(lambda: admission.num_generations == 1)
+        response = client.post("/v1/chat/completions", json={**BODY, "n": 3})
+        assert response.status_code == 429 and response.json()["error"]["code"] == "queue_full"
+        assert admission.num_generations == 1 and admission.num_connections == 1
+        ws.send_json({"type": "cancel"})
+        wait_for(lambda: admission.num_generations == 0)
+    engine.token_delay = 0
+    body = client.post("/v1/chat/completions", json={**BODY, "n": 3, "max_tokens": 3}).json()
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+    wait_for(lambda: admission.num_generations == 0 and admission.num_connections == 0)

@@ -59,7 +59,7 @@ TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"
 
 
 @pytest.mark.parametrize("kwargs,param", [
-    ({"functions": [TOOL["function"]]}, "functions"), ({"n": 2}, "n"), ({"extra_body": {"echo": True}}, "echo"),
+    ({"extra_body": {"best_of": 2}}, "best_of"), ({"extra_body": {"echo": True}}, "echo"),
     ({"reasoning_effort": "low"}, "reasoning_effort"),
     ({"extra_body": {"chat_template_kwargs": {"x": 1}}}, "chat_template_kwargs"),
 ])

@@ -91,7 +91,7 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", json.dumps({"model": "fake-model"}), 400, "bad_message"),
     ("/v1/chat/completions", json.dumps({**CHAT, "messages": []}), 400, "empty_messages"),
     ("/v1/chat/completions", json.dumps({**CHAT, "model": "gpt-9"}), 404, "model_not_found"),
-    ("/v1/chat/completions", json.dumps({**CHAT, "n": 2}), 400, "unsupported_parameter"),
+    ("/v1/chat/completions", json.dumps({**CHAT, "n": 17}), 400, "invalid_params"),
     ("/v1/chat/completions", json.dumps({**CHAT, "max_tokens": 10 ** 6}), 400, "invalid_params"),
     ("/v1/chat/completions", json.dumps({**CHAT, "temperature": "warm"}), 400, "invalid_params"),
     ("/v1/chat/completions", json.dumps({**CHAT, "stream_options": {"include_usage": True}}), 400, "bad_message"),

@@ -12,14 +12,14 @@ COMPLETION = {"prompt": "Once upon"}
 
 TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
 ASKING = {  # a value of each unsupported field that asks for something
-    "functions": [TOOL["function"]], "function_call": "auto", "n": 2, "best_of": 3, "echo": True,
+    "best_of": 3, "echo": True,
     "suffix": "and they lived",
     "audio": {"voice": "alloy", "format": "wav"}, "modalities": ["text", "audio"],
     "prediction": {"type": "content", "content": "x"}, "web_search_options": {}, "reasoning_effort": "low",
     "verbosity": "low",
 }
-NEUTRAL = {"functions": [], "function_call": "none", "logit_bias": {},
-           "logprobs": False, "top_logprobs": 0, "n": 1, "presence_penalty": 0, "frequency_penalty": 0.0,
+NEUTRAL = {"logit_bias": {},
+           "logprobs": False, "top_logprobs": 0, "presence_penalty": 0, "frequency_penalty": 0.0,
            "modalities": ["text"], "audio": None, "prediction": None, "reasoning_effort": None}
 
 
@@ -75,11 +75,12 @@ def test_unknown_fields_are_refused(client, path, body, name):
 
 
 def test_the_first_refused_field_is_named_in_sorted_order(client):
-    response = client.post("/v1/chat/completions", json={**CHAT, "functions": [TOOL["function"]], "n": 2})
-    assert response.json()["error"]["param"] == "functions"
+    response = client.post("/v1/chat/completions", json={**CHAT, "suffix": "x", "best_of": 2})
+    assert response.json()["error"]["param"] == "best_of"
 
 
-@pytest.mark.parametrize("name, value", [("tools", [TOOL]), ("tool_choice", "none"), ("parallel_tool_calls", False)])
+@pytest.mark.parametrize("name, value", [("tools", [TOOL]), ("tool_choice", "none"), ("parallel_tool_calls", False),
+                                         ("functions", []), ("function_call", "none")])
 def test_tool_fields_are_read_on_chat_and_not_fields_of_completions(client, name, value):
     assert client.post("/v1/chat/completions", json={**CHAT, name: value}).status_code == 200
     error = client.post("/v1/completions", json={**COMPLETION, name: value}).json()["error"]

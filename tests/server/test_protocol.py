@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from chatserve import openai_protocol as OP
 from chatserve import protocol as P
 from chatserve.sampling_params import RequestStats
 
@@ -59,12 +60,12 @@ def test_json_depth_limit_is_exact_and_a_string_full_of_brackets_passes():
 
 
 def test_openai_defaults():
-    chat = P.parse_chat_completion_request({"messages": [{"role": "user", "content": "x"}]}, 4096, 8192)
+    chat = OP.parse_chat_completion_request({"messages": [{"role": "user", "content": "x"}]}, 4096, 8192)
     assert chat.params.max_tokens == 4096 and not chat.stream and not chat.include_usage
-    completion = P.parse_completion_request({"prompt": ["hello"], "stream": True,
+    completion = OP.parse_completion_request({"prompt": ["hello"], "stream": True,
                                              "stream_options": {"include_usage": True}}, 4096, 8192)
     assert completion.prompt == "hello" and completion.params.max_tokens == 16 and completion.include_usage
-    assert P.parse_completion_request({"prompt": [[1, 2]]}, 10, 10).prompt_token_ids == [1, 2]
+    assert OP.parse_completion_request({"prompt": [[1, 2]]}, 10, 10).prompt_token_ids == [1, 2]
 
 
 def test_done_stats_from_request_stats():
@@ -82,11 +83,11 @@ def test_ignore_eos_on_both_endpoints():
     """vLLM's `ignore_eos` extension (benchmarks use it for fixed-length replies)."""
     turn = P.parse_client_message('{"type": "chat", "content": "hi", "params": {"ignore_eos": true}}')
     assert P.build_sampling_params(turn.params, 100).ignore_eos
-    chat = P.parse_chat_completion_request({"messages": [{"role": "user", "content": "x"}], "ignore_eos": True}, 64, 64)
+    chat = OP.parse_chat_completion_request({"messages": [{"role": "user", "content": "x"}], "ignore_eos": True}, 64, 64)
     assert chat.params.ignore_eos
-    assert not P.parse_chat_completion_request({"messages": [{"role": "user", "content": "x"}]}, 64, 64).params.ignore_eos
+    assert not OP.parse_chat_completion_request({"messages": [{"role": "user", "content": "x"}]}, 64, 64).params.ignore_eos
     with pytest.raises(P.ProtocolError) as e:
-        P.parse_chat_completion_request({"messages": [{"role": "user", "content": "x"}], "ignore_eos": "yes"}, 64, 64)
+        OP.parse_chat_completion_request({"messages": [{"role": "user", "content": "x"}], "ignore_eos": "yes"}, 64, 64)
     assert e.value.code == P.INVALID_PARAMS and e.value.param == "ignore_eos"
 
 
@@ -103,8 +104,8 @@ def test_response_format_on_both_endpoints_and_the_websocket(response_format, js
     import json
 
     body = {"response_format": response_format}
-    chat = P.parse_chat_completion_request({"messages": [{"role": "user", "content": "x"}], **body}, 64, 64)
-    completion = P.parse_completion_request({"prompt": "x", **body}, 64, 64)
+    chat = OP.parse_chat_completion_request({"messages": [{"role": "user", "content": "x"}], **body}, 64, 64)
+    completion = OP.parse_completion_request({"prompt": "x", **body}, 64, 64)
     turn = P.parse_client_message(json.dumps({"type": "chat", "content": "hi", "params": body}))
     for params in (chat.params, completion.params, P.build_sampling_params(turn.params, 64)):
         assert (params.json_schema and json.loads(params.json_schema)) == json_schema
@@ -117,7 +118,7 @@ def test_response_format_on_both_endpoints_and_the_websocket(response_format, js
 ])
 def test_bad_response_format_names_it(response_format):
     with pytest.raises(P.ProtocolError) as e:
-        P.parse_chat_completion_request({"messages": [{"role": "user", "content": "x"}],
+        OP.parse_chat_completion_request({"messages": [{"role": "user", "content": "x"}],
                                          "response_format": response_format}, 64, 64)
     assert e.value.code == P.INVALID_PARAMS and e.value.param == "response_format" and e.value.status == 400
     assert e.value.message.startswith("response_format: ")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from chatserve import openai_protocol as OP
 from chatserve import protocol as P
 
 from .conftest import chat
@@ -19,7 +20,7 @@ def test_protocol_parses_and_validates_spec_method():
             P.parse_settings({"spec_method": bad})
         assert e.value.code == P.INVALID_PARAMS and e.value.param == "spec_method"
     with pytest.raises(P.ProtocolError) as e:  # OpenAI bodies go through SamplingParams' own check
-        P.parse_chat_completion_request({"messages": [{"role": "user", "content": "x"}], "spec_method": "medusa"}, 10, 10)
+        OP.parse_chat_completion_request({"messages": [{"role": "user", "content": "x"}], "spec_method": "medusa"}, 10, 10)
     assert e.value.param == "spec_method"
     draft = P.build_sampling_params({"spec_method": "draft"}, 100)
     P.check_spec_method(draft, ("draft", "ngram"))

@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from chatserve import openai_protocol as OP
 from chatserve import protocol as P
 
 WEATHER = {"type": "function", "function": {
@@ -147,9 +148,69 @@ def test_bad_tool_messages_are_refused(message, match):
 def test_tags_as_tokens_reach_the_grammar():
     """With Qwen2.5's tokenizer (<tool_call> an added token) the grammar names the token."""
     body = {**ASK, "tool_choice": "required"}
-    as_tokens = P.parse_chat_completion_request(body, 64, 2048, are_tool_tags_tokens=True).params.grammar
-    as_text = P.parse_chat_completion_request(body, 64, 2048).params.grammar
+    as_tokens = OP.parse_chat_completion_request(body, 64, 2048, are_tool_tags_tokens=True).params.grammar
+    as_text = OP.parse_chat_completion_request(body, 64, 2048).params.grammar
     assert 'tool_call: <tool_call> "\\n"' in as_tokens and 'tool_call: "<tool_call>" "\\n"' in as_text
-    auto = P.parse_chat_completion_request(ASK, 64, 2048)
+    auto = OP.parse_chat_completion_request(ASK, 64, 2048)
     assert auto.params.grammar is None and [t["function"]["name"] for t in auto.tools] == ["get_weather", "now"]
-    assert P.parse_chat_completion_request({**ASK, "tool_choice": "none"}, 64, 2048).tools is None
+    assert OP.parse_chat_completion_request({**ASK, "tool_choice": "none"}, 64, 2048).tools is None
+
+
+def test_each_of_n_choices_is_parsed_for_calls_on_its_own(client, engine):
+    """Choice i's reply comes from its seed (seed + i): choice 0 calls, choice 1 answers in text."""
+    engine.reply_fn = lambda prompt, params: CALL if params.seed == 5 else "Sunny, I think."
+    body = client.post("/v1/chat/completions", json={**ASK, "n": 2, "seed": 5}).json()
+    calls, text = body["choices"]
+    assert (calls["index"], calls["finish_reason"], calls["message"]["content"]) == (0, "tool_calls", None)
+    assert calls["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
+    assert (text["index"], text["finish_reason"], text["message"]) == (1, "stop", {"role": "assistant",
+                                                                                  "content": "Sunny, I think."})
+    assert [p.seed for p in engine.params[-2:]] == [5, 6]
+    streamed = sse_chunks(client.post("/v1/chat/completions", json={**ASK, "n": 2, "seed": 5, "stream": True}))
+    by_index = {0: [], 1: []}
+    for chunk in streamed:
+        [choice] = chunk["choices"]
+        by_index[choice["index"]].append(choice)
+    assert any("tool_calls" in c["delta"] for c in by_index[0])
+    assert [c["finish_reason"] for c in by_index[0] + by_index[1] if c["finish_reason"]] == ["tool_calls", "stop"]
+    assert "".join(c["delta"].get("content") or "" for c in by_index[1]) == "Sunny, I think."
+
+
+def test_the_deprecated_functions_api_is_read_as_tools(client, engine):
+    """functions / function_call in, message.function_call and finish_reason "function_call" out
+    (whole and streamed), and the deprecated messages (an assistant's function_call, a function
+    role answer) rendered as a tool call and a tool message."""
+    legacy = {"messages": ASK["messages"], "functions": [WEATHER["function"], NOW["function"]]}
+    engine.reply = CALL
+    choice = client.post("/v1/chat/completions", json=legacy).json()["choices"][0]
+    assert choice["finish_reason"] == "function_call" and "tool_calls" not in choice["message"]
+    assert choice["message"]["content"] is None
+    assert choice["message"]["function_call"]["name"] == "get_weather"
+    assert json.loads(choice["message"]["function_call"]["arguments"]) == {"city": "Paris"}
+    assert engine.params[-1].grammar is None and "<tools>" in engine.detokenize(engine.prompts[-1])
+    client.post("/v1/chat/completions", json={**legacy, "function_call": {"name": "get_weather"}})
+    assert engine.params[-1].grammar is not None  # a named function forces the call, as tool_choice does
+    chunks = sse_chunks(client.post("/v1/chat/completions", json={**legacy, "stream": True}))
+    [call] = [c["choices"][0]["delta"]["function_call"] for c in chunks if "function_call" in c["choices"][0]["delta"]]
+    assert call["name"] == "get_weather" and chunks[-1]["choices"][0]["finish_reason"] == "function_call"
+    client.post("/v1/chat/completions", json={**legacy, "function_call": "none"})
+    assert "<tools>" not in engine.detokenize(engine.prompts[-1])
+
+    engine.reply = "It is sunny in Paris."
+    history = [*ASK["messages"], {"role": "assistant", "content": None, "function_call": {
+        "name": "get_weather", "arguments": '{"city": "Paris"}'}}, {"role": "function", "name": "get_weather",
+                                                                    "content": "sunny"}]
+    answer = client.post("/v1/chat/completions", json={**legacy, "messages": history}).json()["choices"][0]
+    assert answer["message"] == {"role": "assistant", "content": "It is sunny in Paris."}
+    assert "<tool>sunny</tool>" in engine.detokenize(engine.prompts[-1])
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"functions": [WEATHER["function"]], "tools": [WEATHER]}, "functions"),
+    ({"function_call": "auto", "tool_choice": "auto", "tools": [WEATHER]}, "function_call"),
+    ({"functions": {"name": "f"}}, "functions"),
+    ({"functions": [WEATHER["function"]], "function_call": {"name": "nope"}}, "tool_choice"),
+])
+def test_the_deprecated_functions_api_refusals_name_a_field(client, body, param):
+    error = client.post("/v1/chat/completions", json={"messages": ASK["messages"], **body}).json()["error"]
+    assert error["param"] == param and error["code"] == "invalid_params"
