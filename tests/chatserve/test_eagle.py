@@ -315,7 +315,9 @@ def test_pool_stays_whole_with_drafts_rollbacks_preemption_and_aborts(tiny_llama
     probe = make_engine(tiny_llama_dir, trained_head)
     runner = probe.models.eagle_runner
     per_block = (probe.models.target_runner.kv_cache.num_bytes + runner.num_bytes) // probe.block_manager.num_blocks
-    engine = make_engine(tiny_llama_dir, trained_head, kv_cache_memory=24 * per_block)
+    # stall_limit 0: prompt chunks sized by the token budget alone, not by step times measured
+    # on a machine that may be busy, so the schedule (and its preemptions) is the same every run
+    engine = make_engine(tiny_llama_dir, trained_head, kv_cache_memory=24 * per_block, stall_limit=0)
     assert engine.block_manager.num_blocks == 24
     methods = [{"spec_method": "eagle"}, {"spec_method": "suffix"}, {"spec_method": "eagle"}, {"num_draft_tokens": 0},
                {"spec_method": "ngram"}]
