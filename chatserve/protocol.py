@@ -347,8 +347,13 @@ def ready_message(model: str, draft: str | None, max_model_len: int, max_tokens_
             "max_model_len": max_model_len, "max_tokens_limit": max_tokens_limit, "settings": settings}
 
 
-def delta_message(id: str | int, text: str, num_tokens: int) -> dict:
-    return {"type": "delta", "id": id, "text": text, "num_tokens": num_tokens}
+def delta_message(id: str | int, text: str, num_tokens: int, tokens: list[tuple[str, str]] | None = None) -> dict:
+    """tokens: per token, (the text it released, how it came: sampling_params.TOKEN_ORIGINS); the
+    texts join to `text`. None when the engine does not say (the message then has no `tokens`)."""
+    out = {"type": "delta", "id": id, "text": text, "num_tokens": num_tokens}
+    if tokens is not None:
+        out["tokens"] = [list(token) for token in tokens]
+    return out
 
 
 def done_message(id: str | int, finish_reason: str, stats: DoneStats) -> dict:

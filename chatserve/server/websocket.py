@@ -36,6 +36,8 @@ class _Turn:
     prompt_tokens: int | None = None
     parts: list[str] = field(default_factory=list)
     num_pending_tokens: int = 0  # tokens whose text has not been sent yet (partial UTF-8, stop-string hold)
+    pending_origins: list[str] = field(default_factory=list)  # theirs, and their pieces of text (engine.Delta)
+    pending_pieces: list[str] = field(default_factory=list)
     is_finished: bool = False
 
     def reply(self) -> dict:
@@ -215,10 +217,15 @@ class Connection:
 
     def _send_delta(self, turn: _Turn, delta: Delta) -> None:
         turn.num_pending_tokens += len(delta.token_ids)
+        if delta.origins is not None:
+            turn.pending_origins += delta.origins
+            turn.pending_pieces += delta.pieces
         if delta.text:
             turn.parts.append(delta.text)
-            self.send(P.delta_message(turn.id, delta.text, turn.num_pending_tokens))
+            tokens = list(zip(turn.pending_pieces, turn.pending_origins)) or None
+            self.send(P.delta_message(turn.id, delta.text, turn.num_pending_tokens, tokens))
             turn.num_pending_tokens = 0
+            turn.pending_origins, turn.pending_pieces = [], []
         if not delta.finished:
             return
         turn.is_finished = True  # from here a cancel waits for `done` instead of aborting

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -38,6 +39,31 @@ def test_speculative_bursts_count_tokens(make_client):
     assert done["stats"]["drafted"] > 0 and 0 < done["stats"]["acceptance_rate"] <= 1
     assert done["stats"]["mean_accepted_length"] > 1
     assert isinstance(done["id"], str)  # the server names turns the client did not name
+
+
+def test_deltas_carry_each_tokens_text_and_origin(make_client):
+    """`tokens`: per token, [its text, how it came]; tokens whose text is held (here the first
+    two, as if half a character) arrive with the next delta that has text."""
+    class HoldingEngine(FakeEngine):
+        async def generate(self, prompt_token_ids, params, request_id=None):
+            async for delta in super().generate(prompt_token_ids, params, request_id):
+                if delta.token_ids == [ord("a"), ord("b")]:
+                    delta = dataclasses.replace(delta, text="", pieces=["", ""])
+                elif delta.token_ids[:2] == [ord("c"), ord("d")]:
+                    delta = dataclasses.replace(delta, text="ab" + delta.text, pieces=["ab" + delta.pieces[0],
+                                                                                      *delta.pieces[1:]])
+                yield delta
+
+    engine = HoldingEngine("xyabcdef", tokens_per_delta=2)
+    with make_client(engine).websocket_connect("/ws") as ws:
+        ws.receive_json()
+        *deltas, done = chat(ws, content="go")
+    assert [(m["text"], m["num_tokens"], m["tokens"]) for m in deltas] == [
+        ("xy", 2, [["x", "target"], ["y", "target"]]),  # the first step has no drafts
+        ("abcd", 4, [["", "accepted"], ["", "recovered"], ["abc", "accepted"], ["d", "recovered"]]),
+        ("ef", 2, [["e", "accepted"], ["f", "recovered"]]),
+    ]
+    assert done["stats"]["accepted"] == 3
 
 
 def test_second_turn_resends_history_with_first_reply(make_client):
