@@ -8,6 +8,7 @@ describes the conversation from the client's side.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import uuid
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -22,6 +23,10 @@ from chatserve.server.outbox import Outbox
 from chatserve.server.state import AppState
 
 CLOSE_TIMEOUT = 10.0  # seconds the last messages and the close frame get to leave (uvicorn's close_timeout)
+# What each setting is when no one sets it (before the model's generation config): the `ready`
+# message's `defaults`, so a client can show them.
+SETTING_DEFAULTS = {f.name: list(f.default) if isinstance(f.default, tuple) else f.default
+                    for f in dataclasses.fields(SamplingParams) if f.name in P.SETTINGS_KEYS and f.name != "logit_bias"}
 
 
 @dataclass
@@ -162,8 +167,9 @@ class Connection:
 
     def _ready(self) -> dict:
         s = self.state
-        return P.ready_message(s.model_name, s.engine.draft_name, s.engine.max_model_len,
-                               s.config.max_tokens_limit, self.settings, s.engine.spec_methods)
+        message = P.ready_message(s.model_name, s.engine.draft_name, s.engine.max_model_len,
+                                  s.config.max_tokens_limit, self.settings, s.engine.spec_methods)
+        return {**message, "defaults": {**SETTING_DEFAULTS, **s.sampling_defaults}}
 
     def _start_turn(self, message: P.ChatTurn) -> None:
         if self.turn is not None:

@@ -7,6 +7,8 @@ import time
 
 import pytest
 
+from chatserve.server.websocket import SETTING_DEFAULTS
+
 from .conftest import chat, receive_until, wait_for
 from .fake_engine import FakeEngine
 
@@ -19,7 +21,8 @@ def test_ready_then_deltas_then_done(client, engine):
         ready = ws.receive_json()
         assert ready == {"type": "ready", "model": "fake-model", "draft": "ngram", "spec_methods": ["ngram"],
                          "spec_method_labels": {"ngram": "n-gram"},
-                         "max_model_len": 2048, "max_tokens_limit": 4096, "settings": {}}
+                         "max_model_len": 2048, "max_tokens_limit": 4096, "settings": {},
+                         "defaults": {**SETTING_DEFAULTS, "max_tokens": 256, "temperature": 1.0}}
         messages = chat(ws, content="hi", id="m1")
     *deltas, done = messages
     assert deltas and all(m["type"] == "delta" and m["id"] == "m1" and m["num_tokens"] >= 1 for m in deltas)
