@@ -71,8 +71,8 @@ def test_chat_ui(browser, tmp_path):
         expect(first.locator(".stats")).to_contain_text("TTFT")
         expect(first.locator(".stats")).to_contain_text("% accepted")
         expect(first.locator(".content strong")).to_have_text("draft")
-        settings = engine.params[0]  # the page sends its settings when it connects
-        assert (settings.temperature, settings.top_p, settings.max_tokens) == (0.7, 0.95, 512)
+        settings = engine.params[0]  # nothing set in the page: the server's defaults
+        assert (settings.temperature, settings.top_p, settings.max_tokens) == (1.0, 1.0, 256)
         assert settings.num_draft_tokens is None
 
         engine.token_delay = 0.03
