@@ -7,7 +7,6 @@ is a real conversation with SmolLM2, taken by hand).
 
 from __future__ import annotations
 
-import os
 import re
 
 import pytest
@@ -16,9 +15,6 @@ from .conftest import LiveServer, wait_for
 from .fake_engine import FakeEngine
 
 pytestmark = pytest.mark.browser
-CHROMIUM = "/usr/bin/chromium"
-ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-        "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 
 REPLIES = {
     "speculative": "Speculative decoding lets a small **draft** model propose a few tokens, and the large "
@@ -35,18 +31,6 @@ REPLIES = {
 def reply_for(prompt: str, params) -> str:
     last_user = re.findall(r"<user>(.*?)</user>", prompt, re.S)[-1].lower()
     return next((text for key, text in REPLIES.items() if key in last_user), "Hello again!")
-
-
-@pytest.fixture(scope="module")
-def browser():
-    if not os.path.exists(CHROMIUM):
-        pytest.skip("chromium is not installed (apt-get install -y chromium)")
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=ARGS)
-        yield browser
-        browser.close()
 
 
 def send(page, text: str) -> None:
