@@ -37,6 +37,7 @@ class _Turn:
     request_id: str
     messages: list[dict]  # the conversation including this turn's user message
     timer: RequestTimer
+    is_continue: bool = False  # the reply extends messages[-1] (an assistant message)
     task: asyncio.Task | None = None
     prompt_tokens: int | None = None
     parts: list[str] = field(default_factory=list)
@@ -47,6 +48,13 @@ class _Turn:
 
     def reply(self) -> dict:
         return {"role": "assistant", "content": "".join(self.parts)}
+
+    def history(self) -> list[dict]:
+        """The conversation with this turn's reply (so far) in it."""
+        if self.is_continue:
+            last = self.messages[-1]
+            return [*self.messages[:-1], {**last, "content": last["content"] + "".join(self.parts)}]
+        return [*self.messages, self.reply()]
 
     def partial_stats(self) -> P.DoneStats:
         return P.DoneStats(ttft_ms=self.timer.ttft_ms, tpot_ms=self.timer.tpot_ms,
@@ -192,13 +200,14 @@ class Connection:
             raise
         self.num_turns += 1
         turn_id = message.id if message.id is not None else f"turn-{self.num_turns}"
-        turn = _Turn(turn_id, f"ws-{uuid.uuid4().hex}", messages, self.state.metrics.start_request())
+        turn = _Turn(turn_id, f"ws-{uuid.uuid4().hex}", messages, self.state.metrics.start_request(),
+                     is_continue=message.is_continue)
         turn.task = asyncio.create_task(self._run_turn(turn, params))
         self.turn = turn
 
     async def _run_turn(self, turn: _Turn, params: SamplingParams) -> None:
         try:
-            prompt_ids = await self.state.tokenize_chat(turn.messages)
+            prompt_ids = await self.state.tokenize_chat(turn.messages, continue_final_message=turn.is_continue)
             self.state.access.check_prompt(prompt_ids)
             turn.prompt_tokens = len(prompt_ids)
             async with aclosing(self.state.generate(prompt_ids, params, turn.request_id, turn.timer)) as deltas:
@@ -238,7 +247,7 @@ class Connection:
         if delta.finish_reason == "error":
             self.send(P.error_message(P.ENGINE_ERROR, f"generation failed: {delta.error}", turn.id))
             return
-        self.history = [*turn.messages, turn.reply()]
+        self.history = turn.history()
         stats = P.DoneStats.from_request_stats(delta.stats) if delta.stats else turn.partial_stats()
         self.send(P.done_message(turn.id, delta.finish_reason, stats))
 
@@ -258,5 +267,5 @@ class Connection:
         if turn.is_finished or reason == "disconnect":
             return
         if reason == "cancel":
-            self.history = [*turn.messages, turn.reply()] if turn.parts else turn.messages
+            self.history = turn.history() if turn.parts else turn.messages
         self.send(P.done_message(turn.id, "abort", turn.partial_stats()))

@@ -56,7 +56,7 @@ class FakeEngine:
     are_tool_tags_tokens = False  # the tags are spelled in characters
 
     def tokenize_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                      tools: list[dict] | None = None) -> list[int]:
+                      tools: list[dict] | None = None, continue_final_message: bool = False) -> list[int]:
         for i, message in enumerate(messages):
             if message["role"] == "system" and i != 0:
                 raise ValueError("a system message must come first")
@@ -64,6 +64,8 @@ class FakeEngine:
                 raise LookupError("roles must alternate")  # like jinja's TemplateError: not a ValueError
         text = "".join(f"<{m['role']}>{m['content']}</{m['role']}>" for m in messages)
         offered = f"<tools>{json.dumps(tools)}</tools>" if tools else ""  # so tests can see what was offered
+        if continue_final_message:  # the last message left open
+            text = text.removesuffix(f"</{messages[-1]['role']}>")
         return self.tokenize(offered + text + "<assistant>" * add_generation_prompt)
 
     # ---- generation

@@ -69,6 +69,22 @@ def test_deltas_carry_each_tokens_text_and_origin(make_client):
     assert done["stats"]["accepted"] == 3
 
 
+def test_continue_extends_the_last_reply(make_client):
+    engine = FakeEngine(" upon a time")
+    with make_client(engine).websocket_connect("/ws") as ws:
+        ws.receive_json()
+        messages = [{"role": "user", "content": "A story?"}, {"role": "assistant", "content": "Once"}]
+        *deltas, done = chat(ws, messages=messages, **{"continue": True})
+        assert done["type"] == "done" and "".join(m["text"] for m in deltas) == " upon a time"
+        assert engine.detokenize(engine.prompts[0]) == "<user>A story?</user><assistant>Once"  # left open
+        chat(ws, content="More")  # the history holds the joined reply
+        assert engine.detokenize(engine.prompts[1]) == ("<user>A story?</user><assistant>Once upon a time</assistant>"
+                                                        "<user>More</user><assistant>")
+        for bad in ({"content": "x"}, {"messages": messages[:1]}, {"messages": messages, "continue": 1}):
+            (error,) = chat(ws, **{"continue": True, **bad})
+            assert error["type"] == "error" and error["code"] == "bad_message" and "continue" in error["message"]
+
+
 def test_second_turn_resends_history_with_first_reply(make_client):
     engine = FakeEngine(reply_fn=lambda prompt, params: f"reply-{prompt.count('<user>')}")
     with make_client(engine).websocket_connect("/ws") as ws:
