@@ -136,16 +136,27 @@ function wireMessages() {
   return state.conv.system.trim() ? [{ role: "system", content: state.conv.system }, ...messages] : messages;
 }
 
-// Ask for a reply to the conversation as it stands (its last message is the user's).
-function startTurn() {
+// Ask for a reply to the conversation as it stands (its last message is the user's), or with
+// isContinue, for more of the last reply (its last message is the assistant's).
+function startTurn(isContinue = false) {
   const id = `t${++state.numTurns}`;
   const params = { ...samplingParams(state.settings, state.maxTokensLimit), ...speculationParams() };
-  if (!send({ type: "chat", id, messages: wireMessages(), params })) return false;
+  const message = { type: "chat", id, messages: wireMessages(), params };
+  if (isContinue) message.continue = true;
+  if (!send(message)) return false;
   hideError();
-  const node = addMessageNode({ role: "assistant", content: "" }, state.conv.messages.length);
-  node.classList.add("streaming");
-  node.querySelector(".content").innerHTML = '<span class="typing"><i></i><i></i><i></i></span>';
-  state.running = { id, node, text: "", tokens: [], numTokens: 0 };
+  state.running = { id, text: "", tokens: [], numTokens: 0, base: "" };
+  if (isContinue) {
+    const last = state.conv.messages.at(-1);
+    Object.assign(state.running, { continues: last, base: last.content, tokens: [...(last.tokens || [])],
+      node: el.messages.querySelector(`.msg[data-index="${state.conv.messages.length - 1}"]`) });
+    state.running.node.querySelectorAll(".stats, .msg-actions, .legend").forEach((n) => n.remove());
+    state.running.node.querySelector(".content").innerHTML = renderMarkdown(last.content);
+  } else {
+    state.running.node = addMessageNode({ role: "assistant", content: "" }, state.conv.messages.length);
+    state.running.node.querySelector(".content").innerHTML = '<span class="typing"><i></i><i></i><i></i></span>';
+  }
+  state.running.node.classList.add("streaming");
   updateControls();
   scrollToBottom(true);
   return true;
@@ -177,7 +188,9 @@ const titleFrom = (text) => {
 function endTurn({ stats = null, note = null, error = null, keep }) {
   const turn = state.running;
   state.running = null;
-  if (error) {
+  if (turn.continues) {
+    endContinuation(turn, { stats, note, error, keep });
+  } else if (error) {
     const userIndex = state.conv.messages.length - 1;
     el.messages.querySelector(`.msg[data-index="${userIndex}"]`)?.classList.add("failed");
     turn.node.classList.remove("streaming");
@@ -199,6 +212,23 @@ function endTurn({ stats = null, note = null, error = null, keep }) {
   updateControls();
   scrollToBottom(false);
   el.input.focus();
+}
+
+// A continuation's end: the reply grows by what came (if anything), with the new stats and note.
+function endContinuation(turn, { stats, note, error, keep }) {
+  const index = state.conv.messages.indexOf(turn.continues);
+  if (keep && turn.text) {
+    const reply = { ...turn.continues, content: turn.base + turn.text, tokens: turn.tokens, stats, note };
+    if (!stats) reply.numTokens = turn.numTokens;
+    state.conv.messages[index] = reply;
+  }
+  turn.node.replaceWith(messageNode(state.conv.messages[index], index));
+  if (error) showError(error);
+}
+
+function continueReply() {
+  if (state.running || !state.ready || state.conv.messages.at(-1)?.role !== "assistant") return;
+  startTurn(true);
 }
 
 function stop() {
@@ -287,17 +317,21 @@ function messageNode(message, index) {
   const actions = document.createElement("div");
   actions.className = "msg-actions";
   actions.innerHTML = '<button type="button" data-action="copy" aria-label="Copy reply">Copy</button>' +
-    '<button type="button" data-action="regenerate" aria-label="Regenerate reply" hidden>Regenerate</button>';
+    '<button type="button" data-action="regenerate" aria-label="Regenerate reply" hidden>Regenerate</button>' +
+    '<button type="button" data-action="continue" aria-label="Continue this reply" hidden>Continue</button>';
   body.appendChild(actions);
   return node;
 }
 
-// Regenerate is offered on the last reply only.
+// Regenerate is offered on the last reply only, and Continue if that reply was cut off (it has a note).
 function markLastActions() {
   const replies = el.messages.querySelectorAll(".msg.assistant");
   replies.forEach((node, i) => {
-    const button = node.querySelector('[data-action="regenerate"]');
-    if (button) button.hidden = i !== replies.length - 1 || Boolean(state.running);
+    const isLast = i === replies.length - 1 && !state.running;
+    const regenerate = node.querySelector('[data-action="regenerate"]');
+    const more = node.querySelector('[data-action="continue"]');
+    if (regenerate) regenerate.hidden = !isLast;
+    if (more) more.hidden = !isLast || !state.conv.messages[Number(node.dataset.index)]?.note;
   });
 }
 
@@ -383,7 +417,7 @@ function queueRender(turn) {
     turn.renderQueued = false;
     if (state.running !== turn) return;
     const stick = nearBottom();
-    turn.node.querySelector(".content").innerHTML = renderMarkdown(turn.text);
+    turn.node.querySelector(".content").innerHTML = renderMarkdown(turn.base + turn.text);
     if (stick) scrollToBottom(false);
   });
 }
@@ -546,6 +580,7 @@ el.messages.addEventListener("click", (e) => {
   if (button.classList.contains("copy")) copyText(button.closest(".code").querySelector("code").textContent, button);
   else if (button.dataset.action === "copy") copyText(state.conv.messages[Number(node.dataset.index)].content, button);
   else if (button.dataset.action === "regenerate") regenerate();
+  else if (button.dataset.action === "continue") continueReply();
   else if (button.dataset.action === "edit") editMessage(node);
   else if (button.dataset.action === "spec-view") toggleSpecView(node, button);
 });

@@ -24,11 +24,14 @@ XSS = ("<script>window.pwned = 'script'</script>\n\n<img src=x onerror=\"window.
 
 
 def scripted_replies():
-    """A reply_fn: the Python block, the XSS text, or "Answer <n>" counting the calls."""
+    """A reply_fn: the Python block, the XSS text, "Answer <n>" counting the calls, or for a
+    continuation "er, continued." """
     calls = []
 
     def reply(prompt: str, params) -> str:
         calls.append(prompt)
+        if not prompt.endswith("<assistant>"):  # a continuation: the prompt ends inside the reply
+            return "er, continued."
         last_user = re.findall(r"<user>(.*?)</user>", prompt, re.S)[-1].lower()
         if "python" in last_user:
             return PYTHON
@@ -168,6 +171,33 @@ def test_regenerate_edit_and_resend(open_page):
         page.reload()
         expect_texts(page, "user", ["first, edited"])
         expect_texts(page, "assistant", ["Answer 4"])
+
+
+def test_continue_a_cut_off_reply(open_page):
+    from playwright.sync_api import expect
+
+    engine = FakeEngine(reply_fn=scripted_replies())
+    with LiveServer(engine) as server:
+        page = open_page(server)
+        page.click("#settings-toggle")
+        page.fill("#set-max-tokens", "4")
+        page.click("#messages")
+        send(page, "cut me off")
+        reply = page.locator(".msg.assistant").nth(0)
+        expect(reply.locator(".stats")).to_contain_text("max tokens")
+        expect(reply.locator(".content")).to_have_text("Answ")
+        page.click("#settings-toggle")
+        page.fill("#set-max-tokens", "")
+        page.click("#messages")
+        reply.locator('[data-action="continue"]').click()
+        expect(reply.locator(".content")).to_have_text("Answer, continued.")
+        assert engine.detokenize(engine.prompts[-1]) == "<user>cut me off</user><assistant>Answ"
+        expect(reply.locator(".stats")).not_to_contain_text("max tokens")
+        expect(reply.locator('[data-action="continue"]')).to_be_hidden()  # nothing left to continue
+        page.reload()
+        expect_texts(page, "assistant", ["Answer, continued."])
+        send(page, "next")
+        assert "<assistant>Answer, continued.</assistant><user>next</user>" in engine.detokenize(engine.prompts[-1])
 
 
 def test_export_and_import(open_page, tmp_path):
