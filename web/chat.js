@@ -1,9 +1,12 @@
-// chatserve chat UI: one websocket (docs/protocol.md), conversations in IndexedDB (store.js),
-// markdown in markdown.js, settings in settings.js, the list in sidebar.js. No build step.
+// chatserve chat UI: one websocket (docs/protocol.md) and the turns on it. Conversations are kept in
+// IndexedDB (store.js), listed by sidebar.js, drawn by messages.js and markdown.js; the sampling
+// settings are settings.js's. No build step.
 
 import * as store from "./store.js";
-import { renderMarkdown, renderTokens, ORIGINS, originCounts } from "./markdown.js";
+import { renderMarkdown } from "./markdown.js";
+import { messageNode, openEditor, setSpecView } from "./messages.js";
 import { buildFields, loadSettings, readFields, samplingParams, saveSettings, showFields } from "./settings.js";
+import { createConnection } from "./connection.js";
 import { createSidebar } from "./sidebar.js";
 
 const $ = (id) => document.getElementById(id);
@@ -17,7 +20,7 @@ const el = {
 const DRAFT_KEY = "chatserve.draft";  // the composer's unsent text, kept across reloads
 
 const state = {
-  ws: null, ready: false, retries: 0, retryTimer: null,
+  ready: false,          // a `ready` came on the open socket
   conv: store.newConversation(),  // the open conversation; saved once it has a message
   running: null,         // {id, node, text, tokens, numTokens, isCancelled, renderQueued}
   numTurns: 0,
@@ -28,72 +31,24 @@ const state = {
   settings: loadSettings(),
 };
 
-// ---------------------------------------------------------------- connection
+// ---------------------------------------------------------------- server messages
 
-function apiKey() {
-  const fromUrl = new URLSearchParams(location.search).get("api_key");
-  if (fromUrl) {  // keep it for reloads, but out of the address bar and the history
-    sessionStorage.setItem("chatserve.api_key", fromUrl);
-    history.replaceState(null, "", location.pathname);
-  }
-  return sessionStorage.getItem("chatserve.api_key");
-}
-
-function connect() {
-  clearTimeout(state.retryTimer);
-  setStatus("connecting", state.retries ? "Reconnecting…" : "Connecting…");
-  const ws = new WebSocket(`${location.protocol === "https:" ? "wss" : "ws"}://${location.host}/ws`);
-  state.ws = ws;
-  ws.onopen = () => {
-    const key = apiKey();
-    if (key) send({ type: "auth", api_key: key });
-  };
-  ws.onmessage = (event) => {
-    let message;
-    try { message = JSON.parse(event.data); } catch { return showError("The server sent something unreadable."); }
-    handle(message);
-  };
-  ws.onclose = (event) => onClose(ws, event);
-}
-
-// Why the server closed the socket (close codes in docs/protocol.md); all but 1008 retry.
-const CLOSE_REASONS = {
-  1001: { status: "Server shutting down", message: "The server is shutting down. This page reconnects when it is back." },
-  1012: { status: "Server restarting", message: "The server is restarting. This page reconnects when it is back." },
-  1013: { status: "Server busy", message: "The server has too many connections open. Retrying…" },
-  4008: { status: "Fell behind", message: "This page fell too far behind the reply stream and was disconnected. Reconnecting…" },
-};
-
-function onClose(ws, event) {
-  if (ws !== state.ws) return;
+// What the page does when the socket closes (connection.js reconnects): a running turn ends.
+function onClosed(why) {
   state.ready = false;
-  const why = CLOSE_REASONS[event.code];
   if (state.running) endTurn({ note: why ? why.status.toLowerCase() : "connection lost", keep: true });
   updateControls();
-  if (event.code === 1008) {  // refused (origin, API key): retrying would not help
-    setStatus("offline", "Disconnected");
-    return;
-  }
-  if (why) showError(why.message);
-  const delay = Math.min(10000, 500 * 2 ** state.retries) * (0.8 + 0.4 * Math.random());
-  state.retries += 1;
-  const label = `${why ? `${why.status} · r` : "R"}econnecting in ${Math.ceil(delay / 1000)}s…`;
-  setStatus("connecting", label);
-  state.retryTimer = setTimeout(connect, delay);
 }
 
-function send(message) {
-  if (!state.ws || state.ws.readyState !== WebSocket.OPEN) return false;
-  state.ws.send(JSON.stringify(message));
-  return true;
-}
+const connection = createConnection({ onMessage: handle, onClosed, setStatus, showError });
+const send = connection.send;
 
 function handle(m) {
   const turn = state.running;
   switch (m.type) {
     case "ready":
       state.ready = true;
-      state.retries = 0;
+      connection.markReady();
       state.maxTokensLimit = m.max_tokens_limit || state.maxTokensLimit;
       state.defaults = { ...m.defaults, ...m.settings };
       el.model.textContent = m.draft ? `${m.model} + ${m.draft}` : m.model;
@@ -202,7 +157,7 @@ function endTurn({ stats = null, note = null, error = null, keep }) {
     const reply = { role: "assistant", content: turn.text, stats, note, tokens: turn.tokens };
     if (!stats) reply.numTokens = turn.numTokens;
     state.conv.messages.push(reply);
-    turn.node.replaceWith(messageNode(reply, state.conv.messages.length - 1));
+    turn.node.replaceWith(messageNode(reply, state.conv.messages.length - 1, methodLabel));
     announce("Reply finished.");
   } else {
     turn.node.remove();
@@ -222,7 +177,7 @@ function endContinuation(turn, { stats, note, error, keep }) {
     if (!stats) reply.numTokens = turn.numTokens;
     state.conv.messages[index] = reply;
   }
-  turn.node.replaceWith(messageNode(state.conv.messages[index], index));
+  turn.node.replaceWith(messageNode(state.conv.messages[index], index, methodLabel));
   if (error) showError(error);
 }
 
@@ -285,7 +240,7 @@ function newChat() {
 
 function renderConversation() {
   el.messages.querySelectorAll(".msg").forEach((n) => n.remove());
-  state.conv.messages.forEach((message, i) => el.messages.appendChild(messageNode(message, i)));
+  state.conv.messages.forEach((message, i) => el.messages.appendChild(messageNode(message, i, methodLabel)));
   el.empty.hidden = state.conv.messages.length > 0;
   markLastActions();
   scrollToBottom(true);
@@ -293,33 +248,8 @@ function renderConversation() {
 
 function addMessageNode(message, index) {
   el.empty.hidden = true;
-  const node = messageNode(message, index);
+  const node = messageNode(message, index, methodLabel);
   el.messages.appendChild(node);
-  return node;
-}
-
-function messageNode(message, index) {
-  const node = document.createElement("div");
-  node.className = `msg ${message.role}`;
-  node.dataset.testid = `msg-${message.role}`;
-  node.dataset.index = index;
-  if (message.role === "user") {
-    node.innerHTML = '<div class="bubble"></div><div class="msg-actions">' +
-      '<button type="button" data-action="edit" aria-label="Edit and resend">Edit</button></div>';
-    node.querySelector(".bubble").textContent = message.content;  // user text is shown as typed, never parsed
-    return node;
-  }
-  node.innerHTML = '<div class="avatar" aria-hidden="true"></div><div class="body"><div class="content"></div></div>';
-  if (!message.content) return node;
-  node.querySelector(".content").innerHTML = renderMarkdown(message.content);
-  const body = node.querySelector(".body");
-  if (message.stats || message.note || message.numTokens) body.appendChild(statsLine(message));
-  const actions = document.createElement("div");
-  actions.className = "msg-actions";
-  actions.innerHTML = '<button type="button" data-action="copy" aria-label="Copy reply">Copy</button>' +
-    '<button type="button" data-action="regenerate" aria-label="Regenerate reply" hidden>Regenerate</button>' +
-    '<button type="button" data-action="continue" aria-label="Continue this reply" hidden>Continue</button>';
-  body.appendChild(actions);
   return node;
 }
 
@@ -335,79 +265,14 @@ function markLastActions() {
   });
 }
 
-function statsLine({ stats, note, tokens, numTokens }) {
-  const line = document.createElement("div");
-  line.className = "stats";
-  line.dataset.testid = "stats";
-  const add = (text, cls) => line.appendChild(Object.assign(document.createElement("span"), { textContent: text,
-    className: cls || "" }));
-  if (stats && stats.ttft_ms != null) add(`TTFT ${Math.round(stats.ttft_ms)} ms`);
-  if (stats && stats.tpot_ms) add(`${(1000 / stats.tpot_ms).toFixed(1)} tok/s`);
-  if (stats && stats.spec_method) add(methodLabel(stats.spec_method));
-  if (stats && stats.acceptance_rate != null) add(`${Math.round(100 * stats.acceptance_rate)}% accepted`);
-  if (stats && stats.mean_accepted_length) add(`${stats.mean_accepted_length.toFixed(2)} tok/step`);
-  add(`${stats ? stats.generated_tokens : numTokens} tokens`);
-  if (stats && stats.cached_tokens) add(`${stats.cached_tokens} cached`);
-  if (note) add(note, "tag");
-  if (tokens && tokens.length) {
-    const toggle = Object.assign(document.createElement("button"), { type: "button", className: "spec-link",
-      textContent: "Speculation view" });
-    toggle.dataset.action = "spec-view";
-    toggle.setAttribute("aria-pressed", "false");
-    line.appendChild(toggle);
-  }
-  return line;
-}
-
-// The speculation view of reply `node`: its tokens tinted by origin, with a legend that counts them.
-function toggleSpecView(node, button) {
-  const message = state.conv.messages[Number(node.dataset.index)];
-  const content = node.querySelector(".content");
-  const isOn = button.getAttribute("aria-pressed") !== "true";
-  button.setAttribute("aria-pressed", String(isOn));
-  node.classList.toggle("spec-view", isOn);
-  node.querySelector(".legend")?.remove();
-  if (!isOn) {
-    content.innerHTML = renderMarkdown(message.content);
-    return;
-  }
-  content.replaceChildren(renderTokens(message.tokens));
-  const counts = originCounts(message.tokens);
-  const legend = document.createElement("div");
-  legend.className = "legend";
-  legend.dataset.testid = "legend";
-  for (const [origin, label] of Object.entries(ORIGINS)) {
-    if (!counts[origin]) continue;
-    legend.appendChild(Object.assign(document.createElement("span"), { className: `tok ${origin}`,
-      textContent: `${label}: ${counts[origin]}` }));
-  }
-  content.before(legend);
-}
-
 // Turn user message `node` into an editor; Enter (or Save) resends from there, Esc cancels.
 function editMessage(node) {
   if (state.running || node.querySelector("textarea")) return;
   const index = Number(node.dataset.index);
-  const bubble = node.querySelector(".bubble");
-  const editor = Object.assign(document.createElement("textarea"), { className: "editor",
-    value: state.conv.messages[index].content, rows: 3 });
-  editor.setAttribute("aria-label", "Edit message");
-  const save = Object.assign(document.createElement("button"), { type: "button", className: "save",
-    textContent: "Save & send" });
-  const cancel = Object.assign(document.createElement("button"), { type: "button", textContent: "Cancel" });
-  const form = document.createElement("div");
-  form.className = "edit";
-  form.append(editor, save, cancel);
-  bubble.replaceWith(form);
-  node.querySelector(".msg-actions").hidden = true;
-  const close = () => renderConversation();
-  save.addEventListener("click", () => resendEdited(index, editor.value));
-  cancel.addEventListener("click", close);
-  editor.addEventListener("keydown", (e) => {
-    if (e.key === "Enter" && !e.shiftKey && !e.isComposing) { e.preventDefault(); resendEdited(index, editor.value); }
-    if (e.key === "Escape") { e.preventDefault(); close(); el.input.focus(); }
+  openEditor(node, state.conv.messages[index].content, {
+    onSave: (text) => resendEdited(index, text),
+    onCancel: () => { renderConversation(); el.input.focus(); },
   });
-  editor.focus();
 }
 
 function queueRender(turn) {
@@ -582,9 +447,12 @@ el.messages.addEventListener("click", (e) => {
   else if (button.dataset.action === "regenerate") regenerate();
   else if (button.dataset.action === "continue") continueReply();
   else if (button.dataset.action === "edit") editMessage(node);
-  else if (button.dataset.action === "spec-view") toggleSpecView(node, button);
+  else if (button.dataset.action === "spec-view") {
+    const isOn = button.getAttribute("aria-pressed") !== "true";
+    setSpecView(node, state.conv.messages[Number(node.dataset.index)], isOn);
+  }
 });
-window.addEventListener("online", () => { if (!state.ready) connect(); });
+window.addEventListener("online", () => { if (!state.ready) connection.connect(); });
 
 async function start() {
   buildFields($("sampling-fields"));
@@ -595,7 +463,7 @@ async function start() {
   if (saved) openConversation(saved);
   else await sidebar.refresh();
   updateControls();
-  connect();
+  connection.connect();
   el.input.focus();
 }
 

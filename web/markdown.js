@@ -31,29 +31,3 @@ DOMPurify.addHook("afterSanitizeAttributes", (node) => {
 export function renderMarkdown(text) {
   return DOMPurify.sanitize(md.render(text), { ADD_ATTR: ["target"] });
 }
-
-// The speculation view: each token as a span tinted by how it came ([text, origin] pairs).
-export function renderTokens(tokens) {
-  const box = document.createElement("div");
-  box.className = "tokens";
-  for (const [text, origin] of tokens) {
-    const span = document.createElement("span");
-    span.className = `tok ${origin}`;
-    span.textContent = text;
-    box.appendChild(span);
-  }
-  return box;
-}
-
-export const ORIGINS = {
-  accepted: "accepted draft",
-  recovered: "recovered (target, after a rejected draft)",
-  bonus: "bonus (target, after every draft was accepted)",
-  target: "target (no draft)",
-};
-
-export function originCounts(tokens) {
-  const counts = Object.fromEntries(Object.keys(ORIGINS).map((k) => [k, 0]));
-  for (const [, origin] of tokens) counts[origin] = (counts[origin] || 0) + 1;
-  return counts;
-}
