@@ -1,7 +1,8 @@
 """Screenshots of the chat UI for docs/: the light and dark themes and the speculation view.
 
 Run against a real server (by hand, not in the tests: it takes a real model's reply):
-    .venv/bin/chatserve serve --port 8791 &
+    .venv/bin/chatserve serve --model smollm2-135m-instruct --dtype float32 --quantization none \
+        --kv-cache-memory 256M --port 8791 &
     .venv/bin/python scripts/ui_screenshots.py http://127.0.0.1:8791 docs/
 Needs playwright and Debian's chromium (scripts/setup.sh test installs both).
 """
