@@ -1,8 +1,9 @@
 """The web UI in Debian's chromium (playwright, sync API) against uvicorn + FakeEngine.
 
 Streams a reply, stops one mid-stream, renders a code block, survives a server restart (the page
-re-sends its transcript), starts a new chat, and takes a screenshot (into tmp_path: docs/screenshot.png
-is a real conversation with SmolLM2, taken by hand).
+re-sends its conversation), starts a new chat, and takes a screenshot (into tmp_path: the docs'
+screenshots are real conversations, from scripts/ui_screenshots.py). test_browser_chats.py tests
+the kept conversations, editing, rendering and the speculation view.
 """
 
 from __future__ import annotations
@@ -148,6 +149,15 @@ def test_narrow_screen_layout(browser):
         expect(page.locator(".msg.assistant").nth(1).locator(".stats")).to_be_visible()
         assert engine.params[-1].num_draft_tokens == 0
         expect(page.locator(".msg.assistant").nth(1).locator(".stats")).not_to_contain_text("accepted")
+
+        expect(page.locator("#sidebar")).to_be_hidden()  # the conversation list is a drawer here
+        page.click("#sidebar-toggle")
+        expect(page.locator("#sidebar-toggle")).to_have_attribute("aria-expanded", "true")
+        box = page.locator("#sidebar").bounding_box()
+        assert box["x"] >= 0 and box["x"] + box["width"] <= 390
+        page.click("[data-testid=conversation] .conv-open")  # opening a chat closes the drawer
+        expect(page.locator("#sidebar")).to_be_hidden()
+        expect(page.locator(".msg.assistant")).to_have_count(2)
     page.close()
 
 
