@@ -120,6 +120,7 @@ function startTurn(isContinue = false) {
 async function sendTurn() {
   const text = el.input.value;
   if (!text.trim() || state.running || !state.ready) return;
+  removeFailedTurn();
   state.conv.messages.push({ role: "user", content: text });
   if (state.conv.messages.length === 1 && !state.conv.isRenamed) state.conv.title = titleFrom(text);
   addMessageNode(state.conv.messages.at(-1), state.conv.messages.length - 1);
@@ -145,9 +146,13 @@ function endTurn({ stats = null, note = null, error = null, keep }) {
   state.running = null;
   if (turn.continues) {
     endContinuation(turn, { stats, note, error, keep });
-  } else if (error) {
-    const userIndex = state.conv.messages.length - 1;
-    el.messages.querySelector(`.msg[data-index="${userIndex}"]`)?.classList.add("failed");
+  } else if (error) {  // the message the turn answered is not kept: it goes back to the composer
+    const failed = state.conv.messages.pop();
+    el.messages.querySelector(`.msg[data-index="${state.conv.messages.length}"]`)?.classList.add("failed");
+    if (!el.input.value) {
+      el.input.value = failed.content;
+      autosize();
+    }
     turn.node.classList.remove("streaming");
     const line = Object.assign(document.createElement("div"), { className: "msg-error", textContent: error });
     turn.node.querySelector(".content").replaceChildren();
@@ -167,6 +172,13 @@ function endTurn({ stats = null, note = null, error = null, keep }) {
   updateControls();
   scrollToBottom(false);
   el.input.focus();
+}
+
+// A failed turn's nodes stay on screen until the next turn: they are past the conversation's end.
+function removeFailedTurn() {
+  el.messages.querySelectorAll(".msg").forEach((node) => {
+    if (Number(node.dataset.index) >= state.conv.messages.length) node.remove();
+  });
 }
 
 // A continuation's end: the reply grows by what came (if anything), with the new stats and note.
@@ -193,8 +205,9 @@ function stop() {
 // Drop the last reply and ask again.
 function regenerate() {
   if (state.running || !state.ready || state.conv.messages.at(-1)?.role !== "assistant") return;
+  removeFailedTurn();
   state.conv.messages.pop();
-  el.messages.querySelector(".msg.assistant:last-of-type")?.remove();
+  el.messages.querySelector(`.msg[data-index="${state.conv.messages.length}"]`)?.remove();
   startTurn();
 }
 

@@ -117,9 +117,11 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic"
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser():
-    """Debian's chromium through playwright (`playwright install` cannot download browsers here)."""
+    """Debian's chromium through playwright (`playwright install` cannot download browsers here).
+    Per module, not per session: playwright's sync API keeps an event loop running in the main
+    thread while it is open, and later modules call asyncio.run()."""
     if not os.path.exists(CHROMIUM):
         pytest.skip("chromium is not installed (apt-get install -y chromium)")
     from playwright.sync_api import sync_playwright

@@ -194,6 +194,21 @@ def test_continue_a_cut_off_reply(scripted):
     assert "<assistant>Answer, continued.</assistant><user>next</user>" in engine.detokenize(engine.prompts[-1])
 
 
+def test_a_refused_turn_gives_the_message_back(scripted):
+    engine, _, page = scripted
+    fill_settings(page, {"set-top-p": "5"})  # the server refuses it (top_p is in (0, 1])
+    page.fill("#input", "hello?")
+    page.press("#input", "Enter")
+    expect(page.locator(".msg-error")).to_contain_text("top_p")
+    expect(page.locator(".msg.user.failed")).to_have_count(1)
+    expect(page.locator("#input")).to_have_value("hello?")  # back in the composer, to send again
+    fill_settings(page, {"set-top-p": ""})
+    page.press("#input", "Enter")
+    expect_texts(page, "user", ["hello?"])  # the failed attempt is gone
+    expect_texts(page, "assistant", ["Answer 1"])
+    assert engine.detokenize(engine.prompts[-1]) == "<user>hello?</user><assistant>"
+
+
 def test_export_and_import(scripted, open_page, tmp_path):
     engine, server, page = scripted
     send(page, "kept in a file")
