@@ -47,8 +47,8 @@ class AsyncEngine:
 
     # -- called from the event loop ---------------------------------------------------------
     def tokenize_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                      tools: list[dict] | None = None) -> list[int]:
-        return self.engine.tokenizer.apply_chat_template(messages, add_generation_prompt, tools)
+                      tools: list[dict] | None = None, continue_final_message: bool = False) -> list[int]:
+        return self.engine.tokenizer.apply_chat_template(messages, add_generation_prompt, tools, continue_final_message)
 
     @property
     def are_tool_tags_tokens(self) -> bool:

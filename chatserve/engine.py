@@ -235,18 +235,21 @@ class Engine:
         if drafts:
             new_tokens, num_accepted = self.sampler.verify(req, rows, drafts, req.draft_probs)
             self.spec.record(req, len(drafts), num_accepted)
+            origins = ["accepted"] * num_accepted + ["bonus" if num_accepted == len(drafts) else "recovered"]
         else:
             new_tokens = self.sampler.sample(req, rows[-1:])
+            origins = ["target"] * len(new_tokens)
         req.draft_token_ids, req.draft_probs = [], None
         # Valid target KV: everything fed except the rejected drafts.
         req.num_computed_tokens = len_before + len(new_tokens) - 1
         if req.stats.first_token_time is None:
             req.stats.first_token_time = now
-        return self._append(req, new_tokens, now)
+        return self._append(req, new_tokens, origins, now)
 
-    def _append(self, req: Request, new_tokens: list[int], now: float) -> Delta:
-        """Append tokens one at a time, stopping exactly at the first finish condition."""
-        text_parts: list[str] = []
+    def _append(self, req: Request, new_tokens: list[int], origins: list[str], now: float) -> Delta:
+        """Append tokens one at a time, stopping exactly at the first finish condition.
+        origins: per token of new_tokens, how it came (sampling_params.TOKEN_ORIGINS)."""
+        text_parts: list[str] = []  # per emitted token: the text it released
         emitted: list[int] = []
         reason = None
         for tok in new_tokens:
@@ -255,9 +258,10 @@ class Engine:
             if req.grammar is not None:
                 req.grammar.consume(tok)
             reason = self._finish_reason(req, tok)
-            if reason != "stop":  # EOS and stop token ids add no text
+            text_parts.append("")  # EOS and stop token ids add no text
+            if reason != "stop":
                 text, hit_stop = req.detok.add([tok])
-                text_parts.append(text)
+                text_parts[-1] = text
                 is_complete = req.grammar is not None and req.grammar.is_stopped  # only EOS could follow
                 reason = "stop" if hit_stop or is_complete else reason
             if reason:
@@ -269,15 +273,18 @@ class Engine:
         req.stats.num_generated = req.num_output_tokens
         logprobs = None if req.new_logprobs is None else req.new_logprobs[: len(emitted)]
         req.new_logprobs = None
+        origins = origins[: len(emitted)]
         if reason:
-            text_parts.append(req.detok.flush())
+            text_parts[-1] += req.detok.flush()
             if self.spec:
                 self.spec.finish(req)
             self.scheduler.finish(req, reason)
             self.requests.pop(req.request_id, None)
             req.stats.finish_time = now
-            return Delta(req.request_id, "".join(text_parts), emitted, reason, req.stats, logprobs=logprobs)
-        return Delta(req.request_id, "".join(text_parts), emitted, logprobs=logprobs)
+            return Delta(req.request_id, "".join(text_parts), emitted, reason, req.stats, logprobs=logprobs,
+                         origins=origins, pieces=text_parts)
+        return Delta(req.request_id, "".join(text_parts), emitted, logprobs=logprobs, origins=origins,
+                     pieces=text_parts)
 
     def _commit(self, req: Request) -> None:
         """Two commit horizons: the target's KV makes blocks shareable (hashed), the draft's

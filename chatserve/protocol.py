@@ -74,6 +74,7 @@ class ChatTurn:
     messages: list[dict] | None
     content: str | None
     params: dict = field(default_factory=dict)  # overrides the connection settings for this turn
+    is_continue: bool = False  # `continue`: extend the last (assistant) message instead of answering it
 
 
 @dataclass(frozen=True)
@@ -127,20 +128,28 @@ def parse_client_message(text: str) -> ClientMessage:
 
 
 def _parse_chat_turn(obj: dict) -> ChatTurn:
-    _check_keys(obj, ("type", "id", "messages", "content", "params"))
+    _check_keys(obj, ("type", "id", "messages", "content", "params", "continue"))
     has_messages, has_content = "messages" in obj, "content" in obj
     if has_messages == has_content:
         raise ProtocolError(BAD_MESSAGE, "chat: give exactly one of 'messages' (full history) or 'content' "
                             "(the next user message)")
     params = parse_settings(obj["params"]) if "params" in obj else {}
     if has_content:
+        if "continue" in obj:
+            raise ProtocolError(BAD_MESSAGE, "chat: 'continue' needs 'messages' ending with the assistant's")
         content = obj["content"]
         if not isinstance(content, str):
             raise ProtocolError(BAD_MESSAGE, "chat: 'content' must be a string")
         if not content.strip():
             raise ProtocolError(EMPTY_MESSAGES, "chat: 'content' is empty")
         return ChatTurn(_parse_id(obj.get("id")), None, content, params)
-    return ChatTurn(_parse_id(obj.get("id")), parse_chat_messages(obj["messages"]), None, params)
+    messages = parse_chat_messages(obj["messages"])
+    is_continue = obj.get("continue", False)
+    if not isinstance(is_continue, bool):
+        raise ProtocolError(BAD_MESSAGE, "chat: 'continue' must be true or false")
+    if is_continue and messages[-1]["role"] != "assistant":
+        raise ProtocolError(BAD_MESSAGE, "chat: 'continue' extends the last message, which must be the assistant's")
+    return ChatTurn(_parse_id(obj.get("id")), messages, None, params, is_continue)
 
 
 def parse_chat_messages(messages) -> list[dict]:
@@ -353,8 +362,13 @@ def ready_message(model: str, draft: str | None, max_model_len: int, max_tokens_
             "max_model_len": max_model_len, "max_tokens_limit": max_tokens_limit, "settings": settings}
 
 
-def delta_message(id: str | int, text: str, num_tokens: int) -> dict:
-    return {"type": "delta", "id": id, "text": text, "num_tokens": num_tokens}
+def delta_message(id: str | int, text: str, num_tokens: int, tokens: list[tuple[str, str]] | None = None) -> dict:
+    """tokens: per token, (the text it released, how it came: sampling_params.TOKEN_ORIGINS); the
+    texts join to `text`. None when the engine does not say (the message then has no `tokens`)."""
+    out = {"type": "delta", "id": id, "text": text, "num_tokens": num_tokens}
+    if tokens is not None:
+        out["tokens"] = [list(token) for token in tokens]
+    return out
 
 
 def done_message(id: str | int, finish_reason: str, stats: DoneStats) -> dict:

@@ -198,6 +198,11 @@ class RequestStats:
         }
 
 
+# How a token came: a draft the target accepted, the target's own token after a rejected draft
+# (recovered) or after all drafts were accepted (bonus), or a plain target step with no drafts.
+TOKEN_ORIGINS = ("accepted", "recovered", "bonus", "target")
+
+
 @dataclass
 class Delta:
     """What one engine step produced for one request: new text and token ids, maybe the end.
@@ -215,6 +220,10 @@ class Delta:
     error: str | None = None
     # with params.logprobs: per token of token_ids, (id, logprob, [(id, logprob)] most likely first)
     logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
+    # per token of token_ids: how it came (TOKEN_ORIGINS), and the text it released ("" while a
+    # character is incomplete or a stop string may follow); the pieces join to `text`
+    origins: list[str] | None = None
+    pieces: list[str] | None = None
 
     @property
     def finished(self) -> bool:

@@ -28,9 +28,10 @@ class Tokenizer:
         return self.hf.encode(text, add_special_tokens=True)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None) -> list[int]:
+                            tools: list[dict] | None = None, continue_final_message: bool = False) -> list[int]:
         """`tools`: OpenAI's function tools, which the template offers the model (transformers'
-        `tools=`); a template that does not read them ignores them. Messages as
+        `tools=`); a template that does not read them ignores them. continue_final_message: the
+        prompt ends inside the last message (to continue it), with no end-of-turn. Messages as
         protocol.parse_chat_messages normalizes them: `tool` results and assistant `tool_calls`."""
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages: must be a non-empty list of {role, content} objects")
@@ -40,7 +41,7 @@ class Tokenizer:
             if m.get("role") not in ("system", "user", "assistant", "tool"):
                 raise ValueError(f"messages[{i}].role: must be system, user, assistant or tool, got {m.get('role')!r}")
         ids = self.hf.apply_chat_template(messages, tools=tools or None, add_generation_prompt=add_generation_prompt,
-                                          tokenize=True)
+                                          continue_final_message=continue_final_message, tokenize=True)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # BatchEncoding in newer transformers
             ids = ids["input_ids"]
         return list(ids)

@@ -38,10 +38,13 @@ class AppState:
             self.engine.abort(request_id)
 
     async def tokenize_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None) -> list[int]:
+                            tools: list[dict] | None = None, continue_final_message: bool = False) -> list[int]:
         """The chat template runs in a worker thread. Any failure is the messages' fault (a template
         may refuse, e.g. roles that do not alternate), so it is a client error."""
         try:
+            if continue_final_message:  # the prompt ends inside the last message, with no end-of-turn after it
+                return await asyncio.to_thread(self.engine.tokenize_chat, messages, False, tools,
+                                               continue_final_message=True)
             return await asyncio.to_thread(self.engine.tokenize_chat, messages, add_generation_prompt, tools)
         except Exception as e:
             raise P.ProtocolError(P.BAD_MESSAGE, f"cannot apply the chat template: {e}", param="messages") from None

@@ -8,6 +8,7 @@ describes the conversation from the client's side.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import uuid
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -22,6 +23,10 @@ from chatserve.server.outbox import Outbox
 from chatserve.server.state import AppState
 
 CLOSE_TIMEOUT = 10.0  # seconds the last messages and the close frame get to leave (uvicorn's close_timeout)
+# What each setting is when no one sets it (before the model's generation config): the `ready`
+# message's `defaults`, so a client can show them.
+SETTING_DEFAULTS = {f.name: list(f.default) if isinstance(f.default, tuple) else f.default
+                    for f in dataclasses.fields(SamplingParams) if f.name in P.SETTINGS_KEYS and f.name != "logit_bias"}
 
 
 @dataclass
@@ -32,14 +37,24 @@ class _Turn:
     request_id: str
     messages: list[dict]  # the conversation including this turn's user message
     timer: RequestTimer
+    is_continue: bool = False  # the reply extends messages[-1] (an assistant message)
     task: asyncio.Task | None = None
     prompt_tokens: int | None = None
     parts: list[str] = field(default_factory=list)
     num_pending_tokens: int = 0  # tokens whose text has not been sent yet (partial UTF-8, stop-string hold)
+    pending_origins: list[str] = field(default_factory=list)  # theirs, and their pieces of text (engine.Delta)
+    pending_pieces: list[str] = field(default_factory=list)
     is_finished: bool = False
 
     def reply(self) -> dict:
         return {"role": "assistant", "content": "".join(self.parts)}
+
+    def history(self) -> list[dict]:
+        """The conversation with this turn's reply (so far) in it."""
+        if self.is_continue:
+            last = self.messages[-1]
+            return [*self.messages[:-1], {**last, "content": last["content"] + "".join(self.parts)}]
+        return [*self.messages, self.reply()]
 
     def partial_stats(self) -> P.DoneStats:
         return P.DoneStats(ttft_ms=self.timer.ttft_ms, tpot_ms=self.timer.tpot_ms,
@@ -160,8 +175,9 @@ class Connection:
 
     def _ready(self) -> dict:
         s = self.state
-        return P.ready_message(s.model_name, s.engine.draft_name, s.engine.max_model_len,
-                               s.config.max_tokens_limit, self.settings, s.engine.spec_methods)
+        message = P.ready_message(s.model_name, s.engine.draft_name, s.engine.max_model_len,
+                                  s.config.max_tokens_limit, self.settings, s.engine.spec_methods)
+        return {**message, "defaults": {**SETTING_DEFAULTS, **s.sampling_defaults}}
 
     def _start_turn(self, message: P.ChatTurn) -> None:
         if self.turn is not None:
@@ -184,13 +200,14 @@ class Connection:
             raise
         self.num_turns += 1
         turn_id = message.id if message.id is not None else f"turn-{self.num_turns}"
-        turn = _Turn(turn_id, f"ws-{uuid.uuid4().hex}", messages, self.state.metrics.start_request())
+        turn = _Turn(turn_id, f"ws-{uuid.uuid4().hex}", messages, self.state.metrics.start_request(),
+                     is_continue=message.is_continue)
         turn.task = asyncio.create_task(self._run_turn(turn, params))
         self.turn = turn
 
     async def _run_turn(self, turn: _Turn, params: SamplingParams) -> None:
         try:
-            prompt_ids = await self.state.tokenize_chat(turn.messages)
+            prompt_ids = await self.state.tokenize_chat(turn.messages, continue_final_message=turn.is_continue)
             self.state.access.check_prompt(prompt_ids)
             turn.prompt_tokens = len(prompt_ids)
             async with aclosing(self.state.generate(prompt_ids, params, turn.request_id, turn.timer)) as deltas:
@@ -215,17 +232,22 @@ class Connection:
 
     def _send_delta(self, turn: _Turn, delta: Delta) -> None:
         turn.num_pending_tokens += len(delta.token_ids)
+        if delta.origins is not None:
+            turn.pending_origins += delta.origins
+            turn.pending_pieces += delta.pieces
         if delta.text:
             turn.parts.append(delta.text)
-            self.send(P.delta_message(turn.id, delta.text, turn.num_pending_tokens))
+            tokens = list(zip(turn.pending_pieces, turn.pending_origins)) or None
+            self.send(P.delta_message(turn.id, delta.text, turn.num_pending_tokens, tokens))
             turn.num_pending_tokens = 0
+            turn.pending_origins, turn.pending_pieces = [], []
         if not delta.finished:
             return
         turn.is_finished = True  # from here a cancel waits for `done` instead of aborting
         if delta.finish_reason == "error":
             self.send(P.error_message(P.ENGINE_ERROR, f"generation failed: {delta.error}", turn.id))
             return
-        self.history = [*turn.messages, turn.reply()]
+        self.history = turn.history()
         stats = P.DoneStats.from_request_stats(delta.stats) if delta.stats else turn.partial_stats()
         self.send(P.done_message(turn.id, delta.finish_reason, stats))
 
@@ -245,5 +267,5 @@ class Connection:
         if turn.is_finished or reason == "disconnect":
             return
         if reason == "cancel":
-            self.history = [*turn.messages, turn.reply()] if turn.parts else turn.messages
+            self.history = turn.history() if turn.parts else turn.messages
         self.send(P.done_message(turn.id, "abort", turn.partial_stats()))

@@ -235,3 +235,25 @@ def test_lm_head_sees_only_the_rows_that_need_logits(tiny_llama_dir, spec):
     rows = [n for n in seen if n]  # (a mid-prompt chunk asks for none)
     assert rows[0] == 1  # the prompt's last chunk
     assert max(rows) <= 1 + (spec.num_draft_tokens if spec else 0)
+
+
+@pytest.mark.parametrize("draft", ["self", "random"])
+def test_deltas_say_how_each_token_came(tiny_llama_dir, tiny_draft_dir, draft):
+    """Per delta: origins and text pieces, one per token; the accepted count is the stats',
+    a step ends in one recovered or bonus token, and the pieces join to the text."""
+    engine = spec_engine(tiny_llama_dir, tiny_llama_dir if draft == "self" else tiny_draft_dir)
+    prompt = engine.tokenizer.encode("Hello there")
+    engine.add_request(prompt, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
+    deltas = []
+    while engine.has_unfinished():
+        deltas += engine.step()
+    stats = deltas[-1].stats
+    for d in deltas:
+        assert len(d.origins) == len(d.pieces) == len(d.token_ids) and "".join(d.pieces) == d.text
+        if d.origins[-1] in ("recovered", "bonus"):
+            assert set(d.origins[:-1]) <= {"accepted"}
+    origins = [o for d in deltas for o in d.origins]
+    assert origins[0] == "target"  # the first token comes from the prompt's forward, with no drafts
+    assert origins.count("accepted") == stats.num_accepted > (0 if draft == "self" else -1)
+    assert "recovered" not in origins if draft == "self" else "recovered" in origins
+    assert "".join(d.text for d in deltas) == engine.tokenizer.decode([t for d in deltas for t in d.token_ids])

@@ -54,6 +54,14 @@ def test_chat_template_validation(tiny_llama_dir):
             raise AssertionError(f"accepted {bad!r}")
 
 
+def test_continue_final_message_leaves_the_reply_open(tiny_llama_dir):
+    tok = Tokenizer(tiny_llama_dir)
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Once upon a"}]
+    closed = tok.decode(tok.apply_chat_template(messages, add_generation_prompt=False))
+    opened = tok.decode(tok.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True))
+    assert opened.endswith("Once upon a") and closed.startswith(opened) and len(closed) > len(opened)
+
+
 def test_chat_template_file_replaces_the_tokenizer_s(tiny_llama_dir, tmp_path):
     path = tmp_path / "plain.jinja"
     path.write_text("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"

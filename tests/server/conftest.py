@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
@@ -109,3 +110,23 @@ def drafted_client(drafted_server):
     import openai
 
     return openai.OpenAI(base_url=drafted_server + "/v1", api_key="unused", max_retries=0)
+
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+
+@pytest.fixture(scope="module")
+def browser():
+    """Debian's chromium through playwright (`playwright install` cannot download browsers here).
+    Per module, not per session: playwright's sync API keeps an event loop running in the main
+    thread while it is open, and later modules call asyncio.run()."""
+    if not os.path.exists(CHROMIUM):
+        pytest.skip("chromium is not installed (apt-get install -y chromium)")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        yield browser
+        browser.close()

@@ -56,7 +56,7 @@ class FakeEngine:
     are_tool_tags_tokens = False  # the tags are spelled in characters
 
     def tokenize_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                      tools: list[dict] | None = None) -> list[int]:
+                      tools: list[dict] | None = None, continue_final_message: bool = False) -> list[int]:
         for i, message in enumerate(messages):
             if message["role"] == "system" and i != 0:
                 raise ValueError("a system message must come first")
@@ -64,6 +64,8 @@ class FakeEngine:
                 raise LookupError("roles must alternate")  # like jinja's TemplateError: not a ValueError
         text = "".join(f"<{m['role']}>{m['content']}</{m['role']}>" for m in messages)
         offered = f"<tools>{json.dumps(tools)}</tools>" if tools else ""  # so tests can see what was offered
+        if continue_final_message:  # the last message left open
+            text = text.removesuffix(f"</{messages[-1]['role']}>")
         return self.tokenize(offered + text + "<assistant>" * add_generation_prompt)
 
     # ---- generation
@@ -99,13 +101,13 @@ class FakeEngine:
                     yield Delta(request_id, "", [], "error", stats, error=self.error)
                     return
                 chunk = reply_ids[start:start + step]
-                self._count_step(stats, chunk, params)
+                origins = self._count_step(stats, chunk, params)
                 is_last = start + step >= len(reply_ids)
                 if is_last:
                     stats.finish_time = time.perf_counter()
                     is_finished = True
                 yield Delta(request_id, self.detokenize(chunk), chunk, finish_reason if is_last else None,
-                            stats if is_last else None)
+                            stats if is_last else None, origins=origins, pieces=list(map(chr, chunk)))
         finally:
             if not is_finished:
                 self.num_cancelled_streams += 1
@@ -153,10 +155,13 @@ class FakeEngine:
         return RequestStats(prompt_tokens=len(prompt_token_ids), cached_tokens=cached, arrival_time=now,
                             first_scheduled_time=now)
 
-    def _count_step(self, stats: RequestStats, chunk: list[int], params: SamplingParams) -> None:
+    def _count_step(self, stats: RequestStats, chunk: list[int], params: SamplingParams) -> list[str]:
+        """-> how each token of the chunk came (Delta.origins)."""
+        origins = ["target"] * len(chunk)
         if stats.first_token_time is None:
             stats.first_token_time = time.perf_counter()
         elif self.spec_methods and params.num_draft_tokens != 0:
+            origins = ["accepted"] * (len(chunk) - 1) + ["recovered"]
             stats.spec_method = params.spec_method or self.spec_methods[0]
             # pretend each step drafted 4 tokens and accepted all but the last emitted one
             stats.spec.update(4, len(chunk) - 1)
@@ -164,3 +169,4 @@ class FakeEngine:
             self.counters["spec_num_draft_tokens"] += 4
             self.counters["spec_num_accepted_tokens"] += len(chunk) - 1
         stats.num_generated += len(chunk)
+        return origins

@@ -1,13 +1,13 @@
 """The web UI in Debian's chromium (playwright, sync API) against uvicorn + FakeEngine.
 
 Streams a reply, stops one mid-stream, renders a code block, survives a server restart (the page
-re-sends its transcript), starts a new chat, and takes a screenshot (into tmp_path: docs/screenshot.png
-is a real conversation with SmolLM2, taken by hand).
+re-sends its conversation), starts a new chat, and takes a screenshot (into tmp_path: the docs'
+screenshots are real conversations, from scripts/ui_screenshots.py). test_browser_chats.py tests
+the kept conversations, editing, rendering and the speculation view.
 """
 
 from __future__ import annotations
 
-import os
 import re
 
 import pytest
@@ -16,9 +16,6 @@ from .conftest import LiveServer, wait_for
 from .fake_engine import FakeEngine
 
 pytestmark = pytest.mark.browser
-CHROMIUM = "/usr/bin/chromium"
-ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-        "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 
 REPLIES = {
     "speculative": "Speculative decoding lets a small **draft** model propose a few tokens, and the large "
@@ -35,18 +32,6 @@ REPLIES = {
 def reply_for(prompt: str, params) -> str:
     last_user = re.findall(r"<user>(.*?)</user>", prompt, re.S)[-1].lower()
     return next((text for key, text in REPLIES.items() if key in last_user), "Hello again!")
-
-
-@pytest.fixture(scope="module")
-def browser():
-    if not os.path.exists(CHROMIUM):
-        pytest.skip("chromium is not installed (apt-get install -y chromium)")
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=ARGS)
-        yield browser
-        browser.close()
 
 
 def send(page, text: str) -> None:
@@ -71,8 +56,8 @@ def test_chat_ui(browser, tmp_path):
         expect(first.locator(".stats")).to_contain_text("TTFT")
         expect(first.locator(".stats")).to_contain_text("% accepted")
         expect(first.locator(".content strong")).to_have_text("draft")
-        settings = engine.params[0]  # the page sends its settings when it connects
-        assert (settings.temperature, settings.top_p, settings.max_tokens) == (0.7, 0.95, 512)
+        settings = engine.params[0]  # nothing set in the page: the server's defaults
+        assert (settings.temperature, settings.top_p, settings.max_tokens) == (1.0, 1.0, 256)
         assert settings.num_draft_tokens is None
 
         engine.token_delay = 0.03
@@ -164,6 +149,15 @@ def test_narrow_screen_layout(browser):
         expect(page.locator(".msg.assistant").nth(1).locator(".stats")).to_be_visible()
         assert engine.params[-1].num_draft_tokens == 0
         expect(page.locator(".msg.assistant").nth(1).locator(".stats")).not_to_contain_text("accepted")
+
+        expect(page.locator("#sidebar")).to_be_hidden()  # the conversation list is a drawer here
+        page.click("#sidebar-toggle")
+        expect(page.locator("#sidebar-toggle")).to_have_attribute("aria-expanded", "true")
+        box = page.locator("#sidebar").bounding_box()
+        assert box["x"] >= 0 and box["x"] + box["width"] <= 390
+        page.click("[data-testid=conversation] .conv-open")  # opening a chat closes the drawer
+        expect(page.locator("#sidebar")).to_be_hidden()
+        expect(page.locator(".msg.assistant")).to_have_count(2)
     page.close()
 
 

@@ -20,5 +20,7 @@ def test_the_wheel_carries_the_ui(tmp_path):
                     "-w", str(tmp_path)], check=True, capture_output=True)
     (wheel,) = tmp_path.glob("chatserve-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    assert {"chatserve/web/index.html", "chatserve/web/chat.js", "chatserve/web/style.css"} <= names
+    web = {path.relative_to(REPO).as_posix() for path in (REPO / "web").rglob("*") if path.is_file()}
+    assert {f"chatserve/{path}" for path in web} <= names  # the modules, vendored libraries and licences
+    assert {"chatserve/web/index.html", "chatserve/web/store.js", "chatserve/web/vendor/purify.min.js"} <= names
     assert "chatserve/data/prompts.json" in names

@@ -30,6 +30,8 @@ def test_websocket_ready_shows_them_and_a_turn_overrides_them(client, engine):
     with client.websocket_connect("/ws") as ws:
         ready = ws.receive_json()
         assert ready["type"] == "ready" and ready["settings"] == DEFAULTS
+        defaults = ready["defaults"]  # what a turn that sets nothing gets: the model's over chatserve's
+        assert defaults == {**defaults, **DEFAULTS} and (defaults["max_tokens"], defaults["min_p"]) == (256, 0.0)
         ws.send_json({"type": "settings", "params": {"temperature": 0.2}})
         assert ws.receive_json()["params"] == {**DEFAULTS, "temperature": 0.2}
         ws.send_json({"type": "chat", "content": "hi", "params": {"top_k": 3}})

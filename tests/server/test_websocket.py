@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
+
+from chatserve.server.websocket import SETTING_DEFAULTS
 
 from .conftest import chat, receive_until, wait_for
 from .fake_engine import FakeEngine
@@ -18,7 +21,8 @@ def test_ready_then_deltas_then_done(client, engine):
         ready = ws.receive_json()
         assert ready == {"type": "ready", "model": "fake-model", "draft": "ngram", "spec_methods": ["ngram"],
                          "spec_method_labels": {"ngram": "n-gram"},
-                         "max_model_len": 2048, "max_tokens_limit": 4096, "settings": {}}
+                         "max_model_len": 2048, "max_tokens_limit": 4096, "settings": {},
+                         "defaults": {**SETTING_DEFAULTS, "max_tokens": 256, "temperature": 1.0}}
         messages = chat(ws, content="hi", id="m1")
     *deltas, done = messages
     assert deltas and all(m["type"] == "delta" and m["id"] == "m1" and m["num_tokens"] >= 1 for m in deltas)
@@ -38,6 +42,47 @@ def test_speculative_bursts_count_tokens(make_client):
     assert done["stats"]["drafted"] > 0 and 0 < done["stats"]["acceptance_rate"] <= 1
     assert done["stats"]["mean_accepted_length"] > 1
     assert isinstance(done["id"], str)  # the server names turns the client did not name
+
+
+def test_deltas_carry_each_tokens_text_and_origin(make_client):
+    """`tokens`: per token, [its text, how it came]; tokens whose text is held (here the first
+    two, as if half a character) arrive with the next delta that has text."""
+    class HoldingEngine(FakeEngine):
+        async def generate(self, prompt_token_ids, params, request_id=None):
+            async for delta in super().generate(prompt_token_ids, params, request_id):
+                if delta.token_ids == [ord("a"), ord("b")]:
+                    delta = dataclasses.replace(delta, text="", pieces=["", ""])
+                elif delta.token_ids[:2] == [ord("c"), ord("d")]:
+                    delta = dataclasses.replace(delta, text="ab" + delta.text, pieces=["ab" + delta.pieces[0],
+                                                                                      *delta.pieces[1:]])
+                yield delta
+
+    engine = HoldingEngine("xyabcdef", tokens_per_delta=2)
+    with make_client(engine).websocket_connect("/ws") as ws:
+        ws.receive_json()
+        *deltas, done = chat(ws, content="go")
+    assert [(m["text"], m["num_tokens"], m["tokens"]) for m in deltas] == [
+        ("xy", 2, [["x", "target"], ["y", "target"]]),  # the first step has no drafts
+        ("abcd", 4, [["", "accepted"], ["", "recovered"], ["abc", "accepted"], ["d", "recovered"]]),
+        ("ef", 2, [["e", "accepted"], ["f", "recovered"]]),
+    ]
+    assert done["stats"]["accepted"] == 3
+
+
+def test_continue_extends_the_last_reply(make_client):
+    engine = FakeEngine(" upon a time")
+    with make_client(engine).websocket_connect("/ws") as ws:
+        ws.receive_json()
+        messages = [{"role": "user", "content": "A story?"}, {"role": "assistant", "content": "Once"}]
+        *deltas, done = chat(ws, messages=messages, **{"continue": True})
+        assert done["type"] == "done" and "".join(m["text"] for m in deltas) == " upon a time"
+        assert engine.detokenize(engine.prompts[0]) == "<user>A story?</user><assistant>Once"  # left open
+        chat(ws, content="More")  # the history holds the joined reply
+        assert engine.detokenize(engine.prompts[1]) == ("<user>A story?</user><assistant>Once upon a time</assistant>"
+                                                        "<user>More</user><assistant>")
+        for bad in ({"content": "x"}, {"messages": messages[:1]}, {"messages": messages, "continue": 1}):
+            (error,) = chat(ws, **{"continue": True, **bad})
+            assert error["type"] == "error" and error["code"] == "bad_message" and "continue" in error["message"]
 
 
 def test_second_turn_resends_history_with_first_reply(make_client):
