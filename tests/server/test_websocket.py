@@ -48,8 +48,8 @@ def test_deltas_carry_each_tokens_text_and_origin(make_client):
     """`tokens`: per token, [its text, how it came]; tokens whose text is held (here the first
     two, as if half a character) arrive with the next delta that has text."""
     class HoldingEngine(FakeEngine):
-        async def generate(self, prompt_token_ids, params, request_id=None):
-            async for delta in super().generate(prompt_token_ids, params, request_id):
+        async def generate(self, prompt_token_ids, params, request_id=None, prompt_source_id=None):
+            async for delta in super().generate(prompt_token_ids, params, request_id, prompt_source_id):
                 if delta.token_ids == [ord("a"), ord("b")]:
                     delta = dataclasses.replace(delta, text="", pieces=["", ""])
                 elif delta.token_ids[:2] == [ord("c"), ord("d")]:
