@@ -1,0 +1,110 @@
+"""An EAGLE head's acceptance at T = 0, offline: no timing, so it can run beside anything.
+
+The target answers the held-out prompts of chatserve/data/prompts.json (chat, code, edit; the
+head is trained on data/head_prompts.json) greedily, its features recorded as it generates
+(head_data.FeatureRecorder). Then each head drafts, in EagleHead.forward_unrolled, a chain of
+`--depth` tokens from every reply position at once: pass s at row p + s is the (s+1)-th draft
+from anchor p, exactly as drafting computes it (tests/chatserve/test_eagle.py holds the two
+equal). A draft counts if it and every draft before it in its chain equal the target's greedy
+tokens. Printed per workload: the share of chains whose first 1..depth drafts all hold, and the
+mean accepted length (tokens per verification, bonus included) of a fixed-k chain for k = 1..depth.
+The head runs in float32 here; served, its weights are quantized like the target's.
+
+    .venv/bin/python benchmarks/head_acceptance.py --model smollm2-135m-instruct \
+        --heads ~/.cache/chatserve/heads/<hash>/eagle-head.pt other.pt --out benchmarks/results/head_acceptance.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from chatserve.config import EngineConfig  # noqa: E402
+from chatserve.engine import Engine  # noqa: E402
+from chatserve.head_data import FeatureRecorder  # noqa: E402
+from chatserve.head_store import load_head  # noqa: E402
+from chatserve.loading import read_config, resolve  # noqa: E402
+from chatserve.sampling_params import SamplingParams  # noqa: E402
+
+PROMPTS = json.loads((ROOT / "chatserve/data/prompts.json").read_text())
+
+
+def replies(engine: Engine, kind: str, max_tokens: int) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+    """(token ids, features, num prompt tokens) of the target's greedy answer to each prompt of `kind`."""
+    tok = engine.tokenizer
+    prompts = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS[kind]]
+    recorder = FeatureRecorder()
+    engine.feature_observer = recorder.observe
+    try:
+        outs = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+    finally:
+        engine.feature_observer = None
+    sequences = []
+    for prompt, out in zip(prompts, outs):
+        ids = (prompt + out["token_ids"])[:-1]  # the last token is never fed
+        sequences.append((torch.tensor(ids), recorder.features(out["request_id"], len(ids)), len(prompt)))
+    return sequences
+
+
+@torch.no_grad()
+def chain_hits(head, embed, ids: torch.Tensor, features: torch.Tensor, num_prompt: int, depth: int) -> torch.Tensor:
+    """[anchors, depth] bool: whether the chain from each reply anchor p has its first s+1 drafts right."""
+    feats_in = torch.cat((torch.zeros_like(features[:1]), features[:-1])).float()[None]  # row i reads f_{i-1}
+    passes = head.forward_unrolled(feats_in, embed(ids[None]).float(), depth)
+    t = len(ids)
+    anchors = torch.arange(num_prompt, t - 1)  # a reply token accepted at p; row p predicts t_{p+1}
+    right = torch.zeros(len(anchors), depth, dtype=torch.bool)
+    for s, y in enumerate(passes):
+        predicted = torch.nn.functional.rms_norm(y[0], head.norm.weight.shape, head.norm.weight, head.norm.eps)
+        token = head.head_token_ids[head.lm_head(predicted).argmax(-1)]  # [t]: row i's guess for t_{i+1}
+        rows = anchors + s
+        ok = rows < t - 1
+        right[ok, s] = token[rows[ok]] == ids[rows[ok] + 1]
+    return right.cumprod(dim=1).bool()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
+    ap.add_argument("--heads", nargs="+", required=True, help="head files to compare")
+    ap.add_argument("--quantization", default="int4")
+    ap.add_argument("--kinds", nargs="+", default=["chat", "code", "edit"])
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--depth", type=int, default=4)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+
+    engine = Engine(EngineConfig(model=args.model, quantization=args.quantization, max_num_seqs=8,
+                                 enable_prefix_caching=False))
+    target_dir = resolve(args.model)
+    cfg = read_config(target_dir)
+    data = {kind: replies(engine, kind, args.max_tokens) for kind in args.kinds}
+    embed = engine.models.target.embed_tokens
+    results = {"model": args.model, "max_tokens": args.max_tokens, "depth": args.depth, "heads": {}}
+    for path in args.heads:
+        head = load_head(Path(path).expanduser(), args.model, target_dir, cfg, engine.max_model_len, torch.float32)
+        rows = {}
+        for kind, sequences in data.items():
+            hits = torch.cat([chain_hits(head, embed, *seq, args.depth) for seq in sequences]).float()
+            all_first = hits.mean(0)  # P(first s+1 drafts right)
+            mean_len = [1 + float(all_first[:k].sum()) for k in range(1, args.depth + 1)]
+            rows[kind] = {"chains": len(hits), "first_s_right": [round(float(x), 4) for x in all_first],
+                          "mean_accepted_length": [round(x, 3) for x in mean_len]}
+            print(f"{Path(path).name:30s} {kind:5s} chains {len(hits):5d}  first 1..{args.depth} right "
+                  f"{' '.join(f'{x:.2f}' for x in all_first)}  mean accepted length k=1..{args.depth} "
+                  f"{' '.join(f'{x:.2f}' for x in mean_len)}", flush=True)
+        results["heads"][str(path)] = {"info": {k: v for k, v in head.info.items() if k != "train_config"},
+                                       "train_config": head.info.get("train_config"), "workloads": rows}
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
