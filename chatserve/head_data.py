@@ -3,8 +3,9 @@ the target's features (final-norm outputs) at every position.
 
 Sources, interleaved until a token or time budget runs out:
 - the target's own greedy replies to prompts: those shipped in data/head_prompts.json (chat and
-  code, kept apart from the benchmark prompts), then tasks on snippets of the Python standard
-  library's source ("explain this code", ...). The head learns what the target says.
+  code, kept apart from the benchmark prompts) alternating with tasks on snippets of the Python
+  standard library's source ("explain this code", ...) and questions on the reference manual's
+  topics. The head learns what the target says.
 - plain standard-library source, for code as it is written.
 Features come from the engine's own runner, so a head is trained on exactly what it reads when
 serving (same dtype, quantization): a reply's are recorded as the engine generates it
@@ -34,6 +35,7 @@ from chatserve.sampling_params import SamplingParams
 PROMPTS_FILE = Path(__file__).parent / "data" / "head_prompts.json"
 SNIPPET_LINES = 40  # lines of stdlib source per "source task" prompt
 RAW_TOKENS = 768  # tokens per plain source sequence
+DOC_CHARS = 1500  # characters quoted from a documentation topic
 FEATURE_DTYPE = torch.bfloat16  # stored features: half the memory of float32, float32's range
 
 
@@ -71,16 +73,47 @@ def snippets(text: str, num_lines: int) -> list[str]:
 
 
 def user_turns(seed: int) -> Iterator[str]:
-    """The user turns to answer: the shipped prompts (seeded order), then tasks on the first two
-    snippets of each stdlib file."""
+    """The user turns to answer: the shipped prompts (seeded order), each followed by a task on
+    the standard library, so every round of replies mixes conversation and code; then tasks only.
+    (Measured on SmolLM2: with the 40 shipped prompts first and tasks after, 4% of the replies were
+    conversation and the head's first draft was accepted ~20% of the time on held-out chat
+    against ~46% on code.)"""
     data = json.loads(PROMPTS_FILE.read_text())
     shipped = data["chat"] + data["code"]
     random.Random(seed).shuffle(shipped)
-    yield from shipped
-    tasks = itertools.cycle(data["source_tasks"])
-    for text in stdlib_sources(seed + 1):
+    tasks = source_tasks(data["source_tasks"], seed)
+    for prompt in shipped:
+        yield prompt
+        yield from itertools.islice(tasks, 1)
+    yield from tasks
+
+
+def source_tasks(templates: list[str], seed: int) -> Iterator[str]:
+    """Tasks on the first two snippets of each stdlib file ("explain this code", ...), with every
+    fourth one a question on a topic of the Python documentation that ships with the stdlib."""
+    templates = itertools.cycle(templates)
+    docs = doc_topics(seed)
+    for i, text in enumerate(stdlib_sources(seed + 1)):
         for piece in snippets(text, SNIPPET_LINES)[:2]:
-            yield next(tasks).format(code=piece)
+            yield next(templates).format(code=piece)
+        if i % 2 == 1:
+            yield from itertools.islice(docs, 1)
+
+
+def doc_topics(seed: int) -> Iterator[str]:
+    """Questions on the reference manual's topics (pydoc_data, what `help("assert")` shows), each
+    topic's opening paragraphs quoted; nothing when this Python was built without them."""
+    try:
+        from pydoc_data.topics import topics
+    except ImportError:
+        return
+    names = sorted(topics)
+    random.Random(seed).shuffle(names)
+    for name in names:
+        text = topics[name].strip()
+        cut = text.rfind("\n\n", 0, DOC_CHARS)
+        text = text[: cut if cut > 0 else DOC_CHARS]
+        yield f"Explain this part of the Python documentation in plain words, with a short example:\n\n{text}"
 
 
 def plain_sources(tokenizer, seed: int) -> Iterator[list[int]]:
