@@ -16,6 +16,7 @@ Qwen2.5-Coder-1.5B the second prefill over prompt and reply took half the data p
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import random
@@ -160,28 +161,51 @@ class FeatureRecorder:
         return torch.stack([kept[p] for p in range(num_positions)])
 
 
+@dataclass
+class Collected:
+    """What the data phase has so far: sequences, the rounds they came from (a resumed phase
+    skips as many prompts and source pieces, the order being seeded), the seconds it took, and
+    whether it has finished."""
+    sequences: list[Sequence]
+    rounds: int = 0
+    seconds: float = 0.0
+    complete: bool = False
+
+
 def collect(engine, *, max_tokens: int, seconds: float, reply_tokens: int, seed: int = 0, batch: int = 16,
-            progress=None) -> list[Sequence]:
+            progress=None, resume: Collected | None = None, checkpoint=None,
+            checkpoint_seconds: float = 300.0) -> Collected:
     """Sequences of about max_tokens tokens in all, or what `seconds` allow: each round answers
     `batch` prompts (greedy, up to reply_tokens each) and adds one plain source sequence.
     progress(num_tokens) is called after each sequence. A reply's last token is never fed to the
-    target, so its sequence ends one token short (the feature before it predicts it)."""
+    target, so its sequence ends one token short (the feature before it predicts it).
+    resume continues an unfinished phase (its seconds count against `seconds`); checkpoint(state)
+    is called every checkpoint_seconds and at the end, so a killed run loses a few minutes of
+    data, not the phase."""
     tok = engine.tokenizer
+    state = dataclasses.replace(resume, sequences=list(resume.sequences)) if resume else Collected([])
     turns, raw = user_turns(seed), plain_sources(tok, seed)
+    for _ in itertools.islice(turns, state.rounds * batch):
+        pass
+    for _ in itertools.islice(raw, state.rounds):
+        pass
     params = SamplingParams(max_tokens=reply_tokens, temperature=0.0)
-    sequences: list[Sequence] = []
-    num_tokens, start = 0, time.perf_counter()
+    num_tokens = sum(len(s.token_ids) for s in state.sequences)
+    if progress and num_tokens:
+        progress(num_tokens)
+    start = last_save = time.perf_counter()
+    spent = state.seconds
 
     def add(token_ids: list[int], num_prompt: int, features: torch.Tensor | None = None) -> None:
         nonlocal num_tokens
         if features is None:
             features = target_features(engine, token_ids)
-        sequences.append(Sequence(torch.tensor(token_ids), features, num_prompt))
+        state.sequences.append(Sequence(torch.tensor(token_ids), features, num_prompt))
         num_tokens += len(token_ids)
         if progress:
             progress(num_tokens)
 
-    while num_tokens < max_tokens and time.perf_counter() - start < seconds:
+    while num_tokens < max_tokens and spent + time.perf_counter() - start < seconds:
         asked = [tok.apply_chat_template([{"role": "user", "content": m}]) for m in itertools.islice(turns, batch)]
         # a snippet is cut at blank lines, and a file without any (a data table) makes one longer
         # than the context: skip it rather than fail the run
@@ -198,9 +222,18 @@ def collect(engine, *, max_tokens: int, seconds: float, reply_tokens: int, seed:
         text = next(raw, None)
         if text:
             add(text, len(text))
+        state.rounds += 1
+        state.seconds = spent + time.perf_counter() - start
         if not asked and not text:
             break
-    return sequences
+        if checkpoint and time.perf_counter() - last_save > checkpoint_seconds:
+            checkpoint(state)
+            last_save = time.perf_counter()
+    state.seconds = spent + time.perf_counter() - start
+    state.complete = True
+    if checkpoint:
+        checkpoint(state)
+    return state
 
 
 def choose_vocab(sequences: list[Sequence], vocab_size: int, num_kept: int, always: list[int]) -> torch.Tensor:

@@ -10,7 +10,8 @@ when it drafts in a chain. Windows of `window` positions are cut from the data (
 whole sequence, so a window's first row still sees the true previous feature).
 
 Files (beside the head, by default in the cache dir keyed by the target's weight hash):
-<head>-data.pt (the collected data, made once), <head>-checkpoint.pt (head, optimizer, step,
+<head>-data.pt (the collected data, made once; written every checkpoint_seconds while it is
+collected too, and a run that finds it unfinished goes on collecting), <head>-checkpoint.pt (head, optimizer, step,
 seconds; written every checkpoint_seconds and at the end) and the head itself. Running the
 command again continues from the checkpoint for another --minutes.
 """
@@ -27,7 +28,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from chatserve.head_data import Sequence, choose_vocab, collect, coverage
+from chatserve.head_data import Collected, Sequence, choose_vocab, collect, coverage
 from chatserve.head_store import default_head_path, save_head, weights_hash, write_atomic
 from chatserve.models.eagle_head import EagleHead
 
@@ -182,10 +183,16 @@ def run(engine, model: str, target_dir: Path, cfg: TrainConfig, out: Path | None
     budget_start = time.perf_counter()
     seconds = cfg.minutes * 60
     target = engine.models.target
-    sequences = _load_data(data_path, target_hash) if not cfg.fresh else None
-    if sequences is None:
-        sequences = _collect(engine, cfg, seconds * cfg.data_share, show_progress)
-        _save(data_path, {"target_hash": target_hash, "sequences": [dataclasses.astuple(s) for s in sequences]})
+    data = _load_data(data_path, target_hash) if not cfg.fresh else None
+    if data is None or not data.complete:
+
+        def save_data(state: Collected) -> None:
+            _save(data_path, {"target_hash": target_hash, "rounds": state.rounds, "seconds": state.seconds,
+                              "complete": state.complete,
+                              "sequences": [dataclasses.astuple(s) for s in state.sequences]})
+
+        data = _collect(engine, cfg, seconds * cfg.data_share, show_progress, data, save_data)
+    sequences = data.sequences
     ckpt = _load_checkpoint(ckpt_path, target_hash) if not cfg.fresh else None
     head, state = _resume(engine, ckpt) if ckpt else (_new(engine, target_dir, sequences, cfg), {})
     info = {"model": model, "num_sequences": len(sequences), "num_tokens": sum(len(s.token_ids) for s in sequences),
@@ -228,7 +235,8 @@ def _resume(engine, ckpt: dict) -> tuple[EagleHead, dict]:
     return head, ckpt["state"]
 
 
-def _collect(engine, cfg: TrainConfig, seconds: float, show_progress: bool) -> list[Sequence]:
+def _collect(engine, cfg: TrainConfig, seconds: float, show_progress: bool, resume: Collected | None,
+             checkpoint) -> Collected:
     bar = _bar(show_progress, total=cfg.max_data_tokens, unit="tok", desc="data (target replies + source)")
 
     def progress(num_tokens: int) -> None:
@@ -237,7 +245,8 @@ def _collect(engine, cfg: TrainConfig, seconds: float, show_progress: bool) -> l
 
     try:
         return collect(engine, max_tokens=cfg.max_data_tokens, seconds=seconds, reply_tokens=cfg.reply_tokens,
-                       seed=cfg.seed, progress=progress)
+                       seed=cfg.seed, progress=progress, resume=resume, checkpoint=checkpoint,
+                       checkpoint_seconds=cfg.checkpoint_seconds)
     finally:
         if bar is not None:
             bar.close()
@@ -251,13 +260,15 @@ def _bar(show: bool, **kwargs):
     return tqdm(file=sys.stderr, dynamic_ncols=True, **kwargs)
 
 
-def _load_data(path: Path, target_hash: str) -> list[Sequence] | None:
+def _load_data(path: Path, target_hash: str) -> Collected | None:
     if not path.is_file():
         return None
     record = torch.load(path, weights_only=True)
     if record["target_hash"] != target_hash:
         return None
-    return [Sequence(*fields) for fields in record["sequences"]]
+    sequences = [Sequence(*fields) for fields in record["sequences"]]
+    # files from before the phase was resumable hold finished phases only
+    return Collected(sequences, record.get("rounds", 0), record.get("seconds", 0.0), record.get("complete", True))
 
 
 def _load_checkpoint(path: Path, target_hash: str) -> dict | None:

@@ -369,8 +369,46 @@ def test_training_data_skips_prompts_longer_than_the_context(tiny_llama_dir, mon
     turns = iter(["short question", "x " * 400, "another short one"])
     monkeypatch.setattr(head_data, "user_turns", lambda seed: turns)
     monkeypatch.setattr(head_data, "plain_sources", lambda tok, seed: iter([]))
-    sequences = head_data.collect(engine, max_tokens=10**6, seconds=60, reply_tokens=8, batch=2)
+    sequences = head_data.collect(engine, max_tokens=10**6, seconds=60, reply_tokens=8, batch=2).sequences
     assert len(sequences) == 2 and all(len(s.token_ids) <= 256 for s in sequences)
+
+
+def test_a_killed_data_phase_resumes_where_its_checkpoint_left_it(tiny_llama_dir, monkeypatch):
+    """The data phase checkpoints as it goes: a run killed after its first checkpoint, resumed from
+    it, ends with the sequences of a run never interrupted (same prompts, same source, in order),
+    and the resumed part's time counts against the budget."""
+    import copy
+
+    from chatserve import head_data
+
+    engine = Engine(EngineConfig(model=str(tiny_llama_dir), max_model_len=256, kv_cache_memory=8 << 20))
+    turns = [f"question number {i}" for i in range(6)]
+    monkeypatch.setattr(head_data, "user_turns", lambda seed: iter(turns))
+    monkeypatch.setattr(head_data, "plain_sources", lambda tok, seed: iter([[5, 6, 7, 8]] * 3))
+    whole = head_data.collect(engine, max_tokens=10**6, seconds=60, reply_tokens=6, batch=2)
+    assert whole.complete and whole.rounds == 4 and len(whole.sequences) == 6 + 3
+
+    saved = []
+
+    class Killed(Exception):
+        pass
+
+    def checkpoint(state):
+        saved.append(copy.deepcopy(state))
+        raise Killed
+
+    with pytest.raises(Killed):
+        head_data.collect(engine, max_tokens=10**6, seconds=60, reply_tokens=6, batch=2,
+                          checkpoint=checkpoint, checkpoint_seconds=0)
+    assert saved[0].rounds == 1 and not saved[0].complete and len(saved[0].sequences) == 3
+    resumed = head_data.collect(engine, max_tokens=10**6, seconds=60, reply_tokens=6, batch=2, resume=saved[0])
+    assert resumed.complete and resumed.rounds == 4
+    assert [s.token_ids.tolist() for s in resumed.sequences] == [s.token_ids.tolist() for s in whole.sequences]
+    spent = copy.deepcopy(saved[0])
+    spent.seconds = 60.0  # its budget used up before the kill: nothing more is collected
+    assert len(head_data.collect(engine, max_tokens=10**6, seconds=60, reply_tokens=6, batch=2,
+                                 resume=spent).sequences) == 3
+    assert_pool_empty(engine)
 
 
 @pytest.mark.parametrize("prefix_caching", [False, True])
@@ -390,7 +428,7 @@ def test_training_data_records_features_while_generating(tiny_llama_dir, monkeyp
     fed = []
     monkeypatch.setattr(head_data, "target_features",
                         lambda engine, ids: fed.append(len(ids)) or target_features(engine, ids))
-    sequences = head_data.collect(engine, max_tokens=10**6, seconds=60, reply_tokens=12, batch=2)
+    sequences = head_data.collect(engine, max_tokens=10**6, seconds=60, reply_tokens=12, batch=2).sequences
     assert len(sequences) == 2 and engine.feature_observer is None
     for seq in sequences:
         assert seq.num_prompt_tokens < len(seq.token_ids) and len(seq.features) == len(seq.token_ids)
