@@ -242,7 +242,7 @@ def cmd_train_head(args) -> int:
 
     cfg = TrainConfig(minutes=args.minutes, max_steps=args.max_steps, max_data_tokens=args.max_data_tokens,
                       reply_tokens=args.reply_tokens, head_vocab_size=args.head_vocab_size, fresh=args.fresh,
-                      seed=args.seed, unroll=args.unroll)
+                      seed=args.seed, unroll=args.unroll, data_share=args.data_share)
     engine = Engine(EngineConfig(
         model=args.model,
         dtype=default_dtype() if args.dtype == "auto" else args.dtype,
@@ -328,6 +328,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--out", default=None, help="head file (default: the cache dir, keyed by a hash of the weights)")
     t.add_argument("--max-steps", type=int, default=None, help="stop after this many optimizer steps in all")
     t.add_argument("--max-data-tokens", type=int, default=200_000, help="tokens of training data to collect")
+    t.add_argument("--data-share", type=float, default=0.3,
+                   help="share of --minutes for collecting data while fewer than --max-data-tokens are saved "
+                        "(saved as it goes: a later run collects more)")
     t.add_argument("--reply-tokens", type=int, default=256, help="max tokens of each of the model's own replies")
     t.add_argument("--head-vocab-size", type=int, default=32768, help="rows of the head's LM head (most frequent ids)")
     t.add_argument("--fresh", action="store_true", help="ignore saved data and checkpoint: start over")

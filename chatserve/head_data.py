@@ -164,24 +164,27 @@ class FeatureRecorder:
 @dataclass
 class Collected:
     """What the data phase has so far: sequences, the rounds they came from (a resumed phase
-    skips as many prompts and source pieces, the order being seeded), the seconds it took, and
-    whether it has finished."""
+    skips as many prompts and source pieces, the order being seeded), the seconds spent on it in
+    all, and whether every prompt and source piece has been used."""
     sequences: list[Sequence]
     rounds: int = 0
     seconds: float = 0.0
-    complete: bool = False
+    exhausted: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.sequences)
 
 
 def collect(engine, *, max_tokens: int, seconds: float, reply_tokens: int, seed: int = 0, batch: int = 16,
             progress=None, resume: Collected | None = None, checkpoint=None,
             checkpoint_seconds: float = 300.0) -> Collected:
-    """Sequences of about max_tokens tokens in all, or what `seconds` allow: each round answers
-    `batch` prompts (greedy, up to reply_tokens each) and adds one plain source sequence.
+    """Sequences of about max_tokens tokens in all, collecting for at most `seconds`: each round
+    answers `batch` prompts (greedy, up to reply_tokens each) and adds one plain source sequence.
     progress(num_tokens) is called after each sequence. A reply's last token is never fed to the
     target, so its sequence ends one token short (the feature before it predicts it).
-    resume continues an unfinished phase (its seconds count against `seconds`); checkpoint(state)
-    is called every checkpoint_seconds and at the end, so a killed run loses a few minutes of
-    data, not the phase."""
+    resume goes on from what an earlier call collected (killed, or out of time); checkpoint(state)
+    is called every checkpoint_seconds and at the end, so a killed run loses minutes, not the phase."""
     tok = engine.tokenizer
     state = dataclasses.replace(resume, sequences=list(resume.sequences)) if resume else Collected([])
     turns, raw = user_turns(seed), plain_sources(tok, seed)
@@ -190,7 +193,7 @@ def collect(engine, *, max_tokens: int, seconds: float, reply_tokens: int, seed:
     for _ in itertools.islice(raw, state.rounds):
         pass
     params = SamplingParams(max_tokens=reply_tokens, temperature=0.0)
-    num_tokens = sum(len(s.token_ids) for s in state.sequences)
+    num_tokens = state.num_tokens
     if progress and num_tokens:
         progress(num_tokens)
     start = last_save = time.perf_counter()
@@ -205,7 +208,7 @@ def collect(engine, *, max_tokens: int, seconds: float, reply_tokens: int, seed:
         if progress:
             progress(num_tokens)
 
-    while num_tokens < max_tokens and spent + time.perf_counter() - start < seconds:
+    while num_tokens < max_tokens and time.perf_counter() - start < seconds and not state.exhausted:
         asked = [tok.apply_chat_template([{"role": "user", "content": m}]) for m in itertools.islice(turns, batch)]
         # a snippet is cut at blank lines, and a file without any (a data table) makes one longer
         # than the context: skip it rather than fail the run
@@ -223,14 +226,12 @@ def collect(engine, *, max_tokens: int, seconds: float, reply_tokens: int, seed:
         if text:
             add(text, len(text))
         state.rounds += 1
+        state.exhausted = not asked and not text
         state.seconds = spent + time.perf_counter() - start
-        if not asked and not text:
-            break
         if checkpoint and time.perf_counter() - last_save > checkpoint_seconds:
             checkpoint(state)
             last_save = time.perf_counter()
     state.seconds = spent + time.perf_counter() - start
-    state.complete = True
     if checkpoint:
         checkpoint(state)
     return state

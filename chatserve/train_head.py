@@ -10,8 +10,9 @@ when it drafts in a chain. Windows of `window` positions are cut from the data (
 whole sequence, so a window's first row still sees the true previous feature).
 
 Files (beside the head, by default in the cache dir keyed by the target's weight hash):
-<head>-data.pt (the collected data, made once; written every checkpoint_seconds while it is
-collected too, and a run that finds it unfinished goes on collecting), <head>-checkpoint.pt (head, optimizer, step,
+<head>-data.pt (the collected data; written every checkpoint_seconds while it is collected, and
+a run that finds fewer than max_data_tokens in it collects more first, in its data_share of the
+budget, so data grows over runs and survives a kill), <head>-checkpoint.pt (head, optimizer, step,
 seconds; written every checkpoint_seconds and at the end) and the head itself. Running the
 command again continues from the checkpoint for another --minutes.
 """
@@ -42,7 +43,7 @@ UNROLL_DECAY = 0.8  # weight of the s-th unrolled pass (training-time test): 0.8
 class TrainConfig:
     minutes: float = 30.0  # this run's wall-clock budget (data collection included)
     max_steps: int | None = None  # stop at this many optimizer steps in all (tests, smoke runs)
-    data_share: float = 0.3  # of the budget for collecting data, when none is saved yet
+    data_share: float = 0.3  # of the budget for collecting data, while fewer than max_data_tokens are saved
     max_data_tokens: int = 200_000
     reply_tokens: int = 256  # max_tokens of each of the target's greedy replies
     head_vocab_size: int = 32768  # N: the head's LM head rows
@@ -184,11 +185,11 @@ def run(engine, model: str, target_dir: Path, cfg: TrainConfig, out: Path | None
     seconds = cfg.minutes * 60
     target = engine.models.target
     data = _load_data(data_path, target_hash) if not cfg.fresh else None
-    if data is None or not data.complete:
+    if data is None or (not data.exhausted and data.num_tokens < cfg.max_data_tokens):
 
         def save_data(state: Collected) -> None:
             _save(data_path, {"target_hash": target_hash, "rounds": state.rounds, "seconds": state.seconds,
-                              "complete": state.complete,
+                              "exhausted": state.exhausted,
                               "sequences": [dataclasses.astuple(s) for s in state.sequences]})
 
         data = _collect(engine, cfg, seconds * cfg.data_share, show_progress, data, save_data)
@@ -267,8 +268,9 @@ def _load_data(path: Path, target_hash: str) -> Collected | None:
     if record["target_hash"] != target_hash:
         return None
     sequences = [Sequence(*fields) for fields in record["sequences"]]
-    # files from before the phase was resumable hold finished phases only
-    return Collected(sequences, record.get("rounds", 0), record.get("seconds", 0.0), record.get("complete", True))
+    if "rounds" not in record:  # from before the phase could resume: where it stopped is unknown, so it is final
+        return Collected(sequences, exhausted=True)
+    return Collected(sequences, record["rounds"], record["seconds"], record["exhausted"])
 
 
 def _load_checkpoint(path: Path, target_hash: str) -> dict | None:

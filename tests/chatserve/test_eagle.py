@@ -348,13 +348,17 @@ def test_train_head_command_saves_by_weight_hash_and_resumes(tiny_llama_dir, tmp
 
     monkeypatch.setenv("CHATSERVE_CACHE", str(tmp_path))
     args = ["train-head", "--model", str(tiny_llama_dir), "--dtype", "float32", "-q", "none", "--quiet",
-            "--max-data-tokens", "1500", "--reply-tokens", "16", "--head-vocab-size", "100", "--minutes", "1"]
-    assert main([*args, "--max-steps", "2"]) == 0
+            "--reply-tokens", "16", "--head-vocab-size", "100", "--minutes", "1"]
+    assert main([*args, "--max-data-tokens", "600", "--max-steps", "2"]) == 0
     path = default_head_path(weights_hash(tiny_llama_dir))
     first = torch.load(path, weights_only=True)
     assert first["info"]["steps"] == 2 and first["info"]["num_kept"] >= 100
-    assert main([*args, "--max-steps", "4"]) == 0
-    assert torch.load(path, weights_only=True)["info"]["steps"] == 4
+    assert first["info"]["num_tokens"] >= 600  # one round: 16 replies and a source piece
+    # run again with a larger data budget: more data first (the saved data kept), then the checkpoint goes on
+    more = first["info"]["num_tokens"] + 1
+    assert main([*args, "--max-data-tokens", str(more), "--max-steps", "4"]) == 0
+    second = torch.load(path, weights_only=True)
+    assert second["info"]["steps"] == 4 and second["info"]["num_tokens"] >= more
     engine = make_engine(tiny_llama_dir)  # no head named: the cache's, for these weights
     prompt = engine.tokenizer.encode(PROMPTS[1])
     assert engine.generate([prompt], EAGLE)[0]["stats"].num_drafted > 0
@@ -386,7 +390,7 @@ def test_a_killed_data_phase_resumes_where_its_checkpoint_left_it(tiny_llama_dir
     monkeypatch.setattr(head_data, "user_turns", lambda seed: iter(turns))
     monkeypatch.setattr(head_data, "plain_sources", lambda tok, seed: iter([[5, 6, 7, 8]] * 3))
     whole = head_data.collect(engine, max_tokens=10**6, seconds=60, reply_tokens=6, batch=2)
-    assert whole.complete and whole.rounds == 4 and len(whole.sequences) == 6 + 3
+    assert whole.exhausted and whole.rounds == 4 and len(whole.sequences) == 6 + 3
 
     saved = []
 
@@ -400,14 +404,11 @@ def test_a_killed_data_phase_resumes_where_its_checkpoint_left_it(tiny_llama_dir
     with pytest.raises(Killed):
         head_data.collect(engine, max_tokens=10**6, seconds=60, reply_tokens=6, batch=2,
                           checkpoint=checkpoint, checkpoint_seconds=0)
-    assert saved[0].rounds == 1 and not saved[0].complete and len(saved[0].sequences) == 3
+    assert saved[0].rounds == 1 and not saved[0].exhausted and len(saved[0].sequences) == 3
     resumed = head_data.collect(engine, max_tokens=10**6, seconds=60, reply_tokens=6, batch=2, resume=saved[0])
-    assert resumed.complete and resumed.rounds == 4
+    assert resumed.exhausted and resumed.rounds == 4
     assert [s.token_ids.tolist() for s in resumed.sequences] == [s.token_ids.tolist() for s in whole.sequences]
-    spent = copy.deepcopy(saved[0])
-    spent.seconds = 60.0  # its budget used up before the kill: nothing more is collected
-    assert len(head_data.collect(engine, max_tokens=10**6, seconds=60, reply_tokens=6, batch=2,
-                                 resume=spent).sequences) == 3
+    assert len(saved[0].sequences) == 3  # the resumed state is a copy
     assert_pool_empty(engine)
 
 
