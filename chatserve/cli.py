@@ -256,7 +256,9 @@ def cmd_train_head(args) -> int:
     info = torch.load(path, weights_only=True)["info"]
     print(f"EAGLE head for {args.model}: {path}\n  {info['steps']} steps in {info['train_seconds']} s on "
           f"{info['num_tokens']} tokens; vocabulary {info['num_kept']} ids covering {info['coverage']:.1%} of reply "
-          f"tokens; last batch: top-1 agreement {info['final'].get('top1', float('nan')):.2f}\n"
+          f"tokens; last batch: top-1 agreement {info['final'].get('top1', float('nan')):.2f}"
+          + (f"; held-out replies: {info['val_top1']:.2f} (this run's last: {info['last_val_top1']:.2f})"
+             if info.get("val_top1") is not None and info.get("last_val_top1") is not None else "") + "\n"
           f"  serve with: chatserve serve --model {args.model} --draft eagle", file=sys.stderr)
     return 0
 

@@ -18,7 +18,7 @@ from chatserve.head_data import Sequence, choose_vocab, target_features
 from chatserve.head_store import save_head, weights_hash
 from chatserve.models.eagle_head import EagleHead
 from chatserve.sampling_params import SamplingParams
-from chatserve.train_head import TrainConfig, new_head, train
+from chatserve.train_head import TrainConfig, new_head, split_validation, train, validate
 from tests.chatserve.test_engine import assert_pool_empty, run_with_random_aborts
 from tests.chi_square import chi_square_p_value
 
@@ -94,6 +94,38 @@ def trained_head(tiny_llama_dir, conversation, tmp_path_factory):
     path = tmp_path_factory.mktemp("head") / "eagle-head.pt"
     save_head(path, head, weights_hash(tiny_llama_dir), {"steps": 100})
     return path
+
+
+def test_every_twentieth_reply_is_held_out_to_validate_on():
+    seqs = [Sequence(torch.arange(10), torch.zeros(10, 4), 10 if i % 3 == 0 else 4) for i in range(90)]
+    train_seqs, val = split_validation(seqs)
+    replies = [s for s in seqs if s.num_prompt_tokens < 10]  # 60: the 20th and 40th and 60th held out
+    assert val == [replies[19], replies[39], replies[59]]
+    assert len(train_seqs) == 87 and not any(any(v is t for t in train_seqs) for v in val)
+    assert split_validation(seqs[:25])[1] == []  # fewer than 20 replies: nothing held out
+
+
+def test_training_validates_and_reports_only_a_better_head(tiny_llama_dir, conversation):
+    """train() with held-out sequences scores pass-0 agreement on their reply positions and calls
+    on_best only when it beats the best so far: a head trained on, then wrecked by a huge learning
+    rate, is not reported again (the command keeps the best head as the servable one)."""
+    engine = make_engine(tiny_llama_dir, method=None)
+    target = engine.models.target
+    sequences = [Sequence(torch.tensor(p + r), target_features(engine, p + r), len(p)) for p, r in conversation]
+    head = new_head(target, tiny_llama_dir, engine.max_model_len,
+                    choose_vocab(sequences, target.vocab_size, 200, engine.tokenizer.special_token_ids), seed=0)
+    before = validate(head, target.embed_tokens, sequences)
+    best = []
+    cfg = TrainConfig(max_steps=60, window=64, batch_tokens=512, lr=1e-3, warmup_steps=10, checkpoint_seconds=0.0)
+    with one_thread():
+        state = train(head, target.embed_tokens, sequences, cfg, 300.0, {}, val=sequences, on_best=best.append)
+    assert best and best == sorted(best) and len(set(best)) == len(best)  # only improvements reported
+    assert state["best_val_top1"] == best[-1] > before and state["val_top1"] <= best[-1]
+    reported = len(best)
+    wreck = dataclasses.replace(cfg, max_steps=80, lr=50.0, warmup_steps=1)
+    with one_thread():
+        state = train(head, target.embed_tokens, sequences, wreck, 300.0, state, val=sequences, on_best=best.append)
+    assert state["val_top1"] < state["best_val_top1"] == best[-1] and len(best) == reported
 
 
 def test_unrolled_training_makes_the_second_drafted_token_better(tiny_llama_dir):
@@ -348,7 +380,7 @@ def test_train_head_command_saves_by_weight_hash_and_resumes(tiny_llama_dir, tmp
 
     monkeypatch.setenv("CHATSERVE_CACHE", str(tmp_path))
     args = ["train-head", "--model", str(tiny_llama_dir), "--dtype", "float32", "-q", "none", "--quiet",
-            "--reply-tokens", "16", "--head-vocab-size", "100", "--minutes", "1"]
+            "--reply-tokens", "16", "--head-vocab-size", "100", "--minutes", "5"]  # max-steps ends it
     assert main([*args, "--max-data-tokens", "600", "--max-steps", "2"]) == 0
     path = default_head_path(weights_hash(tiny_llama_dir))
     first = torch.load(path, weights_only=True)
@@ -357,8 +389,11 @@ def test_train_head_command_saves_by_weight_hash_and_resumes(tiny_llama_dir, tmp
     # run again with a larger data budget: more data first (the saved data kept), then the checkpoint goes on
     more = first["info"]["num_tokens"] + 1
     assert main([*args, "--max-data-tokens", str(more), "--max-steps", "4"]) == 0
-    second = torch.load(path, weights_only=True)
-    assert second["info"]["steps"] == 4 and second["info"]["num_tokens"] >= more
+    data = torch.load(path.with_name("eagle-head-data.pt"), weights_only=True)
+    assert data["rounds"] == 2 and sum(len(s[0]) for s in data["sequences"]) >= more
+    # 32 replies now, one held out: the run validated, and kept on disk whichever head scored best
+    second = torch.load(path, weights_only=True)["info"]
+    assert second["last_steps"] == 4 and 0.0 <= second["last_val_top1"] <= 1.0
     engine = make_engine(tiny_llama_dir)  # no head named: the cache's, for these weights
     prompt = engine.tokenizer.encode(PROMPTS[1])
     assert engine.generate([prompt], EAGLE)[0]["stats"].num_drafted > 0
