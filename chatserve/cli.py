@@ -253,6 +253,10 @@ def cmd_train_head(args) -> int:
         num_threads=args.threads,
     ))
     path = run(engine, args.model, resolve(args.model), cfg, args.out, show_progress=not args.quiet)
+    if path is None:
+        print(f"train-head: the budget went to collecting data (saved; it grows on the next run); nothing trained. "
+              f"Train with: chatserve train-head --model {args.model} --data-share 0", file=sys.stderr)
+        return 0
     info = torch.load(path, weights_only=True)["info"]
     print(f"EAGLE head for {args.model}: {path}\n  {info['steps']} steps in {info['train_seconds']} s on "
           f"{info['num_tokens']} tokens; vocabulary {info['num_kept']} ids covering {info['coverage']:.1%} of reply "
@@ -332,7 +336,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--max-data-tokens", type=int, default=200_000, help="tokens of training data to collect")
     t.add_argument("--data-share", type=float, default=0.3,
                    help="share of --minutes for collecting data while fewer than --max-data-tokens are saved "
-                        "(saved as it goes: a later run collects more)")
+                        "(saved as it goes: a later run collects more; 1 = collect only, 0 = train only)")
     t.add_argument("--reply-tokens", type=int, default=256, help="max tokens of each of the model's own replies")
     t.add_argument("--head-vocab-size", type=int, default=32768, help="rows of the head's LM head (most frequent ids)")
     t.add_argument("--fresh", action="store_true", help="ignore saved data and checkpoint: start over")

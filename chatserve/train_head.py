@@ -222,9 +222,10 @@ def _validate_into(state: dict, head: EagleHead, embed, val: list[Sequence], on_
 
 
 def run(engine, model: str, target_dir: Path, cfg: TrainConfig, out: Path | None = None,
-        show_progress: bool = True) -> Path:
+        show_progress: bool = True) -> Path | None:
     """The whole command on a loaded engine (speculation off): data (collected, or read back),
-    head (new, or from the checkpoint), training, and the servable head file. -> its path."""
+    head (new, or from the checkpoint), training, and the servable head file. -> its path, or
+    None when the data phase took the whole budget."""
     target_hash = weights_hash(target_dir)
     head_path = Path(out) if out else default_head_path(target_hash)
     data_path = head_path.with_name(head_path.stem + "-data.pt")
@@ -233,7 +234,7 @@ def run(engine, model: str, target_dir: Path, cfg: TrainConfig, out: Path | None
     seconds = cfg.minutes * 60
     target = engine.models.target
     data = _load_data(data_path, target_hash) if not cfg.fresh else None
-    if data is None or (not data.exhausted and data.num_tokens < cfg.max_data_tokens):
+    if cfg.data_share > 0 and (data is None or (not data.exhausted and data.num_tokens < cfg.max_data_tokens)):
 
         def save_data(state: Collected) -> None:
             _save(data_path, {"target_hash": target_hash, "rounds": state.rounds, "seconds": state.seconds,
@@ -241,7 +242,12 @@ def run(engine, model: str, target_dir: Path, cfg: TrainConfig, out: Path | None
                               "sequences": [dataclasses.astuple(s) for s in state.sequences]})
 
         data = _collect(engine, cfg, seconds * cfg.data_share, show_progress, data, save_data)
+    if data is None or not data.sequences:
+        raise ValueError(f"train-head: no training data at {data_path}; collect some with --data-share > 0")
     sequences = data.sequences
+    remaining = max(seconds - (time.perf_counter() - budget_start), 0.0)
+    if remaining == 0.0 and cfg.max_steps is None:
+        return None  # the budget went to data (--data-share 1): nothing trained, no head written
     train_seqs, val = split_validation(sequences)
     ckpt = _load_checkpoint(ckpt_path, target_hash) if not cfg.fresh else None
     head, state = _resume(engine, ckpt) if ckpt else (_new(engine, target_dir, train_seqs, cfg), {})
@@ -265,7 +271,6 @@ def run(engine, model: str, target_dir: Path, cfg: TrainConfig, out: Path | None
         save_head(head_path, head, target_hash, {**info, "steps": state["step"], "train_seconds": round(state["seconds"], 1),
                                                  "val_top1": val_top1})
 
-    remaining = max(seconds - (time.perf_counter() - budget_start), 0.0)
     bar = _bar(show_progress, total=round(remaining), unit="s", desc="training")
     train_start = time.perf_counter()
 

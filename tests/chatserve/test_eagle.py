@@ -394,6 +394,13 @@ def test_train_head_command_saves_by_weight_hash_and_resumes(tiny_llama_dir, tmp
     # 32 replies now, one held out: the run validated, and kept on disk whichever head scored best
     second = torch.load(path, weights_only=True)["info"]
     assert second["last_steps"] == 4 and 0.0 <= second["last_val_top1"] <= 1.0
+    # --data-share 1: the whole budget collects (another round), nothing is trained or written
+    before = path.stat().st_mtime_ns
+    assert main([*args, "--minutes", "0.05", "--data-share", "1", "--max-data-tokens", "10000000"]) == 0
+    assert torch.load(path.with_name("eagle-head-data.pt"), weights_only=True)["rounds"] == 3
+    assert path.stat().st_mtime_ns == before
+    # --data-share 0 with no data anywhere: a clear error, not a crash
+    assert main([*args, "--data-share", "0", "--out", str(tmp_path / "other.pt")]) == 2
     engine = make_engine(tiny_llama_dir)  # no head named: the cache's, for these weights
     prompt = engine.tokenizer.encode(PROMPTS[1])
     assert engine.generate([prompt], EAGLE)[0]["stats"].num_drafted > 0
