@@ -1,4 +1,4 @@
-from chatserve.scale.affinity import AffinityPolicy, least_loaded, prompt_key, session_key
+from chatserve.scale.affinity import AffinityPolicy, RoundRobin, least_loaded, prompt_key, session_key
 
 
 def test_new_key_goes_to_least_loaded_then_sticks():
@@ -58,3 +58,9 @@ def test_session_key_from_header_then_query():
     assert session_key({"headers": [], "query_string": b"api_key=k&session=q1"}) == "q1"
     assert session_key({"headers": [], "query_string": b"session="}) is None
     assert session_key({"type": "websocket"}) is None
+
+
+def test_round_robin_ignores_keys():
+    policy = RoundRobin()
+    firsts = [policy.ranked("same-key", {"b": 0, "a": 9})[0] for _ in range(4)]
+    assert firsts == ["a", "b", "a", "b"]
