@@ -52,6 +52,22 @@ class AffinityPolicy:
         return [first, *rest]
 
 
+class RoundRobin:
+    """The baseline affinity is measured against: replicas in turn, keys ignored."""
+
+    def __init__(self):
+        self.num_routed = 0
+
+    def ranked(self, key: str | None, loads: dict[str, int]) -> list[str]:
+        replicas = sorted(loads)
+        first = self.num_routed % len(replicas)
+        self.num_routed += 1
+        return replicas[first:] + replicas[:first]
+
+
+POLICIES = {"affinity": AffinityPolicy, "round_robin": RoundRobin}
+
+
 def least_loaded(key: str | None, loads: dict[str, int]) -> str:
     """The replica with the fewest requests in flight; ties go by a hash of (key, replica), so
     routers in different processes agree when loads are equal, and keys spread over equals."""

@@ -28,8 +28,9 @@ def require_ray() -> None:
 
 
 def build_app(engine_config: EngineConfig, server_config: ServerConfig, num_replicas: int,
-              draft_name: str | None = None):
-    """The Serve application (for serve.run): `num_replicas` ChatReplicas routed by AffinityRouter.
+              draft_name: str | None = None, policy: str = "affinity"):
+    """The Serve application (for serve.run): `num_replicas` ChatReplicas routed by AffinityRouter
+    (`policy`: affinity, or round_robin for comparisons).
     Needs a connected Ray (ray.init) for the metrics board. Each replica asks Ray for
     --threads CPUs (1 by default), so Ray places as many per machine as it has cores for."""
     from ray.serve.config import RequestRouterConfig
@@ -40,7 +41,8 @@ def build_app(engine_config: EngineConfig, server_config: ServerConfig, num_repl
     return ChatReplica.options(
         num_replicas=num_replicas,
         ray_actor_options={"num_cpus": engine_config.num_threads or 1},
-        request_router_config=RequestRouterConfig(request_router_class=ROUTER_CLASS),
+        request_router_config=RequestRouterConfig(request_router_class=ROUTER_CLASS,
+                                                  request_router_kwargs={"policy": policy}),
     ).bind(engine_config, server_config, board, draft_name)
 
 
@@ -53,8 +55,8 @@ def serve_replicas(engine_config: EngineConfig, server_config: ServerConfig, num
     def interrupt(signum, frame):
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, interrupt)  # SIGTERM, like Ctrl+C, tears everything down (also mid-start)
     ray.init(include_dashboard=False, logging_level="WARNING")  # joins RAY_ADDRESS when it is set
+    signal.signal(signal.SIGTERM, interrupt)  # after ray.init, which installs its own; SIGTERM tears down like Ctrl+C
     try:
         serve.start(http_options={"host": server_config.host, "port": server_config.port})
         serve.run(build_app(engine_config, server_config, num_replicas, draft_name), name=APP_NAME,

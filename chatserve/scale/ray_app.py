@@ -23,7 +23,7 @@ from starlette.routing import Mount, Route
 
 from chatserve.config import EngineConfig, ServerConfig
 from chatserve.metrics import CONTENT_TYPE
-from chatserve.scale.affinity import AffinityPolicy, session_key
+from chatserve.scale.affinity import POLICIES, session_key
 from chatserve.scale.metrics_merge import merge_replica_metrics
 
 METRICS_PUSH_PERIOD = 5.0  # seconds between a replica's pushes of its /metrics page to the board
@@ -36,8 +36,8 @@ class AffinityRouter(RequestRouter):
     from the ASGI scope the proxy sends); AffinityPolicy picks the replica. Load is this router's
     own count of requests in flight (an open websocket counts as one)."""
 
-    def initialize_state(self, max_sessions: int = 100_000, **kwargs) -> None:
-        self.policy = AffinityPolicy(max_sessions)
+    def initialize_state(self, policy: str = "affinity", **kwargs) -> None:
+        self.policy = POLICIES[policy]()  # round_robin: the baseline for benchmarks/scale_affinity.py
         self.in_flight: dict[str, str] = {}  # internal request id -> replica unique id
         self.loads: dict[str, int] = {}  # replica unique id -> requests in flight
 
