@@ -38,6 +38,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 BLOCK_SIZE = 16
+METRICS_PUSH_PERIOD = 5.0  # chatserve.scale.ray_app's (not imported here: that imports ray)
 TOPICS = ["paged memory", "sourdough", "tide pools", "compilers", "jazz chords", "glaciers", "chess openings",
           "bees", "lighthouses", "origami", "volcanoes", "typography", "rainforests", "orbits", "violins", "moss"]
 
@@ -193,16 +194,17 @@ def replica_of(url: str, key: str) -> dict:
     return httpx.get(f"{url}/replica", params={"session": key}, timeout=30).json()
 
 
-def metrics_replicas(url: str) -> dict[str, float]:
-    """replica label -> prefix-cache hits, from the merged /metrics page."""
+def metrics_replicas(url: str, family_name: str = "chatserve:prefix_cache_hits") -> dict[str, float]:
+    """replica label -> the counter's value summed over its other labels, from the merged /metrics."""
     from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(f"{url}/metrics", timeout=30).text
-    hits = {}
+    values: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
-        if family.name == "chatserve:prefix_cache_hits":
-            hits = {s.labels["replica"]: s.value for s in family.samples if s.name.endswith("_total")}
-    return hits
+        for sample in family.samples if family.name == family_name else ():
+            if sample.name.endswith("_total"):
+                values[sample.labels["replica"]] = values.get(sample.labels["replica"], 0.0) + sample.value
+    return values
 
 
 def wait_for_replacement(url: str, killed: str, num_replicas: int, timeout: float = 600.0) -> dict[str, float]:
@@ -270,6 +272,8 @@ def main() -> int:
             conversations = conversations_for(args, "conv")
             asyncio.run(run_reconnecting(url, conversations, args.turns, args.max_tokens, args.concurrency))
             result[policy] = hit_counts(conversations, args.turns)
+            time.sleep(2 * METRICS_PUSH_PERIOD)  # every replica's page on the board
+            result[policy]["requests_by_replica"] = metrics_replicas(url, "chatserve:request_success")
             print(f"{policy}: {json.dumps(result[policy])}", flush=True)
             undeploy()
         url = deploy(args, "affinity")

@@ -44,16 +44,20 @@ class AffinityPolicy:
                 self.homes.popitem(last=False)
         return replica
 
+    def on_routed(self, replica: str) -> None:
+        """Nothing to do: `choose` already made the replica the key's home."""
+
     def ranked(self, key: str | None, loads: dict[str, int]) -> list[str]:
         """`choose`'s replica first, then the others from least to most loaded: where to go when
         the first refuses (full)."""
         first = self.choose(key, loads)
-        rest = sorted((r for r in loads if r != first), key=lambda r: (loads[r], _rank(key, r)))
-        return [first, *rest]
+        return [first, *sorted((r for r in loads if r != first), key=loads.__getitem__)]
 
 
 class RoundRobin:
-    """The baseline affinity is measured against: replicas in turn, keys ignored."""
+    """The baseline affinity is measured against: replicas in turn, keys ignored. The turn moves
+    on when a request is routed (`on_routed`), not when asked, since a router may ask more than
+    once per request."""
 
     def __init__(self):
         self.num_routed = 0
@@ -61,8 +65,10 @@ class RoundRobin:
     def ranked(self, key: str | None, loads: dict[str, int]) -> list[str]:
         replicas = sorted(loads)
         first = self.num_routed % len(replicas)
-        self.num_routed += 1
         return replicas[first:] + replicas[:first]
+
+    def on_routed(self, replica: str) -> None:
+        self.num_routed += 1
 
 
 POLICIES = {"affinity": AffinityPolicy, "round_robin": RoundRobin}
@@ -71,7 +77,9 @@ POLICIES = {"affinity": AffinityPolicy, "round_robin": RoundRobin}
 def least_loaded(key: str | None, loads: dict[str, int]) -> str:
     """The replica with the fewest requests in flight; ties go by a hash of (key, replica), so
     routers in different processes agree when loads are equal, and keys spread over equals."""
-    return min(loads, key=lambda replica: (loads[replica], _rank(key, replica)))
+    fewest = min(loads.values())
+    tied = [replica for replica, load in loads.items() if load == fewest]
+    return tied[0] if len(tied) == 1 else min(tied, key=lambda replica: _rank(key, replica))
 
 
 def _rank(key: str | None, replica: str) -> bytes:

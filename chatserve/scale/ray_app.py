@@ -47,13 +47,15 @@ class AffinityRouter(RequestRouter):
             return []
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         loads = {replica: self.loads.get(replica, 0) for replica in by_id}
-        ranked = self.policy.ranked(_routing_key(pending_request), loads)
-        return [[by_id[replica]] for replica in ranked]
+        first, *rest = self.policy.ranked(_routing_key(pending_request), loads)
+        # the home first; if it refuses (full), Ray picks the least queued of the rest
+        return [[by_id[first]], [by_id[replica] for replica in rest]]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
         replica = replica_id.unique_id
         self.in_flight[pending_request.metadata.internal_request_id] = replica
         self.loads[replica] = self.loads.get(replica, 0) + 1
+        self.policy.on_routed(replica)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         replica = self.in_flight.pop(internal_request_id, None)
