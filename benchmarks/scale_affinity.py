@@ -166,28 +166,22 @@ def hit_counts(conversations: list[Conversation], num_turns: int) -> dict:
             "later_turn_cached_tokens": cached, "later_turn_prompt_tokens": prompt}
 
 
-def deploy(args, policy: str) -> str:
-    """Fresh replicas, configured as `chatserve serve` with these flags would configure them."""
+def deploy(args, policy: str, app_name: str) -> str:
+    """Fresh replicas, configured as `chatserve serve` with these flags would configure them. Each
+    phase needs its own `app_name`: Ray's proxy keeps one request router per deployment id, so a
+    redeployed app of the same name would keep the previous phase's router (and its policy)."""
     from ray import serve
 
     from chatserve.cli import build_parser, engine_config, server_config
-    from chatserve.scale.launch import APP_NAME, build_app
+    from chatserve.scale.launch import build_app
 
     flags = build_parser().parse_args(["serve", "--model", args.model, "--kv-cache-memory", args.kv_cache_memory,
                                        "--threads", "1", "--port", str(args.port), *args.serve_flags])
     config = engine_config(flags)
     draft = None if not config.spec else (config.spec.draft_model or config.spec.method)
-    serve.run(build_app(config, server_config(flags), args.replicas, draft, policy=policy), name=APP_NAME,
+    serve.run(build_app(config, server_config(flags), args.replicas, draft, policy=policy), name=app_name,
               route_prefix="/")
     return f"http://127.0.0.1:{args.port}"
-
-
-def undeploy() -> None:
-    from ray import serve
-
-    from chatserve.scale.launch import APP_NAME
-
-    serve.delete(APP_NAME)
 
 
 def replica_of(url: str, key: str) -> dict:
@@ -268,15 +262,15 @@ def main() -> int:
     result = {"config": vars(args)}
     try:
         for policy in ("affinity", "round_robin"):
-            url = deploy(args, policy)
+            url = deploy(args, policy, f"chatserve-{policy}")
             conversations = conversations_for(args, "conv")
             asyncio.run(run_reconnecting(url, conversations, args.turns, args.max_tokens, args.concurrency))
             result[policy] = hit_counts(conversations, args.turns)
             time.sleep(2 * METRICS_PUSH_PERIOD)  # every replica's page on the board
             result[policy]["requests_by_replica"] = metrics_replicas(url, "chatserve:request_success")
             print(f"{policy}: {json.dumps(result[policy])}", flush=True)
-            undeploy()
-        url = deploy(args, "affinity")
+            serve.delete(f"chatserve-{policy}")
+        url = deploy(args, "affinity", "chatserve-failover")
         result["failover"] = asyncio.run(failover_run(args, url))
         print(f"failover: {json.dumps(result['failover'])}", flush=True)
         result["metrics_prefix_hits_by_replica"] = wait_for_replacement(url, result["failover"]["killed_replica"],

@@ -44,9 +44,6 @@ class AffinityPolicy:
                 self.homes.popitem(last=False)
         return replica
 
-    def on_routed(self, replica: str) -> None:
-        """Nothing to do: `choose` already made the replica the key's home."""
-
     def ranked(self, key: str | None, loads: dict[str, int]) -> list[str]:
         """`choose`'s replica first, then the others from least to most loaded: where to go when
         the first refuses (full)."""
@@ -56,19 +53,16 @@ class AffinityPolicy:
 
 class RoundRobin:
     """The baseline affinity is measured against: replicas in turn, keys ignored. The turn moves
-    on when a request is routed (`on_routed`), not when asked, since a router may ask more than
-    once per request."""
+    on each time the router asks, so requests routed concurrently still alternate."""
 
     def __init__(self):
-        self.num_routed = 0
+        self.num_asked = 0
 
     def ranked(self, key: str | None, loads: dict[str, int]) -> list[str]:
         replicas = sorted(loads)
-        first = self.num_routed % len(replicas)
+        first = self.num_asked % len(replicas)
+        self.num_asked += 1
         return replicas[first:] + replicas[:first]
-
-    def on_routed(self, replica: str) -> None:
-        self.num_routed += 1
 
 
 POLICIES = {"affinity": AffinityPolicy, "round_robin": RoundRobin}

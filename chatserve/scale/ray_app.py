@@ -55,7 +55,6 @@ class AffinityRouter(RequestRouter):
         replica = replica_id.unique_id
         self.in_flight[pending_request.metadata.internal_request_id] = replica
         self.loads[replica] = self.loads.get(replica, 0) + 1
-        self.policy.on_routed(replica)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         replica = self.in_flight.pop(internal_request_id, None)
