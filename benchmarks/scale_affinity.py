@@ -227,6 +227,8 @@ async def failover_run(args, url: str) -> dict:
             killed.update(victim)
 
     await run_persistent(url, conversations, args.turns, args.max_tokens, kill_during_turn_2)
+    moved = [c for c in conversations if c.num_reconnects and len(c.cached) == args.turns]
+    stayed = [c for c in conversations if not c.num_reconnects and len(c.cached) == args.turns]
     return {
         "killed_replica": killed.get("replica"),
         "conversations": len(conversations),
@@ -236,6 +238,13 @@ async def failover_run(args, url: str) -> dict:
         "turns_resent": sum(c.num_resent for c in conversations),
         "turns_lost": sum(c.num_lost for c in conversations),
         "turns_done": sum(len(c.cached) for c in conversations),
+        # the turn resent after the reconnect prefills again on the new home; the one after it should hit
+        "moved_last_turn_hits": sum(is_prefix_hit(c, args.turns - 1) for c in moved),
+        "moved_conversations": len(moved),
+        "stayed_later_turn_hits": sum(is_prefix_hit(c, t) for c in stayed for t in range(1, args.turns)),
+        "stayed_later_turns": len(stayed) * (args.turns - 1),
+        "per_conversation": [{"key": c.key, "cached": c.cached, "prompt": c.prompts, "reconnects": c.num_reconnects}
+                             for c in conversations],
     }
 
 
@@ -272,7 +281,8 @@ def main() -> int:
             serve.delete(f"chatserve-{policy}")
         url = deploy(args, "affinity", "chatserve-failover")
         result["failover"] = asyncio.run(failover_run(args, url))
-        print(f"failover: {json.dumps(result['failover'])}", flush=True)
+        summary = {k: v for k, v in result["failover"].items() if k != "per_conversation"}
+        print(f"failover: {json.dumps(summary)}", flush=True)
         result["metrics_prefix_hits_by_replica"] = wait_for_replacement(url, result["failover"]["killed_replica"],
                                                                         args.replicas)
         print(f"metrics: prefix-cache hits by replica label {result['metrics_prefix_hits_by_replica']}", flush=True)
