@@ -136,3 +136,10 @@ def test_killed_replica_conversation_continues_after_one_reconnect(server):
             break
         assert time.monotonic() < deadline, pids
         time.sleep(5)
+
+
+def test_web_ui_through_the_proxy(server):
+    page = httpx.get(f"{server}/", timeout=30)
+    assert page.status_code == 200 and "<html" in page.text.lower()
+    script = httpx.get(f"{server}/connection.js", timeout=30)
+    assert "?session=" in script.text  # the UI's per-tab key, which the router reads
