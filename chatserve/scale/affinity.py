@@ -3,7 +3,9 @@
 A request's routing key is its session key (the `x-session-id` header, a `session` query
 parameter, or an OpenAI body's `user`) or, without one, a hash of its prompt's first blocks. A
 key sticks to the replica that served it first, because that replica holds its prefix in its
-KV pool; a new key, or one whose replica is gone, goes to the least loaded replica.
+KV pool; a new key, or one whose replica is gone, goes to the least loaded replica. Ray's proxy
+routes before it reads a body, so ray_app.AffinityRouter uses only the header and the query
+parameter (docs/scale-out.md); `user` and `prompt_key` are for a router that has the body.
 """
 
 from __future__ import annotations
