@@ -192,6 +192,8 @@ def cmd_generate(args) -> int:
 
 
 def cmd_serve(args) -> int:
+    if args.replicas > 1:
+        return cmd_serve_replicas(args)
     from chatserve.async_engine import AsyncEngine
     from chatserve.engine import Engine
     from chatserve.loading import limit_malloc_arenas
@@ -211,6 +213,19 @@ def cmd_serve(args) -> int:
           f"(included)", file=sys.stderr)
     config_for_server = server_config(args)
     run_server(AsyncEngine(engine, config_for_server.served_model_name, draft), config_for_server)
+    return 0
+
+
+def cmd_serve_replicas(args) -> int:
+    """`serve --replicas N`: N engines behind Ray Serve (chatserve/scale/), same flags."""
+    from chatserve.scale.launch import require_ray, serve_replicas
+
+    require_ray()  # before any loading: without ray this is a start error (exit 2)
+    config = engine_config(args)
+    draft = None if not config.spec else (config.spec.draft_model or config.spec.method)
+    print(f"starting {args.replicas} replicas of {config.model} (draft: {draft}) on Ray Serve...", file=sys.stderr,
+          flush=True)
+    serve_replicas(config, server_config(args), args.replicas, draft)
     return 0
 
 
@@ -324,6 +339,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-generation-config", action="store_true",
                    help="ignore the model's generation_config.json sampling defaults (temperature, top_p, top_k, "
                         "min_p, repetition_penalty); requests that leave them out get chatserve's own")
+    s.add_argument("--replicas", type=int, default=1, metavar="N",
+                   help="N > 1: N engine replicas behind Ray Serve with conversation affinity (needs "
+                        "pip install chatserve[scale]; docs/scale-out.md)")
     s.set_defaults(func=cmd_serve)
     _defaults_from_env(s)
 

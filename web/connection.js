@@ -18,6 +18,17 @@ function apiKey() {
   return sessionStorage.getItem("chatserve.api_key");
 }
 
+// This tab's session key, kept across reloads: behind `chatserve serve --replicas N` it sends the
+// tab's conversations (and its reconnects) to the replica holding their prefix (docs/scale-out.md).
+function sessionKey() {
+  let key = sessionStorage.getItem("chatserve.session");
+  if (!key) {  // not crypto.randomUUID: that needs a secure context, and plain http on a LAN is not one
+    key = Math.random().toString(36).slice(2) + Date.now().toString(36);
+    sessionStorage.setItem("chatserve.session", key);
+  }
+  return key;
+}
+
 // onMessage(parsed message); onClosed(why: a CLOSE_REASONS entry or undefined);
 // setStatus(kind, label) and showError(text) for the page's chrome.
 export function createConnection({ onMessage, onClosed, setStatus, showError }) {
@@ -26,7 +37,8 @@ export function createConnection({ onMessage, onClosed, setStatus, showError }) 
   function connect() {
     clearTimeout(retryTimer);
     setStatus("connecting", retries ? "Reconnecting…" : "Connecting…");
-    const socket = new WebSocket(`${location.protocol === "https:" ? "wss" : "ws"}://${location.host}/ws`);
+    const scheme = location.protocol === "https:" ? "wss" : "ws";
+    const socket = new WebSocket(`${scheme}://${location.host}/ws?session=${encodeURIComponent(sessionKey())}`);
     ws = socket;
     socket.onopen = () => {
       const key = apiKey();

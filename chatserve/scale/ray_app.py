@@ -1,0 +1,148 @@
+"""The Ray Serve application: N chatserve replicas behind Ray's proxy, routed by AffinityRouter.
+
+Imports ray at the top: import it only when ray is installed (launch.py checks first). Each
+replica is one Engine with the whole chatserve app (create_app) as its ASGI ingress, so /ws,
+/v1 and the UI pass through Ray's proxy unchanged. Ray restarts a replica that dies or fails
+its health check; its conversations re-home on the least loaded replica (affinity.py).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import threading
+import time
+
+import ray
+from ray import serve
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Mount, Route
+
+from chatserve.config import EngineConfig, ServerConfig
+from chatserve.metrics import CONTENT_TYPE
+from chatserve.scale.affinity import POLICIES, session_key
+from chatserve.scale.metrics_merge import merge_replica_metrics
+
+METRICS_PUSH_PERIOD = 5.0  # seconds between a replica's pushes of its /metrics page to the board
+METRICS_MAX_AGE = 30.0  # seconds: a page older than this belongs to a replica that is gone
+
+
+class AffinityRouter(RequestRouter):
+    """Ray Serve's request router for chatserve: the routing key is the request's session key
+    (`x-session-id`, which Ray's proxy also puts in `metadata.session_id`, or `?session=`, read
+    from the ASGI scope the proxy sends); AffinityPolicy picks the replica. Load is this router's
+    own count of requests in flight (an open websocket counts as one)."""
+
+    def initialize_state(self, policy: str = "affinity", **kwargs) -> None:
+        self.policy = POLICIES[policy]()  # round_robin: the baseline for benchmarks/scale_affinity.py
+        self.in_flight: dict[str, str] = {}  # internal request id -> replica unique id
+        self.loads: dict[str, int] = {}  # replica unique id -> requests in flight
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        if not candidate_replicas:
+            return []
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        loads = {replica: self.loads.get(replica, 0) for replica in by_id}
+        first, *rest = self.policy.ranked(_routing_key(pending_request), loads)
+        # the home first; if it refuses (full), Ray picks the least queued of the rest
+        return [[by_id[first]], [by_id[replica] for replica in rest]]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
+        replica = replica_id.unique_id
+        self.in_flight[pending_request.metadata.internal_request_id] = replica
+        self.loads[replica] = self.loads.get(replica, 0) + 1
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        replica = self.in_flight.pop(internal_request_id, None)
+        if replica is not None and self.loads.get(replica, 0) > 0:
+            self.loads[replica] -= 1
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self.loads.pop(replica_id.unique_id, None)
+
+
+def _routing_key(pending_request: PendingRequest | None) -> str | None:
+    """The session key of a request from Ray's HTTP proxy (its argument is a pickled
+    StreamingHTTPRequest holding the ASGI scope); None for anything else."""
+    if pending_request is None:
+        return None
+    if pending_request.metadata.session_id:
+        return pending_request.metadata.session_id
+    args = pending_request.args
+    if not args or not isinstance(args[0], bytes):
+        return None
+    try:
+        scope = pickle.loads(args[0])._asgi_scope
+    except Exception:
+        return None
+    return session_key(scope)
+
+
+@ray.remote(num_cpus=0)
+class MetricsBoard:
+    """The latest /metrics page of every replica, so that any replica can answer for all."""
+
+    def __init__(self):
+        self.pages: dict[str, tuple[float, str]] = {}  # replica id -> (time, page)
+
+    def put(self, replica: str, page: str) -> dict[str, str]:
+        """Store `replica`'s page; return every page younger than METRICS_MAX_AGE."""
+        now = time.time()
+        self.pages[replica] = (now, page)
+        self.pages = {r: (t, p) for r, (t, p) in self.pages.items() if now - t < METRICS_MAX_AGE}
+        return {r: p for r, (_, p) in sorted(self.pages.items())}
+
+
+@serve.deployment(name="chatserve", max_ongoing_requests=1000, health_check_period_s=5,
+                  health_check_timeout_s=30, graceful_shutdown_timeout_s=35)
+@serve.ingress()  # the ASGI app is built per replica, after its engine (__serve_build_asgi_app__)
+class ChatReplica:
+    """One engine and the whole chatserve app. Routes added in front: /metrics (every replica's
+    page, each sample labelled with its replica) and /replica (which replica answered)."""
+
+    def __init__(self, engine_config: EngineConfig, server_config: ServerConfig, board, draft_name: str | None):
+        from chatserve.async_engine import AsyncEngine
+        from chatserve.engine import Engine
+        from chatserve.loading import limit_malloc_arenas
+        from chatserve.server import create_app
+
+        limit_malloc_arenas()
+        self.replica = serve.get_replica_context().replica_id.unique_id
+        self.engine = AsyncEngine(Engine(engine_config), server_config.served_model_name, draft_name)
+        self.chat_app = create_app(self.engine, server_config)
+        self.board = board
+        threading.Thread(target=self._push_metrics, name="chatserve-metrics-push", daemon=True).start()
+
+    def __serve_build_asgi_app__(self):
+        return Starlette(routes=[
+            Route("/metrics", self.metrics, methods=["GET"]),
+            Route("/replica", self.whoami, methods=["GET"]),
+            Mount("/", app=self.chat_app),
+        ])
+
+    async def metrics(self, request: Request) -> Response:
+        page = self.chat_app.state.server.metrics.render().decode()
+        pages = await self.board.put.remote(self.replica, page)
+        return Response(merge_replica_metrics(pages), media_type=CONTENT_TYPE)
+
+    def _push_metrics(self) -> None:
+        while True:
+            try:
+                ray.get(self.board.put.remote(self.replica, self.chat_app.state.server.metrics.render().decode()))
+            except Exception:  # the board is gone (shutting down): keep serving
+                pass
+            time.sleep(METRICS_PUSH_PERIOD)
+
+    async def whoami(self, request: Request) -> Response:
+        return JSONResponse({"replica": self.replica, "pid": os.getpid()})
+
+    def check_health(self) -> None:
+        """Ray calls this every health_check_period_s; raising marks the replica for restart."""
+        if not self.engine._thread.is_alive():
+            raise RuntimeError("the engine thread has stopped")
+        self.engine.stats()
