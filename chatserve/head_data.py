@@ -17,6 +17,7 @@ Qwen2.5-Coder-1.5B the second prefill over prompt and reply took half the data p
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import itertools
 import json
 import random
@@ -90,15 +91,40 @@ def user_turns(seed: int) -> Iterator[str]:
 
 
 def source_tasks(templates: list[str], seed: int) -> Iterator[str]:
-    """Tasks on the first two snippets of each stdlib file ("explain this code", ...), with every
-    fourth one a question on a topic of the Python documentation that ships with the stdlib."""
+    """Per stdlib file: tasks on its first two snippets ("explain this code", ...), a request to
+    write one of its documented functions from its docstring (new code, as users ask for), and
+    every other file a question on a topic of the Python documentation that ships with the stdlib."""
     templates = itertools.cycle(templates)
     docs = doc_topics(seed)
     for i, text in enumerate(stdlib_sources(seed + 1)):
         for piece in snippets(text, SNIPPET_LINES)[:2]:
             yield next(templates).format(code=piece)
+        yield from writing_tasks(text)[:1]
         if i % 2 == 1:
             yield from itertools.islice(docs, 1)
+
+
+def writing_tasks(source: str) -> list[str]:
+    """"Write this function" requests from a module's public top-level functions with a docstring
+    of a sentence or more: the name, the parameters and the docstring's first paragraph. Measured
+    why: a SmolLM2 head trained mostly on replies about given code agreed with the target on 84%
+    of such replies held out, but on 46% of held-out requests for new code."""
+    import ast
+
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return []
+    tasks = []
+    for node in tree.body:
+        if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
+            continue
+        doc = (ast.get_docstring(node) or "").split("\n\n")[0].strip()
+        if len(doc) < 40:
+            continue
+        signature = f"{node.name}({ast.unparse(node.args)})"
+        tasks.append(f"Write a Python function `{signature}` that does the following:\n\n{doc}")
+    return tasks
 
 
 def doc_topics(seed: int) -> Iterator[str]:
@@ -161,15 +187,21 @@ class FeatureRecorder:
         return torch.stack([kept[p] for p in range(num_positions)])
 
 
+def prompt_key(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little", signed=True)
+
+
 @dataclass
 class Collected:
     """What the data phase has so far: sequences, the rounds they came from (a resumed phase
-    skips as many prompts and source pieces, the order being seeded), the seconds spent on it in
+    skips as many source pieces, the order being seeded), the prompts already answered (skipped
+    when resumed, whatever the order: the prompt set may have changed), the seconds spent on it in
     all, and whether every prompt and source piece has been used."""
     sequences: list[Sequence]
     rounds: int = 0
     seconds: float = 0.0
     exhausted: bool = False
+    asked: set[int] = dataclasses.field(default_factory=set)  # prompt_key of every user turn answered
 
     @property
     def num_tokens(self) -> int:
@@ -186,10 +218,14 @@ def collect(engine, *, max_tokens: int, seconds: float, reply_tokens: int, seed:
     resume goes on from what an earlier call collected (killed, or out of time); checkpoint(state)
     is called every checkpoint_seconds and at the end, so a killed run loses minutes, not the phase."""
     tok = engine.tokenizer
-    state = dataclasses.replace(resume, sequences=list(resume.sequences)) if resume else Collected([])
+    state = (dataclasses.replace(resume, sequences=list(resume.sequences), asked=set(resume.asked)) if resume
+             else Collected([]))
     turns, raw = user_turns(seed), plain_sources(tok, seed)
-    for _ in itertools.islice(turns, state.rounds * batch):
-        pass
+    if state.asked:
+        turns = (t for t in turns if prompt_key(t) not in state.asked)
+    else:  # saved before prompts were recorded: skip by count
+        for _ in itertools.islice(turns, state.rounds * batch):
+            pass
     for _ in itertools.islice(raw, state.rounds):
         pass
     params = SamplingParams(max_tokens=reply_tokens, temperature=0.0)
@@ -209,7 +245,9 @@ def collect(engine, *, max_tokens: int, seconds: float, reply_tokens: int, seed:
             progress(num_tokens)
 
     while num_tokens < max_tokens and time.perf_counter() - start < seconds and not state.exhausted:
-        asked = [tok.apply_chat_template([{"role": "user", "content": m}]) for m in itertools.islice(turns, batch)]
+        texts = list(itertools.islice(turns, batch))
+        state.asked.update(prompt_key(t) for t in texts)
+        asked = [tok.apply_chat_template([{"role": "user", "content": m}]) for m in texts]
         # a snippet is cut at blank lines, and a file without any (a data table) makes one longer
         # than the context: skip it rather than fail the run
         prompts = [p for p in asked if len(p) + reply_tokens <= engine.models.max_model_len]

@@ -238,7 +238,7 @@ def run(engine, model: str, target_dir: Path, cfg: TrainConfig, out: Path | None
 
         def save_data(state: Collected) -> None:
             _save(data_path, {"target_hash": target_hash, "rounds": state.rounds, "seconds": state.seconds,
-                              "exhausted": state.exhausted,
+                              "exhausted": state.exhausted, "asked": sorted(state.asked),
                               "sequences": [dataclasses.astuple(s) for s in state.sequences]})
 
         data = _collect(engine, cfg, seconds * cfg.data_share, show_progress, data, save_data)
@@ -351,7 +351,7 @@ def _load_data(path: Path, target_hash: str) -> Collected | None:
     sequences = [Sequence(*fields) for fields in record["sequences"]]
     if "rounds" not in record:  # from before the phase could resume: where it stopped is unknown, so it is final
         return Collected(sequences, exhausted=True)
-    return Collected(sequences, record["rounds"], record["seconds"], record["exhausted"])
+    return Collected(sequences, record["rounds"], record["seconds"], record["exhausted"], set(record.get("asked", ())))
 
 
 def _load_checkpoint(path: Path, target_hash: str) -> dict | None:

@@ -451,6 +451,12 @@ def test_a_killed_data_phase_resumes_where_its_checkpoint_left_it(tiny_llama_dir
     assert resumed.exhausted and resumed.rounds == 4
     assert [s.token_ids.tolist() for s in resumed.sequences] == [s.token_ids.tolist() for s in whole.sequences]
     assert len(saved[0].sequences) == 3  # the resumed state is a copy
+    # the prompt set reordered (or grown) between runs: what was answered is not asked again
+    monkeypatch.setattr(head_data, "user_turns", lambda seed: iter(turns[::-1]))
+    reordered = head_data.collect(engine, max_tokens=10**6, seconds=60, reply_tokens=6, batch=2, resume=saved[0])
+    prompts = [tuple(s.token_ids[: s.num_prompt_tokens].tolist()) for s in reordered.sequences
+               if s.num_prompt_tokens < len(s.token_ids)]
+    assert len(prompts) == len(set(prompts)) == 6
     assert_pool_empty(engine)
 
 
