@@ -28,12 +28,16 @@ STALE_LOCK_SECONDS = 600  # a build takes ~1-3 min; an older lock was left by a 
 
 
 def _build_directory() -> Path:
-    """One build directory per content of the sources and headers: two checkouts (or versions) of
-    chatserve on one machine each keep their own build instead of rebuilding the shared one in
-    turn (torch rebuilds whenever the source paths in build.ninja change)."""
+    """One build directory per content of the sources and headers and per torch installation: two
+    checkouts, versions or virtualenvs of chatserve on one machine each keep their own build
+    instead of rebuilding the shared one in turn (torch rebuilds whenever a path in build.ninja
+    changes; a CI venv and a dev venv did, and a build killed mid-way left a lock that stalled the
+    next test run)."""
+    import torch
     from torch.utils.cpp_extension import _get_build_directory
 
     digest = hashlib.sha256()
+    digest.update(f"{torch.__version__}\0{Path(torch.__file__).parent}\0".encode())
     for path in sorted([*(_DIR / s for s in SOURCES), *_DIR.glob("*.h")]):
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
     directory = Path(_get_build_directory(NAME, verbose=False)).parent / f"{NAME}-{digest.hexdigest()[:12]}"

@@ -397,7 +397,7 @@ def test_train_head_command_saves_by_weight_hash_and_resumes(tiny_llama_dir, tmp
     # --data-share 1: the whole budget collects (another round), nothing is trained or written
     before = path.stat().st_mtime_ns
     assert main([*args, "--minutes", "0.05", "--data-share", "1", "--max-data-tokens", "10000000"]) == 0
-    assert torch.load(path.with_name("eagle-head-data.pt"), weights_only=True)["rounds"] == 3
+    assert torch.load(path.with_name("eagle-head-data.pt"), weights_only=True)["rounds"] >= 3  # rounds fit in 3 s
     assert path.stat().st_mtime_ns == before
     # --data-share 0 with no data anywhere: a clear error, not a crash
     assert main([*args, "--data-share", "0", "--out", str(tmp_path / "other.pt")]) == 2
