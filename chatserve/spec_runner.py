@@ -98,8 +98,10 @@ class SpecRunner:
         for req in decodes:
             if req.num_output_tokens == 0:
                 continue
-            offers = self._offers(req, budget)
-            self._plan_catch_up(req, budget, len(decodes))
+            # a fixed k gets fixed chunks too, so its drafts do not depend on timings either
+            req_budget = budget if self._is_adaptive(req) or budget >= 1 << 30 else CATCH_UP_CHUNK
+            offers = self._offers(req, req_budget)
+            self._plan_catch_up(req, req_budget, len(decodes))
             if self._is_adaptive(req):
                 priced.append((req, offers))
             else:
@@ -109,7 +111,10 @@ class SpecRunner:
             self._allocate(priced, prefill_rows)
 
     def _is_adaptive(self, req: Request) -> bool:
-        return self.costs is not None and req.params.num_draft_tokens is None
+        """Whether req's k is priced from measured costs. Not for a request that fixed
+        num_draft_tokens, nor for a seeded one: every draft draws from the request's generator, so
+        k chosen from timings would make the same seed give different text on every run."""
+        return self.costs is not None and req.params.num_draft_tokens is None and req.params.seed is None
 
     def _offers(self, req: Request, budget: int) -> list[Offer | None]:
         """One offer per method of req (None: nothing to offer, or a draft model still behind

@@ -248,3 +248,29 @@ def test_sampled_tokens_follow_the_target_through_suffix_proposals(tiny_llama_di
     else:
         assert by_method["draft"].num_draft_tokens > 0  # both kinds of proposal were verified
     assert_pool_empty(engine)
+
+
+def test_a_seeded_request_samples_the_same_text_whatever_the_measured_costs(tiny_llama_dir, tiny_draft_dir, one_thread):
+    """Every draft draws from the request's generator, so a k or a catch-up chunk chosen from
+    timings would make a seed give different text from run to run. A seeded request drafts a
+    fixed k in fixed chunks: two engines priced differently sample the same tokens for it, while
+    an unseeded request is priced (and drafts differently) on each."""
+    dear = SpecCosts({r: 1.0 + 0.5 * (r - 1) for r in range(1, 65)}, {r: 0.6 for r in range(1, 17)},
+                     {16: 0.1, 32: 0.15, 64: 0.2, 128: 0.3, 256: 0.4})
+    prompt = [(7 * i) % 250 + 3 for i in range(300)]
+    seeded = SamplingParams(max_tokens=40, temperature=1.0, seed=1234, ignore_eos=True)
+    unseeded = dataclasses.replace(seeded, seed=None, temperature=0.0)
+    outs = []
+    for costs in (FIXED_COSTS, dear):
+        engine = make_engine(tiny_llama_dir, tiny_draft_dir, "draft", adaptive=True)
+        engine.spec.costs = costs
+        rows = record_draft_forwards(engine)
+        sampled = engine.generate([prompt], seeded)[0]
+        fixed_rows = list(rows)
+        greedy = engine.generate([prompt[:-1]], unseeded)[0]
+        outs.append((sampled["token_ids"], sampled["stats"].num_drafted, fixed_rows, greedy["stats"].num_drafted))
+        assert_pool_empty(engine)
+    (tokens_a, drafted_a, rows_a, priced_a), (tokens_b, drafted_b, rows_b, priced_b) = outs
+    assert drafted_a > 0 and rows_a == rows_b
+    assert tokens_a == tokens_b
+    assert priced_a != priced_b  # the prices do change what an unseeded request drafts
