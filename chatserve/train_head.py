@@ -54,6 +54,7 @@ class TrainConfig:
     batch_tokens: int = 2048
     lr: float = 3e-4
     warmup_steps: int = 20
+    min_lr_ratio: float = 0.1  # each run's lr follows a cosine from lr down to lr * this over its budget
     seed: int = 0
     checkpoint_seconds: float = 120.0
     fresh: bool = False  # start over even if a checkpoint exists
@@ -181,9 +182,13 @@ def train(head: EagleHead, embed, sequences: list[Sequence], cfg: TrainConfig, s
     start = last_save = time.perf_counter()
     metrics: dict = {}
     head.train()
+    first_step = state["step"]
     while time.perf_counter() - start < seconds and (cfg.max_steps is None or state["step"] < cfg.max_steps):
+        done = (time.perf_counter() - start) / seconds if seconds > 0 else 0.0
+        if cfg.max_steps is not None:
+            done = max(done, (state["step"] - first_step) / max(cfg.max_steps - first_step, 1))
         for group in opt.param_groups:
-            group["lr"] = cfg.lr * min(1.0, (state["step"] + 1) / cfg.warmup_steps)
+            group["lr"] = cfg.lr * lr_scale(cfg, state["step"], done)
         with torch.enable_grad():
             loss, metrics = loss_fn(head, embed, *batch_windows(sequences, num_windows, cfg.window, gen), noise_gen=gen,
                                     unroll=cfg.unroll)
@@ -209,6 +214,16 @@ def train(head: EagleHead, embed, sequences: list[Sequence], cfg: TrainConfig, s
     if save:
         save(state)
     return state
+
+
+def lr_scale(cfg: TrainConfig, step: int, done: float) -> float:
+    """The lr multiplier at optimizer step `step` (in all), `done` (0-1) of the way through this
+    run's budget: a linear warm-up over the first cfg.warmup_steps, then a cosine from 1 down to
+    cfg.min_lr_ratio at the end of the run. A resumed run starts again from the top (a warm
+    restart); the head kept is the best validated one, so a restart cannot lose the best."""
+    warm = min(1.0, (step + 1) / cfg.warmup_steps)
+    cosine = 0.5 * (1.0 + math.cos(math.pi * min(max(done, 0.0), 1.0)))
+    return warm * (cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * cosine)
 
 
 def _validate_into(state: dict, head: EagleHead, embed, val: list[Sequence], on_best) -> None:

@@ -128,6 +128,39 @@ def test_training_validates_and_reports_only_a_better_head(tiny_llama_dir, conve
     assert state["val_top1"] < state["best_val_top1"] == best[-1] and len(best) == reported
 
 
+def test_each_run_warms_up_then_decays_its_learning_rate_over_its_budget():
+    """lr_scale: linear warm-up, then a cosine from 1 to min_lr_ratio at the end of the run's
+    budget, whichever of time and max_steps ends it; a resumed run (step past warm-up) starts
+    again at the top."""
+    from chatserve.train_head import lr_scale
+
+    cfg = TrainConfig(warmup_steps=10, min_lr_ratio=0.1)
+    assert lr_scale(cfg, 0, 0.0) == pytest.approx(0.1) and lr_scale(cfg, 9, 0.0) == pytest.approx(1.0)
+    assert lr_scale(cfg, 500, 0.5) == pytest.approx(0.55) and lr_scale(cfg, 500, 1.0) == pytest.approx(0.1)
+    assert lr_scale(cfg, 500, 0.0) == 1.0 and lr_scale(cfg, 500, 2.0) == pytest.approx(0.1)
+    seen = []
+    head = torch.nn.Linear(4, 4)
+    seq = [Sequence(torch.arange(40) % 7, torch.randn(40, 4), 0)]
+
+    class Spy(torch.optim.AdamW):
+        def step(self, *a, **k):
+            seen.append(self.param_groups[0]["lr"])
+            return super().step(*a, **k)
+
+    import chatserve.train_head as th
+
+    def fake_loss(*a, **k):
+        return (head.weight ** 2).sum(), {"loss": 1.0, "top1": 0.0}
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(th.torch.optim, "AdamW", Spy)
+        mp.setattr(th, "loss_fn", fake_loss)
+        mp.setattr(th, "batch_windows", lambda *a, **k: ())
+        state = th.train(head, None, seq, dataclasses.replace(cfg, max_steps=20, lr=1.0), 300.0, {"step": 10})
+    assert state["step"] == 20 and len(seen) == 10
+    assert seen[0] == pytest.approx(1.0) and seen == sorted(seen, reverse=True) and seen[-1] < 0.15
+
+
 def test_unrolled_training_makes_the_second_drafted_token_better(tiny_llama_dir):
     """Two heads from the same init, data and steps, trained with unroll=1 and unroll=2: the
     second's 2nd chained prediction (from its own feature) agrees with the target more often."""
