@@ -63,8 +63,6 @@ class TrainConfig:
 def new_head(target, target_dir: Path, max_positions: int, head_token_ids: torch.Tensor, seed: int) -> EagleHead:
     """A float32 head: fc and the layer at random (HF's init), the norm at 1, the LM head the
     target's rows for head_token_ids, read from the checkpoint (a quantized target has no float rows)."""
-    from chatserve.models.loader import read_tensor
-
     cfg = target.config
     torch.manual_seed(seed)
     head = EagleHead(cfg, max_positions, head_token_ids).float()
@@ -74,11 +72,23 @@ def new_head(target, target_dir: Path, max_positions: int, head_token_ids: torch
             torch.nn.init.normal_(p, std=std)
         elif name.endswith("bias"):
             torch.nn.init.zeros_(p)
-    name = "embed_tokens.weight" if target.tie_word_embeddings else "lm_head.weight"
-    with torch.no_grad():
-        head.lm_head.weight.copy_(read_tensor(target_dir, name)[head_token_ids])
-    head.lm_head.weight.requires_grad_(False)
+    set_vocab(head, target, target_dir, head_token_ids)
     return head
+
+
+def set_vocab(head: EagleHead, target, target_dir: Path, head_token_ids: torch.Tensor) -> None:
+    """Give head the LM head over head_token_ids: the target's rows for them, read from the
+    checkpoint (a quantized target has no float rows), frozen. The rest of the head is untouched,
+    so a resumed head can take the vocabulary of its grown data at no cost."""
+    from chatserve.models.loader import read_tensor
+
+    name = "embed_tokens.weight" if target.tie_word_embeddings else "lm_head.weight"
+    rows = read_tensor(target_dir, name)[head_token_ids].to(head.fc.weight.dtype)
+    head.lm_head = type(head.lm_head)(rows.shape[1], rows.shape[0], bias=False)
+    with torch.no_grad():
+        head.lm_head.weight.copy_(rows)
+    head.lm_head.weight.requires_grad_(False)
+    head.head_token_ids = head_token_ids.long()
 
 
 def batch_windows(sequences: list[Sequence], num_windows: int, window: int, gen: torch.Generator):
@@ -266,6 +276,10 @@ def run(engine, model: str, target_dir: Path, cfg: TrainConfig, out: Path | None
     train_seqs, val = split_validation(sequences)
     ckpt = _load_checkpoint(ckpt_path, target_hash) if not cfg.fresh else None
     head, state = _resume(engine, ckpt) if ckpt else (_new(engine, target_dir, train_seqs, cfg), {})
+    if ckpt:  # the data may have grown since: the vocabulary follows it (the LM head is the target's, frozen)
+        ids = choose_vocab(train_seqs, target.vocab_size, cfg.head_vocab_size, engine.tokenizer.special_token_ids)
+        if not torch.equal(ids, head.head_token_ids):
+            set_vocab(head, target, target_dir, ids)
     info = {"model": model, "num_sequences": len(sequences), "num_tokens": sum(len(s.token_ids) for s in sequences),
             "num_val_sequences": len(val),
             "coverage": coverage(sequences, head.head_token_ids), "num_kept": len(head.head_token_ids),

@@ -424,6 +424,13 @@ def test_train_head_command_saves_by_weight_hash_and_resumes(tiny_llama_dir, tmp
     assert main([*args, "--max-data-tokens", str(more), "--max-steps", "4"]) == 0
     data = torch.load(path.with_name("eagle-head-data.pt"), weights_only=True)
     assert data["rounds"] == 2 and sum(len(s[0]) for s in data["sequences"]) >= more
+    # the resumed head took the vocabulary of the grown training data, with the target's rows
+    ckpt = torch.load(path.with_name("eagle-head-checkpoint.pt"), weights_only=True)["head"]
+    train_seqs, _ = split_validation([Sequence(*s) for s in data["sequences"]])
+    engine = make_engine(tiny_llama_dir, method=None)
+    ids = choose_vocab(train_seqs, engine.models.target.vocab_size, 100, engine.tokenizer.special_token_ids)
+    assert torch.equal(ckpt["head_token_ids"], ids)
+    assert torch.equal(ckpt["lm_head.weight"], engine.models.target.lm_head.weight[ids].float())
     # 32 replies now, one held out: the run validated, and kept on disk whichever head scored best
     second = torch.load(path, weights_only=True)["info"]
     assert second["last_steps"] == 4 and 0.0 <= second["last_val_top1"] <= 1.0
