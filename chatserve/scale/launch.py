@@ -13,6 +13,8 @@ import threading
 from chatserve.config import EngineConfig, ServerConfig
 
 APP_NAME = "chatserve"
+GATEWAY_APP_NAME = "chatserve-gateway"
+GATEWAY_ROUTE = "/v1"  # the gateway reads these bodies; everything else goes straight to a replica
 ROUTER_CLASS = "chatserve.scale.ray_app.AffinityRouter"
 RAY_MISSING = ("--replicas needs Ray Serve, which is not installed here: pip install 'chatserve[scale]' "
                "(in a checkout: pip install -e '.[scale]')")
@@ -46,6 +48,14 @@ def build_app(engine_config: EngineConfig, server_config: ServerConfig, num_repl
     ).bind(engine_config, server_config, board, draft_name)
 
 
+def build_gateway(server_config: ServerConfig, app_name: str = APP_NAME):
+    """The gateway application (for serve.run at GATEWAY_ROUTE): one GatewayIngress routing the
+    /v1 requests to app `app_name`'s replicas by `user` and prompt hash as well as by session key."""
+    from chatserve.scale.ray_app import GatewayIngress
+
+    return GatewayIngress.bind(app_name, server_config.max_message_bytes)
+
+
 def serve_replicas(engine_config: EngineConfig, server_config: ServerConfig, num_replicas: int,
                    draft_name: str | None = None) -> None:
     """Run until Ctrl+C or SIGTERM, then tear the application (and a Ray started here) down."""
@@ -61,6 +71,7 @@ def serve_replicas(engine_config: EngineConfig, server_config: ServerConfig, num
         serve.start(http_options={"host": server_config.host, "port": server_config.port})
         serve.run(build_app(engine_config, server_config, num_replicas, draft_name), name=APP_NAME,
                   route_prefix="/")
+        serve.run(build_gateway(server_config), name=GATEWAY_APP_NAME, route_prefix=GATEWAY_ROUTE)
         host = "127.0.0.1" if server_config.host in ("0.0.0.0", "::", "") else server_config.host
         print(f"chatserve: serving {server_config.served_model_name} on {num_replicas} replicas (Ray Serve) - "
               f"open http://{host}:{server_config.port}/", flush=True)

@@ -24,10 +24,13 @@ from starlette.routing import Mount, Route
 from chatserve.config import EngineConfig, ServerConfig
 from chatserve.metrics import CONTENT_TYPE
 from chatserve.scale.affinity import POLICIES, session_key
+from chatserve.scale.gateway import Gateway, call_asgi
 from chatserve.scale.metrics_merge import merge_replica_metrics
 
 METRICS_PUSH_PERIOD = 5.0  # seconds between a replica's pushes of its /metrics page to the board
 METRICS_MAX_AGE = 30.0  # seconds: a page older than this belongs to a replica that is gone
+UNROUTED_TIMEOUT = 60.0  # seconds a chosen replica counts as loaded before Ray reports the request routed
+REPLICA_HEADER = b"x-chatserve-replica"  # on replies relayed by the gateway: which replica answered
 
 
 class AffinityRouter(RequestRouter):
@@ -40,26 +43,52 @@ class AffinityRouter(RequestRouter):
         self.policy = POLICIES[policy]()  # round_robin: the baseline for benchmarks/scale_affinity.py
         self.in_flight: dict[str, str] = {}  # internal request id -> replica unique id
         self.loads: dict[str, int] = {}  # replica unique id -> requests in flight
+        self.unconfirmed: dict[str, float] = {}  # internal request id -> when chosen, until Ray routes it
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        """The key's home first, then the rest. The choice counts as load at once: Ray asks for
+        every request of a burst before it reports any of them routed (on_request_routed), and a
+        burst of new keys must not all see the same least loaded replica."""
         if not candidate_replicas:
             return []
+        self._forget_unrouted()
+        request_id = pending_request.metadata.internal_request_id if pending_request is not None else None
+        self._uncount(request_id)  # asked again (its first choice refused): its old count goes
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         loads = {replica: self.loads.get(replica, 0) for replica in by_id}
         first, *rest = self.policy.ranked(_routing_key(pending_request), loads)
+        if request_id is not None:
+            self._count(request_id, first)
+            self.unconfirmed[request_id] = time.monotonic()
         # the home first; if it refuses (full), Ray picks the least queued of the rest
         return [[by_id[first]], [by_id[replica] for replica in rest]]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
-        replica = replica_id.unique_id
-        self.in_flight[pending_request.metadata.internal_request_id] = replica
-        self.loads[replica] = self.loads.get(replica, 0) + 1
+        request_id = pending_request.metadata.internal_request_id
+        self.unconfirmed.pop(request_id, None)
+        self._uncount(request_id)
+        self._count(request_id, replica_id.unique_id)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        replica = self.in_flight.pop(internal_request_id, None)
+        self.unconfirmed.pop(internal_request_id, None)
+        self._uncount(internal_request_id)
+
+    def _count(self, request_id: str, replica: str) -> None:
+        self.in_flight[request_id] = replica
+        self.loads[replica] = self.loads.get(replica, 0) + 1
+
+    def _uncount(self, request_id: str | None) -> None:
+        replica = self.in_flight.pop(request_id, None)
         if replica is not None and self.loads.get(replica, 0) > 0:
             self.loads[replica] -= 1
+
+    def _forget_unrouted(self) -> None:
+        """Drop the counts of choices Ray never routed (the request was cancelled first)."""
+        now = time.monotonic()
+        for request_id in [r for r, t in self.unconfirmed.items() if now - t > UNROUTED_TIMEOUT]:
+            del self.unconfirmed[request_id]
+            self._uncount(request_id)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
@@ -138,6 +167,14 @@ class ChatReplica:
                 pass
             time.sleep(METRICS_PUSH_PERIOD)
 
+    async def asgi_call(self, scope: dict, body: bytes):
+        """One HTTP request relayed by the gateway (GatewayIngress): the app's reply, message by
+        message, its first one naming this replica. Cancelled when the gateway's client leaves."""
+        async for message in call_asgi(self.chat_app, scope, body):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", ()), (REPLICA_HEADER, self.replica.encode())]}
+            yield message
+
     async def whoami(self, request: Request) -> Response:
         return JSONResponse({"replica": self.replica, "pid": os.getpid()})
 
@@ -146,3 +183,27 @@ class ChatReplica:
         if not self.engine._thread.is_alive():
             raise RuntimeError("the engine thread has stopped")
         self.engine.stats()
+
+
+@serve.deployment(name="gateway", max_ongoing_requests=1000, ray_actor_options={"num_cpus": 0})
+@serve.ingress()
+class GatewayIngress:
+    """The /v1 routes' ingress: reads each body, routes it by affinity.body_key (the OpenAI `user`
+    field or a hash of the prompt) as well as the session header, and relays it to a ChatReplica
+    through a handle whose router (AffinityRouter) reads the key from the request's session id."""
+
+    def __init__(self, app_name: str, max_body_bytes: int):
+        self.replicas = serve.get_deployment_handle(ChatReplica.name, app_name=app_name)
+        self.gateway = Gateway(self.forward, max_body_bytes)  # not self.app: Ray's ASGI wrapper owns that name
+
+    async def forward(self, key: str | None, scope: dict, body: bytes):
+        handle = self.replicas.options(stream=True, **({"session_id": key} if key else {}))
+        reply = handle.asgi_call.remote(scope, body)
+        try:
+            async for message in reply:
+                yield message
+        finally:
+            reply.cancel()  # a no-op once it is done; else the replica's call is cancelled
+
+    def __serve_build_asgi_app__(self):
+        return Starlette(routes=[Mount("/", app=self.gateway)])

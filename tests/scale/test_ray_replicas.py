@@ -103,6 +103,32 @@ def test_http_session_header_second_turn_hits_the_prefix(server):
         assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= prompt_tokens // 16 * 16
 
 
+def _gateway_chat(url: str, body: dict) -> httpx.Response:
+    reply = httpx.post(f"{url}/v1/chat/completions", json={"model": "smollm2-135m-instruct", "max_tokens": 8,
+                                                          "temperature": 0, **body}, timeout=120)
+    reply.raise_for_status()
+    return reply
+
+
+def test_gateway_routes_by_user_and_by_prompt(server):
+    """/v1 goes through the gateway, which reads the body: the same `user` always lands on one
+    replica (the reply names it), users spread over both, and a conversation sent with no key at
+    all finds its prefix on its second turn."""
+    homes: dict[str, set] = {}
+    for user in [f"user-{i}" for i in range(8)] * 2:
+        reply = _gateway_chat(server, {"user": user, "messages": _messages("ferns")})
+        homes.setdefault(user, set()).add(reply.headers["x-chatserve-replica"])
+    assert all(len(replicas) == 1 for replicas in homes.values()), homes
+    assert len({r for replicas in homes.values() for r in replicas}) == 2, homes  # 8 users on one: p = 2^-7
+    for topic in ("lichens", "tides", "comets"):
+        first = _gateway_chat(server, {"messages": _messages(topic)})
+        messages = [*_messages(topic), first.json()["choices"][0]["message"], {"role": "user", "content": "Why?"}]
+        second = _gateway_chat(server, {"messages": messages})
+        assert second.headers["x-chatserve-replica"] == first.headers["x-chatserve-replica"]
+        prompt_tokens = first.json()["usage"]["prompt_tokens"]
+        assert second.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= prompt_tokens // 16 * 16
+
+
 def test_metrics_from_both_replicas(server):
     time.sleep(6)  # each replica pushes its page every 5 s
     text = httpx.get(f"{server}/metrics", timeout=30).text

@@ -44,3 +44,33 @@ def test_no_key_and_non_proxy_arguments():
                                                   metadata=RequestMetadata(request_id="r", internal_request_id="i")))
     assert _routing_key(handle_call) is None
     assert _routing_key(None) is None
+
+
+class _Replica:
+    def __init__(self, name: str):
+        self.replica_id = type("ReplicaID", (), {"unique_id": name})()
+
+
+def _router():
+    from chatserve.scale.ray_app import AffinityRouter
+    router = AffinityRouter.__new__(AffinityRouter)  # the routing state only, no Ray deployment
+    router.initialize_state()
+    return router
+
+
+def test_a_burst_of_new_keys_spreads_before_any_is_reported_routed():
+    """Ray asks for a replica for every request of a burst before it reports any routed: each
+    choice must count as load at once, or the whole burst sees one least loaded replica."""
+    router, replicas = _router(), [_Replica("a"), _Replica("b")]
+    scope = {"type": "http", "path": "/v1/chat/completions", "query_string": b"", "headers": []}
+    requests = [_in_loop(lambda i=i: PendingRequest(args=[pickle.dumps(StreamingHTTPRequest(
+        asgi_scope=scope, proxy_actor_name="proxy"))], kwargs={}, metadata=RequestMetadata(
+        request_id=f"r{i}", internal_request_id=f"i{i}", session_id=f"user-{i}"))) for i in range(8)]
+    chosen = [asyncio.run(router.choose_replicas(replicas, r))[0][0].replica_id.unique_id for r in requests]
+    assert sorted(chosen) == ["a"] * 4 + ["b"] * 4
+    # asked again for the same request (its first choice was full): counted once, not twice
+    asyncio.run(router.choose_replicas(replicas, requests[0]))
+    assert sum(router.loads.values()) == 8
+    for r, replica in zip(requests, chosen):
+        router.on_request_completed(_Replica(replica).replica_id, r.metadata.internal_request_id)
+    assert sum(router.loads.values()) == 0 and not router.unconfirmed
