@@ -110,6 +110,20 @@ def assumed_spec_costs(max_rows: int, has_draft_model: bool) -> SpecCosts:
     return SpecCosts(target, draft, catch_up)
 
 
+def time_forward(runner, table: BlockTable, context: int, num_rows: int, num_logits: int | None = None,
+                 reps: int = 2) -> float:
+    """Seconds of one forward of `runner` over `num_rows` rows placed after `context` tokens of
+    `table` (scratch blocks: the rows' KV is written and left there), best of `reps` after a warm-up."""
+    item = BatchItem([0] * num_rows, context, table.block_ids, num_logits or num_rows)
+    runner.run([item])  # warm-up
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        runner.run([item])
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
 @torch.inference_mode()
 def measure_spec_costs(models, max_k: int, max_num_seqs: int, reps: int = 2) -> SpecCosts | None:
     """None when the pool cannot spare the scratch blocks (then assumed_spec_costs apply).
@@ -125,14 +139,7 @@ def measure_spec_costs(models, max_k: int, max_num_seqs: int, reps: int = 2) -> 
             return None
     try:
         def best_time(runner, num_rows: int, num_logits: int | None = None) -> float:
-            item = BatchItem([0] * num_rows, CONTEXT, table.block_ids, num_logits or num_rows)
-            runner.run([item])  # warm-up
-            times = []
-            for _ in range(reps):
-                start = time.perf_counter()
-                runner.run([item])
-                times.append(time.perf_counter() - start)
-            return min(times)
+            return time_forward(runner, table, CONTEXT, num_rows, num_logits, reps)
 
         target = {rows: best_time(models.target_runner, rows) for rows in row_grid(max_rows, max_k)}
         draft, catch_up = {}, {}
