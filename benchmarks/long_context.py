@@ -11,6 +11,14 @@ in the prefix cache. Writes JSON and a PNG.
 
     python benchmarks/long_context.py --model smollm2-135m-instruct --configs off ngram suffix \
         --concurrency 1 4 --max-tokens 64 --out benchmarks/results/long_context_smollm2.json
+
+With `--interleave SERVE_ARGS`, one server (started with SERVE_ARGS) serves every configuration,
+each a method chosen per request (`off`: num_draft_tokens 0; else spec_method NAME), in
+`--rounds` rounds whose order rotates: a machine that slows down through the run slows every
+method alike, so the speed-ups compare within one run (separate servers run minutes apart).
+
+    python benchmarks/long_context.py --model smollm2-135m-instruct --interleave "--draft suffix" \
+        --configs off ngram suffix --rounds 3 --concurrency 1 --sessions 2 --max-tokens 64 --out ...
 """
 
 from __future__ import annotations
@@ -154,6 +162,78 @@ def plot(points: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def run_point(url: str, name: str, workload: str, concurrency: int, max_tokens: int, num_sessions: int,
+              tag: str, extra: dict | None = None):
+    """One workload at one concurrency against a running server: (rows per request, the result)."""
+    wait_idle(url)
+    spec = LoadSpec(url=url, endpoint="ws", settings={"max_tokens": max_tokens, "temperature": 0.0, **(extra or {})},
+                    sessions=sessions(workload, num_sessions, tag), concurrency=concurrency)
+    result = run_load(spec, desc=f"{name} {workload} c={concurrency}")
+    return [turn_row(r) for r in result.records], result
+
+
+def point(name: str, serve_args: list[str], workload: str, concurrency: int, max_tokens: int, rows: list[dict],
+          result, loadavg: list) -> dict:
+    p = {"config": name, "serve_args": serve_args, "workload": workload, "concurrency": concurrency,
+         "max_tokens": max_tokens, "server": result.server, "loadavg": loadavg, "turns": per_turn(rows), "requests": rows}
+    print(f"{name} {workload} c={concurrency}: " + ", ".join(
+        f"t{t['turn'] + 1} TTFT {t['ttft_ms'] or 0:.0f} TPOT {t['tpot_ms'] or 0:.1f} cached {t['cached_tokens']}"
+        for t in p["turns"]), file=sys.stderr)
+    return p
+
+
+def _max_tokens(args, workload: str) -> int:
+    return args.edit_max_tokens if workload == "edit" and args.edit_max_tokens else args.max_tokens
+
+
+def run_servers(args) -> list[dict]:
+    """One `chatserve serve` per configuration, one after another."""
+    points = []
+    for item in args.configs:
+        name, _, serve = item.partition("=")
+        serve = serve or CONFIGS[name]
+        serve_args = [*shlex.split(serve), *shlex.split(args.server_args)]
+        if args.draft_model and "--no-spec" not in serve_args and "--draft-model" not in serve_args:
+            serve_args += ["--draft-model", args.draft_model]
+        with ServerProcess(args.model, serve_args) as server:
+            for workload in args.workloads:
+                for concurrency in args.concurrency:
+                    rows, result = run_point(server.url, name, workload, concurrency, _max_tokens(args, workload),
+                                             args.sessions, f"{name} {workload} c{concurrency}")
+                    points.append(point(name, serve_args, workload, concurrency, _max_tokens(args, workload), rows,
+                                        result, [result.loadavg_before, result.loadavg_after]))
+    return points
+
+
+def run_interleaved(args) -> list[dict]:
+    """One server; each configuration a per-request method, in rounds whose order rotates."""
+    serve_args = [*shlex.split(args.interleave), *shlex.split(args.server_args)]
+    if args.draft_model and "--draft-model" not in serve_args:
+        serve_args += ["--draft-model", args.draft_model]
+    names = [item.partition("=")[0] for item in args.configs]
+    extra = {name: {"num_draft_tokens": 0} if name == "off" else {"spec_method": name} for name in names}
+    points = []
+    with ServerProcess(args.model, serve_args) as server:
+        for workload in args.workloads:
+            for concurrency in args.concurrency:
+                rows: dict[str, list] = {name: [] for name in names}
+                last, loadavg = {}, {name: [] for name in names}
+                for r in range(args.rounds):
+                    for name in names[r % len(names):] + names[: r % len(names)]:
+                        got, result = run_point(server.url, name, workload, concurrency, _max_tokens(args, workload),
+                                                args.sessions, f"{name} {workload} c{concurrency} r{r}", extra[name])
+                        for row in got:
+                            row["session"] += r * args.sessions
+                            row["round"] = r
+                        rows[name] += got
+                        last[name] = result
+                        loadavg[name].append([result.loadavg_before, result.loadavg_after])
+                for name in names:
+                    points.append(point(name, serve_args + [f"(per request: {extra[name]})"], workload, concurrency,
+                                        _max_tokens(args, workload), rows[name], last[name], loadavg[name]))
+    return points
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", required=True)
@@ -166,33 +246,13 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=128, help="per reply in paste sessions")
     ap.add_argument("--edit-max-tokens", type=int, default=None, help="per reply in edit sessions (default: --max-tokens)")
     ap.add_argument("--server-args", default="--threads 2", help="added to every `chatserve serve`")
+    ap.add_argument("--interleave", default=None, metavar="SERVE_ARGS",
+                    help="one server with these args for all configs, each a per-request method (see above)")
+    ap.add_argument("--rounds", type=int, default=1, help="with --interleave: rounds, the order rotating")
     ap.add_argument("--out", type=Path, required=True, help="JSON; the PNG goes next to it")
     args = ap.parse_args()
 
-    points = []
-    for item in args.configs:
-        name, _, serve = item.partition("=")
-        serve = serve or CONFIGS[name]
-        serve_args = [*shlex.split(serve), *shlex.split(args.server_args)]
-        if args.draft_model and "--no-spec" not in serve_args and "--draft-model" not in serve_args:
-            serve_args += ["--draft-model", args.draft_model]
-        with ServerProcess(args.model, serve_args) as server:
-            for workload in args.workloads:
-                max_tokens = args.edit_max_tokens if workload == "edit" and args.edit_max_tokens else args.max_tokens
-                for concurrency in args.concurrency:
-                    wait_idle(server.url)
-                    spec = LoadSpec(url=server.url, endpoint="ws", settings={"max_tokens": max_tokens, "temperature": 0.0},
-                                    sessions=sessions(workload, args.sessions, f"{name} {workload} c{concurrency}"),
-                                    concurrency=concurrency)
-                    result = run_load(spec, desc=f"{name} {workload} c={concurrency}")
-                    rows = [turn_row(r) for r in result.records]
-                    points.append({"config": name, "serve_args": serve_args, "workload": workload,
-                                   "concurrency": concurrency, "max_tokens": max_tokens, "server": result.server,
-                                   "loadavg": [result.loadavg_before, result.loadavg_after],
-                                   "turns": per_turn(rows), "requests": rows})
-                    print(f"{name} {workload} c={concurrency}: " + ", ".join(
-                        f"t{t['turn'] + 1} TTFT {t['ttft_ms'] or 0:.0f} TPOT {t['tpot_ms'] or 0:.1f} cached {t['cached_tokens']}"
-                        for t in points[-1]["turns"]), file=sys.stderr)
+    points = run_interleaved(args) if args.interleave is not None else run_servers(args)
     table = goals(points)
     print(format_table(table))
     png = args.out.with_suffix(".png")
