@@ -141,8 +141,8 @@ def body_key(body: bytes) -> str | None:
         text = text if isinstance(text, str) else ""
     if not text.strip():
         return None
-    data = "\0".join(system).encode() + b"\1" + text[:PROMPT_KEY_CHARS].encode()
-    return PROMPT_KEY_PREFIX + hashlib.blake2b(data, digest_size=12).hexdigest()
+    hashed = "\0".join(system).encode() + b"\1" + text[:PROMPT_KEY_CHARS].encode()
+    return PROMPT_KEY_PREFIX + hashlib.blake2b(hashed, digest_size=12).hexdigest()
 
 
 def _text(content) -> str:

@@ -18,6 +18,8 @@ import asyncio
 import json
 from collections.abc import AsyncIterator, Callable
 
+from chatserve import protocol as P
+from chatserve.openai_protocol import openai_error
 from chatserve.scale.affinity import body_key, session_key
 
 # The scope's fields that cross to the replica (the rest are the server's own objects).
@@ -83,7 +85,7 @@ async def call_asgi(app, scope: dict, body: bytes) -> AsyncIterator[dict]:
         if not task.done():
             try:
                 await asyncio.wait_for(task, APP_EXIT_TIMEOUT)
-            except (asyncio.TimeoutError, asyncio.CancelledError, Exception):
+            except (asyncio.CancelledError, Exception):  # timed out, or the app failed on its way out
                 task.cancel()
 
 
@@ -111,9 +113,7 @@ class Gateway:
             return
         body = await self._read_body(receive, scope)
         if body is None:
-            await _send_json(send, 413, {"error": {
-                "message": f"request body is larger than the {self.max_body_bytes}-byte limit",
-                "type": "invalid_request_error", "param": None, "code": "too_large"}})
+            await _send_error(send, P.TOO_LARGE, f"request body is larger than the {self.max_body_bytes}-byte limit", 413)
             return
         if body is False:  # the client left while sending
             return
@@ -130,9 +130,7 @@ class Gateway:
                 await asyncio.gather(relay, return_exceptions=True)
                 return
         if relay.exception() is not None and not started:  # no replica answered: say so, in the API's shape
-            await _send_json(send, 503, {"error": {
-                "message": f"no replica could serve the request: {relay.exception()!r}",
-                "type": "server_error", "param": None, "code": "unavailable"}})
+            await _send_error(send, P.ENGINE_ERROR, f"no replica could serve the request: {relay.exception()!r}", 503)
             return
         relay.result()
 
@@ -173,8 +171,9 @@ async def _wait_disconnect(receive) -> None:
         pass
 
 
-async def _send_json(send, status: int, payload: dict) -> None:
-    data = json.dumps(payload).encode()
+async def _send_error(send, code: str, message: str, status: int) -> None:
+    """An error in the OpenAI shape the replicas' own API uses (openai_protocol.openai_error)."""
+    data = json.dumps(openai_error(code, message, status)).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
     await send({"type": "http.response.body", "body": data})

@@ -163,7 +163,9 @@ def test_no_replica_answers_503():
 
     with TestClient(Gateway(failing, 1 << 20)) as client:
         response = client.post("/v1/chat/completions", json=_chat("hi"))
-    assert response.status_code == 503 and "replica died" in response.json()["error"]["message"]
+    error = response.json()["error"]
+    assert response.status_code == 503 and "replica died" in error["message"]
+    assert error["type"] == "service_unavailable_error" and error["code"] == "engine_error"  # the server's own shape
 
 
 def test_a_client_that_leaves_mid_stream_aborts_the_replicas_request():
