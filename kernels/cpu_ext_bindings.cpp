@@ -1,25 +1,31 @@
 // Python bindings of the C++ CPU kernels (kernels/cpu_ext.py builds this with the *_cpu.cpp files).
 #include "cpu_kernels.h"
 
+// Every kernel but parallel_threads runs with the GIL released: a prefill chunk's matmul holds a core for
+// tens of milliseconds, and the server's event loop (deltas to other users, /health) must not wait on it.
+// The arguments are converted before the release and the result after it; the kernels touch no Python object.
+using NoGil = pybind11::call_guard<pybind11::gil_scoped_release>;
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   bind_decode_stack(m);
   m.def("parallel_threads", &parallel_threads, "threads at::parallel_for uses here");
-  m.def("quantize_rows", &quantize_rows, "per-row, per-32 int8 quantization of activations");
-  m.def("q4_dequantize", &q4_dequantize, "int4 (groups of 32) weight -> float32");
-  m.def("q4_matmul", &q4_matmul, "int4 (groups of 32) weight x int8 activation matmul");
+  m.def("quantize_rows", &quantize_rows, "per-row, per-32 int8 quantization of activations", NoGil());
+  m.def("q4_dequantize", &q4_dequantize, "int4 (groups of 32) weight -> float32", NoGil());
+  m.def("q4_matmul", &q4_matmul, "int4 (groups of 32) weight x int8 activation matmul", NoGil());
   m.def("int4_linear", &int4_linear, "int4 linear layer (groups of 32): quantize, multiply, add the bias, in one call",
-        py::arg("x"), py::arg("codes"), py::arg("params"), py::arg("bias") = py::none());
-  m.def("f32_matmul", &f32_matmul, "float32 matmul for few rows, each row independent of the row count");
-  m.def("quantize_rows_k", &quantize_rows_k, "per-row, per-256 int8 quantization of activations (Q8_K)");
-  m.def("q4k_matmul", &q4k_matmul, "Q4_K weight x Q8_K activation matmul");
+        py::arg("x"), py::arg("codes"), py::arg("params"), py::arg("bias") = py::none(), NoGil());
+  m.def("f32_matmul", &f32_matmul, "float32 matmul for few rows, each row independent of the row count", NoGil());
+  m.def("quantize_rows_k", &quantize_rows_k, "per-row, per-256 int8 quantization of activations (Q8_K)", NoGil());
+  m.def("q4k_matmul", &q4k_matmul, "Q4_K weight x Q8_K activation matmul", NoGil());
   m.def("q4k_linear", &q4k_linear, "Q4_K linear layer: quantize, multiply, add the bias, in one call",
         pybind11::arg("x"), pybind11::arg("codes"), pybind11::arg("subs"), pybind11::arg("dd"),
-        pybind11::arg("bias") = pybind11::none());
-  m.def("q8_matmul", &q8_matmul, "int8 (per output row) weight x int8 activation matmul");
+        pybind11::arg("bias") = pybind11::none(), NoGil());
+  m.def("q8_matmul", &q8_matmul, "int8 (per output row) weight x int8 activation matmul", NoGil());
   m.def("rms_norm", &rms_norm, "RMSNorm of float32 rows (optionally adding a residual in place first)",
-        pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("eps"), pybind11::arg("residual") = pybind11::none());
-  m.def("silu_mul", &silu_mul, "silu(gate) * up");
-  m.def("rope_", &rope_, "rotate-half RoPE in place");
-  m.def("store_kv", &store_kv, "write K/V rows into float32 paged caches");
-  m.def("paged_attention_rows", &paged_attention_rows, "one-query-row paged attention over a float32 cache");
+        pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("eps"), pybind11::arg("residual") = pybind11::none(),
+        NoGil());
+  m.def("silu_mul", &silu_mul, "silu(gate) * up", NoGil());
+  m.def("rope_", &rope_, "rotate-half RoPE in place", NoGil());
+  m.def("store_kv", &store_kv, "write K/V rows into float32 paged caches", NoGil());
+  m.def("paged_attention_rows", &paged_attention_rows, "one-query-row paged attention over a float32 cache", NoGil());
 }

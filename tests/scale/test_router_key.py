@@ -74,3 +74,43 @@ def test_a_burst_of_new_keys_spreads_before_any_is_reported_routed():
     for r, replica in zip(requests, chosen):
         router.on_request_completed(_Replica(replica).replica_id, r.metadata.internal_request_id)
     assert sum(router.loads.values()) == 0 and not router.unconfirmed
+
+
+def test_a_count_the_replica_contradicts_is_trimmed():
+    """A request whose completion Ray never reports must not count against its replica for good
+    (every new key would avoid that replica): the replica's own count of ongoing requests, from
+    Ray's queue-length cache or a probe of a replica no request reaches, trims the router's."""
+    from ray.serve._private.request_router.common import ReplicaQueueLengthCache
+
+    router, replicas = _router(), [_Replica("a"), _Replica("b")]
+    cache = router._replica_queue_len_cache = ReplicaQueueLengthCache()
+    probed = []
+
+    async def probe(stale, backoff_index):  # what Ray's probe does: ask each replica, fill the cache
+        probed.extend(r.replica_id.unique_id for r in stale)
+        for r in stale:
+            cache.update(r.replica_id, 0)
+
+    router._probe_queue_lens = probe
+    for request_id in ("lost-1", "lost-2", "live"):  # routed to "a"; the two lost ones never complete
+        router._count(request_id, "a")
+
+    def new_key(i):
+        return _in_loop(lambda: PendingRequest(args=[], kwargs={}, metadata=RequestMetadata(
+            request_id=f"r{i}", internal_request_id=f"n{i}", session_id=f"new-{i}")))
+
+    cache.update(replicas[0].replica_id, 1)  # "a" reports one request ongoing: the live one
+    first = asyncio.run(router.choose_replicas(replicas, new_key(0)))[0][0].replica_id.unique_id
+    assert router.loads["a"] == 1 and list(router.in_flight)[0] == "live"  # the oldest two went
+    router.on_request_completed(_Replica(first).replica_id, "n0")
+
+    router._count("lost-3", "b")  # "b" counted busy, and no fresh entry in the cache: probed once
+
+    later = [new_key(1), new_key(2)]
+
+    async def twice():
+        await router.choose_replicas(replicas, later[0])
+        await asyncio.sleep(0)  # the background probe runs
+        await router.choose_replicas(replicas, later[1])
+    asyncio.run(twice())
+    assert probed == ["b"] and "lost-3" not in router.in_flight
