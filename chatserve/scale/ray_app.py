@@ -8,6 +8,7 @@ its health check; its conversations re-home on the least loaded replica (affinit
 
 from __future__ import annotations
 
+import asyncio
 import os
 import pickle
 import threading
@@ -30,6 +31,7 @@ from chatserve.scale.metrics_merge import merge_replica_metrics
 METRICS_PUSH_PERIOD = 5.0  # seconds between a replica's pushes of its /metrics page to the board
 METRICS_MAX_AGE = 30.0  # seconds: a page older than this belongs to a replica that is gone
 UNROUTED_TIMEOUT = 60.0  # seconds a chosen replica counts as loaded before Ray reports the request routed
+PROBE_PERIOD = 5.0  # seconds between asking a replica this router counts as busy for its own count
 REPLICA_HEADER = b"x-chatserve-replica"  # on replies relayed by the gateway: which replica answered
 
 
@@ -44,6 +46,7 @@ class AffinityRouter(RequestRouter):
         self.in_flight: dict[str, str] = {}  # internal request id -> replica unique id
         self.loads: dict[str, int] = {}  # replica unique id -> requests in flight
         self.unconfirmed: dict[str, float] = {}  # internal request id -> when chosen, until Ray routes it
+        self.probed: dict[str, float] = {}  # replica unique id -> when last asked for its queue length
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -53,6 +56,7 @@ class AffinityRouter(RequestRouter):
         if not candidate_replicas:
             return []
         self._forget_unrouted()
+        self._reconcile(candidate_replicas)
         request_id = pending_request.metadata.internal_request_id if pending_request is not None else None
         self._uncount(request_id)  # asked again (its first choice refused): its old count goes
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
@@ -89,6 +93,36 @@ class AffinityRouter(RequestRouter):
         for request_id in [r for r, t in self.unconfirmed.items() if now - t > UNROUTED_TIMEOUT]:
             del self.unconfirmed[request_id]
             self._uncount(request_id)
+
+    def _reconcile(self, replicas: list[RunningReplica]) -> None:
+        """Trim this router's count of a replica down to what the replica itself reports.
+
+        A request whose completion is never reported (seen once around a killed replica: a
+        reconnect that failed mid-way) would otherwise count against its replica for good, and
+        every new key would avoid it. Ray keeps each replica's own count of ongoing requests (every
+        router's) in its queue-length cache, fresh for 10 s after a send or a probe; this router's
+        routed requests can never outnumber it, so any excess is stale and the oldest entries go.
+        A replica counted busy without a fresh entry is probed in the background, at most every
+        PROBE_PERIOD seconds, so a replica no request reaches any more is corrected too."""
+        cache = getattr(self, "_replica_queue_len_cache", None)
+        if cache is None:  # not running inside Ray's router (tests of the policy alone)
+            return
+        stale = []
+        for replica in replicas:
+            replica_id = replica.replica_id.unique_id
+            routed = [r for r, home in self.in_flight.items() if home == replica_id and r not in self.unconfirmed]
+            if not routed:
+                continue
+            ongoing = cache.get(replica.replica_id)
+            if ongoing is None:
+                if time.monotonic() - self.probed.get(replica_id, float("-inf")) > PROBE_PERIOD:
+                    self.probed[replica_id] = time.monotonic()
+                    stale.append(replica)
+                continue
+            for request_id in routed[:max(0, len(routed) - ongoing)]:
+                self._uncount(request_id)
+        if stale:  # Ray's probe fills the cache for the next call; the task is kept so it is not collected
+            self.probe_task = asyncio.get_running_loop().create_task(self._probe_queue_lens(stale, 0))
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
