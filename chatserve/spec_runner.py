@@ -150,11 +150,25 @@ class SpecRunner:
         target = self.costs.step_target(len(priced), prefill_rows)
         ks = allocate_drafts([o.gains if o else [] for o in offers], target,
                              self.costs.draft if any(runs_model) else None, runs_model, setup)
+        ks = [self._probe_k(req, offer, k) for (req, _), offer, k in zip(priced, offers, ks)]
         for (req, _), offer, k in zip(priced, offers, ks):
             req.spec.offer = offer if k else None
             req.num_lookahead_tokens = k
             for method in req.spec.methods:
                 self._controller(req, method).allocated(k if offer is not None and offer.method is method else 0)
+
+    def _probe_k(self, req: Request, offer: Offer | None, k: int) -> int:
+        """k, or 1 for a free proposal whose controller probes and that the costs priced out.
+
+        A probe is priced at the method's engine-wide rate, which the same requests' rejections
+        keep low: priced out, it never ran, and a request whose first n-gram draft was rejected
+        never drafted again (its estimate parked at 0.4 on the paste workload). One free draft
+        every probe_every steps (n-gram, suffix; an EAGLE head's adds one head step) costs one
+        verify row then, and lets the estimate move. A draft model's probe stays priced: it costs
+        a draft forward, and its catch-up."""
+        if k or offer is None or offer.method.keeps_kv or not self._controller(req, offer.method).probing:
+            return k
+        return 1
 
     def _catch_up_seconds(self, req: Request, offer: Offer | None) -> float:
         """The extra draft time of req's first drafting step (the tokens its draft has not

@@ -77,11 +77,16 @@ class AdaptiveDraftLength:
         at): (0, alpha) while alpha is below min_accept_rate; once probe_every steps in a row
         got no drafts, max_k at probe_accept_rate (default: the initial rate). Report the
         outcome with allocated(k)."""
-        if self._num_steps_at_zero + 1 >= self.probe_every:
+        if self.probing:
             return self.max_k, self.initial_accept_rate if probe_accept_rate is None else probe_accept_rate
         if self.accept_rate < self.min_accept_rate:
             return 0, self.accept_rate
         return self.max_k, self.accept_rate
+
+    @property
+    def probing(self) -> bool:
+        """Whether this step's offer is a probe (probe_every steps in a row got no drafts)."""
+        return self._num_steps_at_zero + 1 >= self.probe_every
 
     def allocated(self, k: int) -> None:
         """The k this request got for the step its offer() was for."""

@@ -75,6 +75,25 @@ def test_greedy_output_is_equal_across_methods_and_turns(tiny_llama_dir, tiny_dr
     assert_pool_empty(engine)
 
 
+def test_a_free_proposer_priced_out_still_probes_and_recovers(tiny_llama_dir, conversation):
+    """Drafts pay here only above acceptance 0.6 (a second row costs 0.6 of a step) and n-gram's
+    engine-wide estimate is 0.3, so every offer, probes included, is priced out. The probe every
+    16 steps still drafts one token; on text that repeats itself it is accepted, the request's
+    estimate climbs and it drafts from then on. Output unchanged."""
+    from spec.adaptive import AcceptanceEMA
+
+    engine = make_engine(tiny_llama_dir, method="ngram", adaptive=True)
+    engine.spec.costs = SpecCosts({1: 1.0, **{r: 1.0 + 0.6 * (r - 1) for r in range(2, 65)}}, {})
+    engine.spec.methods["ngram"].accept_rate = AcceptanceEMA(0.2, 0.3)
+    prompt, _ = conversation[2]
+    params = dataclasses.replace(GREEDY, max_tokens=64)
+    expected = make_engine(tiny_llama_dir).generate([prompt], params)[0]["token_ids"]
+    out = engine.generate([prompt], params)[0]
+    assert out["token_ids"] == expected
+    assert out["stats"].num_drafted > 8, out["stats"]  # not just the probes: drafting resumed
+    assert_pool_empty(engine)
+
+
 @pytest.mark.parametrize("catch_up", ["decode", "prefill", "whole"])
 def test_a_long_prompt_is_caught_up_as_configured_and_output_is_unchanged(tiny_llama_dir, catch_up):
     """Self-draft (every draft accepted) on a 600-token prompt: "decode" catches the draft up in
