@@ -257,7 +257,7 @@ def cmd_train_head(args) -> int:
 
     cfg = TrainConfig(minutes=args.minutes, max_steps=args.max_steps, max_data_tokens=args.max_data_tokens,
                       reply_tokens=args.reply_tokens, head_vocab_size=args.head_vocab_size, fresh=args.fresh,
-                      seed=args.seed, unroll=args.unroll, data_share=args.data_share)
+                      seed=args.seed, unroll=args.unroll, data_share=args.data_share, init=args.init)
     engine = Engine(EngineConfig(
         model=args.model,
         dtype=default_dtype() if args.dtype == "auto" else args.dtype,
@@ -362,6 +362,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="training-time test: also train each row as the 2nd..Nth token of a drafted chain, "
                         "from the head's own features (N passes; each costs about one more pass)")
     t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--init", default="random", choices=["random", "last-layer"],
+                   help="a new head's layer: at random, or a copy of the model's last layer (fc passes the token's "
+                        "embedding); ignored when resuming")
     t.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="as for serve: features come from the model as it will be served")
     t.add_argument("--quantization", "-q", default="auto",

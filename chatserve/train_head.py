@@ -56,13 +56,24 @@ class TrainConfig:
     warmup_steps: int = 20
     min_lr_ratio: float = 0.1  # each run's lr follows a cosine from lr down to lr * this over its budget
     seed: int = 0
+    init: str = "random"  # a new head's layer: "random" (HF's init) or "last-layer" (the target's last layer, fc = [0 | I])
     checkpoint_seconds: float = 120.0
     fresh: bool = False  # start over even if a checkpoint exists
 
 
-def new_head(target, target_dir: Path, max_positions: int, head_token_ids: torch.Tensor, seed: int) -> EagleHead:
+INITS = ("random", "last-layer")
+
+
+def new_head(target, target_dir: Path, max_positions: int, head_token_ids: torch.Tensor, seed: int,
+             init: str = "random") -> EagleHead:
     """A float32 head: fc and the layer at random (HF's init), the norm at 1, the LM head the
-    target's rows for head_token_ids, read from the checkpoint (a quantized target has no float rows)."""
+    target's rows for head_token_ids, read from the checkpoint (a quantized target has no float rows).
+
+    init "last-layer" starts the layer as a copy of the target's last decoder layer and fc as
+    [0 | I] (the token's embedding alone): the head then begins as the target's last layer run on
+    the residual stream's first term, and its weights already live in the target's feature space."""
+    if init not in INITS:
+        raise ValueError(f"init: one of {', '.join(INITS)}, got {init!r}")
     cfg = target.config
     torch.manual_seed(seed)
     head = EagleHead(cfg, max_positions, head_token_ids).float()
@@ -72,8 +83,33 @@ def new_head(target, target_dir: Path, max_positions: int, head_token_ids: torch
             torch.nn.init.normal_(p, std=std)
         elif name.endswith("bias"):
             torch.nn.init.zeros_(p)
+    if init == "last-layer":
+        copy_last_layer(head, target_dir, cfg.num_hidden_layers - 1)
+        hidden = head.hidden_size
+        with torch.no_grad():
+            head.fc.weight.zero_()
+            head.fc.weight[:, hidden:].copy_(torch.eye(hidden))
+            head.fc.bias.zero_()
     set_vocab(head, target, target_dir, head_token_ids)
     return head
+
+
+def copy_last_layer(head: EagleHead, target_dir: Path, layer: int) -> None:
+    """head.layer's weights := the target checkpoint's decoder layer `layer` (float, read from the
+    checkpoint: a quantized target has no float weights)."""
+    from types import SimpleNamespace
+
+    from chatserve.models.loader import _checkpoint_index, _open_files, _read
+
+    sources = _checkpoint_index(Path(target_dir))
+    loaded: set[str] = set()
+    shapes = SimpleNamespace(layers=[head.layer])  # what _read asks of a model: the fused shards' sizes
+    with _open_files(sources) as files, torch.no_grad():
+        for name, param in head.layer.named_parameters():
+            _read(param, f"layers.{layer}.{name}", sources, files, shapes, loaded)
+    missing = [n for n, _ in head.layer.named_parameters() if not any(x.startswith(f"layers.{layer}.{n}") for x in loaded)]
+    if missing:
+        raise KeyError(f"{target_dir}: layer {layer} lacks {missing}")
 
 
 def set_vocab(head: EagleHead, target, target_dir: Path, head_token_ids: torch.Tensor) -> None:
@@ -327,7 +363,7 @@ def run(engine, model: str, target_dir: Path, cfg: TrainConfig, out: Path | None
 def _new(engine, target_dir: Path, sequences: list[Sequence], cfg: TrainConfig) -> EagleHead:
     target = engine.models.target
     ids = choose_vocab(sequences, target.vocab_size, cfg.head_vocab_size, engine.tokenizer.special_token_ids)
-    return new_head(target, target_dir, engine.max_model_len, ids, cfg.seed)
+    return new_head(target, target_dir, engine.max_model_len, ids, cfg.seed, cfg.init)
 
 
 def _load_servable(path: Path, engine, target_hash: str) -> EagleHead | None:

@@ -161,6 +161,24 @@ def test_each_run_warms_up_then_decays_its_learning_rate_over_its_budget():
     assert seen[0] == pytest.approx(1.0) and seen == sorted(seen, reverse=True) and seen[-1] < 0.15
 
 
+def test_a_head_can_start_as_the_targets_last_layer(tiny_llama_dir):
+    """init "last-layer": the head's layer holds the target's last decoder layer's weights and fc
+    passes the token's embedding through, so the head starts as that layer run on the embedding."""
+    engine = make_engine(tiny_llama_dir, method=None)
+    target = engine.models.target
+    ids = torch.arange(100)
+    head = new_head(target, tiny_llama_dir, engine.max_model_len, ids, seed=0, init="last-layer")
+    last = dict(target.layers[-1].named_parameters())
+    for name, param in head.layer.named_parameters():
+        assert torch.equal(param, last[name].float()), name
+    features, embeds = torch.randn(3, head.hidden_size), torch.randn(3, head.hidden_size)
+    assert torch.allclose(head.fc(torch.cat((features, embeds), -1)), embeds)
+    random = new_head(target, tiny_llama_dir, engine.max_model_len, ids, seed=0)
+    assert not torch.equal(random.layer.mlp.down_proj.weight, head.layer.mlp.down_proj.weight)
+    with pytest.raises(ValueError, match="init"):
+        new_head(target, tiny_llama_dir, engine.max_model_len, ids, seed=0, init="zeros")
+
+
 def test_unrolled_training_makes_the_second_drafted_token_better(tiny_llama_dir):
     """Two heads from the same init, data and steps, trained with unroll=1 and unroll=2: the
     second's 2nd chained prediction (from its own feature) agrees with the target more often."""
