@@ -34,6 +34,9 @@ def _engine_args(p: argparse.ArgumentParser, default_model: str, speculate_by_de
     p.add_argument("--draft-catch-up", default="decode", choices=DRAFT_CATCH_UPS,
                    help="when a draft model catches up on tokens it has not seen: in bounded chunks inside "
                         "decode steps (default), beside the target's prefill chunks, or all at once")
+    p.add_argument("--suffix-corpus-tokens", type=int, default=1 << 16, metavar="N",
+                   help="suffix decoding also matches the last N tokens of all requests' replies (default 65536); "
+                        "0 = each request's own tokens only")
     p.add_argument("--device", default="cpu", choices=DEVICES,
                    help="where the engine runs: cpu (default), cuda (fails at start without a CUDA device), "
                         "or auto (CUDA when torch sees one, else the CPU)")
@@ -113,6 +116,7 @@ def engine_config(args) -> EngineConfig:
             draft_kv_cache_dtype=args.draft_kv_cache_dtype,
             draft_catch_up=args.draft_catch_up,
             eagle_head=args.eagle_head,
+            suffix_corpus_tokens=args.suffix_corpus_tokens,
         )
     from kernels.backend import resolve_device
     from kernels.cpu_features import default_dtype

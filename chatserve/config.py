@@ -33,6 +33,10 @@ class SpecConfig:
     # An EAGLE head's file (chatserve train-head writes one); None = the cache's head for the
     # target's weights. Loaded when method is "eagle" or a head is named.
     eagle_head: str | None = None
+    # Suffix decoding also matches against the most recent replies of all requests, up to this
+    # many tokens (a question asked again, code repeated across conversations); 0 = each
+    # request's own tokens only (benchmarks of fresh conversations that repeat their files).
+    suffix_corpus_tokens: int = 1 << 16
 
     def __post_init__(self) -> None:
         from chatserve.spec_methods import SPEC_METHODS  # the registry's classes import this module
@@ -47,6 +51,8 @@ class SpecConfig:
             raise ValueError("spec.ngram_min/ngram_max: need 1 <= ngram_min <= ngram_max")
         if self.draft_catch_up not in DRAFT_CATCH_UPS:
             raise ValueError(f"spec.draft_catch_up: one of {DRAFT_CATCH_UPS}, got {self.draft_catch_up!r}")
+        if self.suffix_corpus_tokens < 0:
+            raise ValueError(f"spec.suffix_corpus_tokens: must be >= 0, got {self.suffix_corpus_tokens}")
         if self.draft_kv_cache_dtype is not None and self.draft_kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"spec.draft_kv_cache_dtype: one of {KV_CACHE_DTYPES}, got {self.draft_kv_cache_dtype!r}")
 

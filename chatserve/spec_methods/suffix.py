@@ -24,7 +24,7 @@ class SuffixMethod:
 
     def __init__(self, config: SpecConfig):
         self.proposer = SuffixProposer()
-        self.corpus = SuffixCorpus()
+        self.corpus = SuffixCorpus(config.suffix_corpus_tokens) if config.suffix_corpus_tokens else None
         self.accept_rate = AcceptanceEMA(ema=0.05, prior=0.6)
 
     @classmethod
@@ -48,4 +48,5 @@ class SuffixMethod:
 
     def finish(self, req: Request) -> None:
         """A finished reply joins the corpus other requests match against."""
-        self.corpus.add(req.output_token_ids)
+        if self.corpus is not None:
+            self.corpus.add(req.output_token_ids)

@@ -75,6 +75,26 @@ def test_greedy_output_is_equal_across_methods_and_turns(tiny_llama_dir, tiny_dr
     assert_pool_empty(engine)
 
 
+def test_suffix_replies_of_other_requests_only_with_a_corpus(tiny_llama_dir):
+    """A reply suffix decoding has seen is drafted again for the same question in a new request
+    (the corpus of recent replies); with suffix_corpus_tokens 0 each request drafts from its own
+    tokens only, so the second request drafts exactly as the first did."""
+    prompt = [1, 5, 9, 14, 3, 27, 8]
+    second = {}
+    for corpus_tokens in (1 << 16, 0):
+        engine = Engine(EngineConfig(model=str(tiny_llama_dir), kv_cache_memory=8 << 20, enable_prefix_caching=False,
+                                     spec=SpecConfig(method="suffix", num_draft_tokens=4, adaptive=False,
+                                                     suffix_corpus_tokens=corpus_tokens)))
+        first = engine.generate([prompt], GREEDY)[0]
+        again = engine.generate([prompt], GREEDY)[0]
+        assert again["token_ids"] == first["token_ids"]
+        second[corpus_tokens] = (first["stats"].num_accepted, again["stats"].num_accepted)
+    with_corpus, without = second[1 << 16], second[0]
+    assert with_corpus[1] > with_corpus[0] and without[1] == without[0], second
+    with pytest.raises(ValueError, match="suffix_corpus_tokens"):
+        SpecConfig(method="suffix", suffix_corpus_tokens=-1)
+
+
 def test_a_free_proposer_priced_out_still_probes_and_recovers(tiny_llama_dir, conversation):
     """Drafts pay here only above acceptance 0.6 (a second row costs 0.6 of a step) and n-gram's
     engine-wide estimate is 0.3, so every offer, probes included, is priced out. The probe every
