@@ -7,7 +7,9 @@ Per turn: TTFT, TPOT, the longest gap between deltas against the turn's median g
 prompt tokens and acceptance; per configuration the issue's goals (second-turn TTFT <= 10% of
 the first, longest gap <= 3x the median, first-turn TTFT <= 1.1x speculation off, speedup over
 off). Every run's sessions start with their own first line, so no run finds another's blocks
-in the prefix cache. Writes JSON and a PNG.
+in the prefix cache. Suffix decoding matches only each conversation's own tokens
+(`--suffix-corpus-tokens 0`; `--reuse-replies` lifts it): the files repeat across points, and a
+reply seen in an earlier point would be drafted again. Writes JSON and a PNG.
 
     python benchmarks/long_context.py --model smollm2-135m-instruct --configs off ngram suffix \
         --concurrency 1 4 --max-tokens 64 --out benchmarks/results/long_context_smollm2.json
@@ -186,13 +188,21 @@ def _max_tokens(args, workload: str) -> int:
     return args.edit_max_tokens if workload == "edit" and args.edit_max_tokens else args.max_tokens
 
 
+def _fresh(args) -> list[str]:
+    """Server args that keep every point's conversations fresh: the files repeat across points and
+    rounds, and greedy replies are the same for every method, so suffix decoding's corpus of
+    recent replies (and a draft-model request mixing its proposals) would draft a reply seen in
+    an earlier point: in session 19 the paste summaries went 46 of 46 drafts accepted that way."""
+    return [] if args.reuse_replies else ["--suffix-corpus-tokens", "0"]
+
+
 def run_servers(args) -> list[dict]:
     """One `chatserve serve` per configuration, one after another."""
     points = []
     for item in args.configs:
         name, _, serve = item.partition("=")
         serve = serve or CONFIGS[name]
-        serve_args = [*shlex.split(serve), *shlex.split(args.server_args)]
+        serve_args = [*shlex.split(serve), *shlex.split(args.server_args), *_fresh(args)]
         if args.draft_model and "--no-spec" not in serve_args and "--draft-model" not in serve_args:
             serve_args += ["--draft-model", args.draft_model]
         with ServerProcess(args.model, serve_args) as server:
@@ -207,7 +217,7 @@ def run_servers(args) -> list[dict]:
 
 def run_interleaved(args) -> list[dict]:
     """One server; each configuration a per-request method, in rounds whose order rotates."""
-    serve_args = [*shlex.split(args.interleave), *shlex.split(args.server_args)]
+    serve_args = [*shlex.split(args.interleave), *shlex.split(args.server_args), *_fresh(args)]
     if args.draft_model and "--draft-model" not in serve_args:
         serve_args += ["--draft-model", args.draft_model]
     names = [item.partition("=")[0] for item in args.configs]
@@ -248,6 +258,8 @@ def main() -> int:
     ap.add_argument("--server-args", default="--threads 2", help="added to every `chatserve serve`")
     ap.add_argument("--interleave", default=None, metavar="SERVE_ARGS",
                     help="one server with these args for all configs, each a per-request method (see above)")
+    ap.add_argument("--reuse-replies", action="store_true",
+                    help="let suffix decoding match replies of earlier points (off: --suffix-corpus-tokens 0)")
     ap.add_argument("--rounds", type=int, default=1, help="with --interleave: rounds, the order rotating")
     ap.add_argument("--out", type=Path, required=True, help="JSON; the PNG goes next to it")
     args = ap.parse_args()
