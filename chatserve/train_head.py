@@ -99,17 +99,16 @@ def copy_last_layer(head: EagleHead, target_dir: Path, layer: int) -> None:
     checkpoint: a quantized target has no float weights)."""
     from types import SimpleNamespace
 
-    from chatserve.models.loader import _checkpoint_index, _open_files, _read
+    from chatserve.models.loader import _check_complete, _checkpoint_index, _open_files, _read
 
     sources = _checkpoint_index(Path(target_dir))
     loaded: set[str] = set()
     shapes = SimpleNamespace(layers=[head.layer])  # what _read asks of a model: the fused shards' sizes
+    names = {f"layers.{layer}.{name}": param for name, param in head.layer.named_parameters()}
     with _open_files(sources) as files, torch.no_grad():
-        for name, param in head.layer.named_parameters():
-            _read(param, f"layers.{layer}.{name}", sources, files, shapes, loaded)
-    missing = [n for n, _ in head.layer.named_parameters() if not any(x.startswith(f"layers.{layer}.{n}") for x in loaded)]
-    if missing:
-        raise KeyError(f"{target_dir}: layer {layer} lacks {missing}")
+        for name, param in names.items():
+            _read(param, name, sources, files, shapes, loaded)
+    _check_complete(names, loaded, tie_word_embeddings=False)  # every fused shard too, as load_model checks
 
 
 def set_vocab(head: EagleHead, target, target_dir: Path, head_token_ids: torch.Tensor) -> None:
