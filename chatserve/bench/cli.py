@@ -63,6 +63,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--rounds", type=int, default=1,
                    help="repeat the whole sweep, configurations interleaved; points pool their rounds")
     s.add_argument("--server-args", default="", help="arguments added to every `chatserve serve`")
+    s.add_argument("--reuse-replies", action="store_true",
+                   help="let suffix decoding draft replies it saw earlier in the sweep (off: every server runs "
+                        "with --suffix-corpus-tokens 0, since the workload repeats its prompts at every point and "
+                        "greedy replies repeat with them)")
     s.add_argument("--dtype", default="float32", help="model dtype for sweep servers and the baseline")
     s.add_argument("--threads", type=int, default=None, help="torch threads for sweep servers and the baseline")
     b = p.add_argument_group("baseline")
@@ -135,7 +139,9 @@ def cmd_bench(args) -> int:
         # a `kill` of the benchmark unwinds the `with ServerProcess` blocks, stopping the server
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
         threads = ["--threads", str(args.threads)] if args.threads else []
-        serve_args = ["--dtype", args.dtype, *threads, *shlex.split(args.server_args)]
+        # Before --server-args, which may set it again (argparse keeps the last).
+        corpus = [] if args.reuse_replies else ["--suffix-corpus-tokens", "0"]
+        serve_args = ["--dtype", args.dtype, *threads, *corpus, *shlex.split(args.server_args)]
         points = run_points(plan, args.model, configs_from_args(args), serve_args, args.rounds)
     else:
         points = run_points(plan, rounds=args.rounds)

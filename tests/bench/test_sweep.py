@@ -25,6 +25,9 @@ def test_sweep_two_configs_two_concurrencies_writes_json_and_plots(tmp_path, tin
         drafted = summary["speculation"]["drafted"]
         assert (drafted > 0) == (p["config"] == "draft"), p["config"]
         assert "--no-spec" in p["serve_args"] or "--draft-model" in p["serve_args"]
+        # the prompts repeat at every point: suffix decoding must not draft the replies it saw
+        i = p["serve_args"].index("--suffix-corpus-tokens")
+        assert p["serve_args"][i + 1] == "0"
     assert all(p["speedup_vs_off"] == 1.0 for p in points if p["config"] == "off")
     assert all(p["speedup_vs_off"] > 0 for p in points)
     table = (tmp_path / "t.md").read_text().splitlines()
