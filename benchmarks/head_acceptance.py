@@ -10,6 +10,15 @@ tokens. Printed per workload: the share of chains whose first 1..depth drafts al
 mean accepted length (tokens per verification, bonus included) of a fixed-k chain for k = 1..depth.
 The head runs in float32 here; served, its weights are quantized like the target's.
 
+Would a draft tree pay? `--top 4` also counts how often the target's token is among the head's
+first 2..4 candidates at the first position, and with `--verify-costs` (the JSON of
+benchmarks/verify_rows.py: one target forward over 1..5 rows, measured) prints, per workload, the
+best fixed chain against the best tree of that shape: w candidates for the first token, the chain
+going on from the first candidate (1 + w + (k - 1) rows; a sibling needs its own row, since it is
+a different token at the same position). Speed-up estimates from the forward times alone, the
+head's own steps counted at `--head-step-ms` each: (tokens per verification) x T(1) / (T(rows) +
+drafting).
+
     .venv/bin/python benchmarks/head_acceptance.py --model smollm2-135m-instruct \
         --heads ~/.cache/chatserve/heads/<hash>/eagle-head.pt other.pt --out benchmarks/results/head_acceptance.json
 """
@@ -53,20 +62,44 @@ def replies(engine: Engine, kind: str, max_tokens: int) -> list[tuple[torch.Tens
 
 
 @torch.no_grad()
-def chain_hits(head, embed, ids: torch.Tensor, features: torch.Tensor, num_prompt: int, depth: int) -> torch.Tensor:
-    """[anchors, depth] bool: whether the chain from each reply anchor p has its first s+1 drafts right."""
+def chain_hits(head, embed, ids: torch.Tensor, features: torch.Tensor, num_prompt: int, depth: int,
+               top: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """([anchors, depth] bool: whether the chain from each reply anchor p has its first s+1 drafts
+    right, [anchors, top] bool: whether the first token is among the head's first n + 1 candidates)."""
     feats_in = torch.cat((torch.zeros_like(features[:1]), features[:-1])).float()[None]  # row i reads f_{i-1}
     passes = head.forward_unrolled(feats_in, embed(ids[None]).float(), depth)
     t = len(ids)
     anchors = torch.arange(num_prompt, t - 1)  # a reply token accepted at p; row p predicts t_{p+1}
     right = torch.zeros(len(anchors), depth, dtype=torch.bool)
+    covered = torch.zeros(len(anchors), top, dtype=torch.bool)
     for s, y in enumerate(passes):
         predicted = torch.nn.functional.rms_norm(y[0], head.norm.weight.shape, head.norm.weight, head.norm.eps)
-        token = head.head_token_ids[head.lm_head(predicted).argmax(-1)]  # [t]: row i's guess for t_{i+1}
+        logits = head.lm_head(predicted)
+        token = head.head_token_ids[logits.argmax(-1)]  # [t]: row i's guess for t_{i+1}
         rows = anchors + s
         ok = rows < t - 1
         right[ok, s] = token[rows[ok]] == ids[rows[ok] + 1]
-    return right.cumprod(dim=1).bool()
+        if s == 0:
+            candidates = head.head_token_ids[logits[anchors].topk(top, dim=-1).indices]  # [anchors, top]
+            covered = (candidates == ids[anchors + 1][:, None]).cumsum(dim=1).bool()
+    return right.cumprod(dim=1).bool(), covered
+
+
+def chain_or_tree(first_s_right: list[float], top_n: list[float], target_ms: list[float], head_ms: float) -> dict:
+    """The best fixed chain and the best tree (w candidates first, a chain from the first one) that
+    one verification of len(target_ms) rows at most allows, as speed-ups over one-row decoding."""
+    t1, best = target_ms[0], {"chain": (1.0, 0), "tree": (1.0, (1, 0))}
+    for k in range(1, min(len(first_s_right), len(target_ms) - 1) + 1):
+        tokens = 1 + sum(first_s_right[:k])
+        best["chain"] = max(best["chain"], (tokens * t1 / (target_ms[k] + k * head_ms), k))
+    for w in range(2, len(top_n) + 1):
+        for k in range(1, len(first_s_right) + 1):
+            rows = 1 + w + (k - 1)
+            if rows > len(target_ms):
+                break
+            tokens = 1 + top_n[w - 1] + sum(first_s_right[1:k])  # later drafts only after the first candidate
+            best["tree"] = max(best["tree"], (tokens * t1 / (target_ms[rows - 1] + k * head_ms), (w, k)))
+    return {name: {"speedup": round(v, 3), "shape": shape} for name, (v, shape) in best.items()}
 
 
 def main() -> None:
@@ -77,8 +110,17 @@ def main() -> None:
     ap.add_argument("--kinds", nargs="+", default=["chat", "code", "edit"])
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--depth", type=int, default=4)
+    ap.add_argument("--top", type=int, default=4, help="count the first token among the head's first 1..N candidates")
+    ap.add_argument("--verify-costs", type=Path, default=None,
+                    help="benchmarks/verify_rows.py JSON: estimate chain against tree speed-ups from its forward times")
+    ap.add_argument("--context", type=int, default=1024, help="which context of --verify-costs to use")
+    ap.add_argument("--head-step-ms", type=float, default=3.6, help="one head draft step (session 17, Qwen 1.5B)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
+    target_ms = None
+    if args.verify_costs:
+        points = json.loads(args.verify_costs.read_text())["points"]
+        target_ms = next(p["target_ms_by_rows"] for p in points if p["context"] == args.context)
 
     engine = Engine(EngineConfig(model=args.model, quantization=args.quantization, max_num_seqs=8,
                                  enable_prefix_caching=False))
@@ -86,19 +128,32 @@ def main() -> None:
     cfg = read_config(target_dir)
     data = {kind: replies(engine, kind, args.max_tokens) for kind in args.kinds}
     embed = engine.models.target.embed_tokens
-    results = {"model": args.model, "max_tokens": args.max_tokens, "depth": args.depth, "heads": {}}
+    results = {"model": args.model, "max_tokens": args.max_tokens, "depth": args.depth, "top": args.top,
+               "verify_costs": str(args.verify_costs) if args.verify_costs else None, "context": args.context,
+               "target_ms_by_rows": target_ms, "head_step_ms": args.head_step_ms, "heads": {}}
     for path in args.heads:
         head = load_head(Path(path).expanduser(), args.model, target_dir, cfg, engine.max_model_len, torch.float32)
         rows = {}
         for kind, sequences in data.items():
-            hits = torch.cat([chain_hits(head, embed, *seq, args.depth) for seq in sequences]).float()
+            both = [chain_hits(head, embed, *seq, args.depth, args.top) for seq in sequences]
+            hits = torch.cat([h for h, _ in both]).float()
             all_first = hits.mean(0)  # P(first s+1 drafts right)
+            top_n = torch.cat([c for _, c in both]).float().mean(0)  # P(first token among the first n)
             mean_len = [1 + float(all_first[:k].sum()) for k in range(1, args.depth + 1)]
             rows[kind] = {"chains": len(hits), "first_s_right": [round(float(x), 4) for x in all_first],
-                          "mean_accepted_length": [round(x, 3) for x in mean_len]}
+                          "mean_accepted_length": [round(x, 3) for x in mean_len],
+                          "first_in_top_n": [round(float(x), 4) for x in top_n]}
             print(f"{Path(path).name:30s} {kind:5s} chains {len(hits):5d}  first 1..{args.depth} right "
                   f"{' '.join(f'{x:.2f}' for x in all_first)}  mean accepted length k=1..{args.depth} "
-                  f"{' '.join(f'{x:.2f}' for x in mean_len)}", flush=True)
+                  f"{' '.join(f'{x:.2f}' for x in mean_len)}  first token in top 1..{args.top} "
+                  f"{' '.join(f'{x:.2f}' for x in top_n)}", flush=True)
+            if target_ms:
+                est = chain_or_tree(rows[kind]["first_s_right"], rows[kind]["first_in_top_n"], target_ms,
+                                    args.head_step_ms)
+                rows[kind]["chain_or_tree"] = est
+                print(f"{'':30s} {kind:5s} best chain {est['chain']['speedup']:.2f}x (k = {est['chain']['shape']}), "
+                      f"best tree {est['tree']['speedup']:.2f}x (w, k = {est['tree']['shape']}), "
+                      f"from T(rows) at context {args.context}", flush=True)
         results["heads"][str(path)] = {"info": {k: v for k, v in head.info.items() if k != "train_config"},
                                        "train_config": head.info.get("train_config"), "workloads": rows}
     if args.out:
