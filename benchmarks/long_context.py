@@ -1,4 +1,4 @@
-"""Long conversations over /ws (issue #13): a pasted file of 1-2.5k tokens then three follow-up
+"""Long conversations over /ws (issue #13): a pasted file of 1-2.8k tokens then three follow-up
 questions ("paste"), and an "edit this file" session whose every reply returns the file
 ("edit"), at several concurrencies, for several server configurations in one run (one
 `chatserve serve` per configuration, started and stopped here).
@@ -46,10 +46,11 @@ CONFIGS = {"off": "--no-spec", "ngram": "--draft ngram", "suffix": "--draft suff
            "eagle": "--draft eagle"}
 
 
-def sessions(workload: str, num_sessions: int, run_tag: str) -> tuple[Session, ...]:
-    """One session per file (cycled), its first message opening with a line unique to this run."""
+def sessions(workload: str, num_sessions: int, run_tag: str, names: list[str] | None = None) -> tuple[Session, ...]:
+    """One session per file (cycled; `names`: only those files, in that order), its first message
+    opening with a line unique to this run."""
     data = json.loads(DATA.read_text())
-    files = list(data["files"].items())
+    files = [(name, data["files"][name]) for name in names] if names else list(data["files"].items())
     out = []
     for i in range(num_sessions):
         name, code = files[i % len(files)]
@@ -165,11 +166,11 @@ def plot(points: list[dict], path: Path) -> None:
 
 
 def run_point(url: str, name: str, workload: str, concurrency: int, max_tokens: int, num_sessions: int,
-              tag: str, extra: dict | None = None):
+              tag: str, extra: dict | None = None, files: list[str] | None = None):
     """One workload at one concurrency against a running server: (rows per request, the result)."""
     wait_idle(url)
     spec = LoadSpec(url=url, endpoint="ws", settings={"max_tokens": max_tokens, "temperature": 0.0, **(extra or {})},
-                    sessions=sessions(workload, num_sessions, tag), concurrency=concurrency)
+                    sessions=sessions(workload, num_sessions, tag, files), concurrency=concurrency)
     result = run_load(spec, desc=f"{name} {workload} c={concurrency}")
     return [turn_row(r) for r in result.records], result
 
@@ -209,7 +210,7 @@ def run_servers(args) -> list[dict]:
             for workload in args.workloads:
                 for concurrency in args.concurrency:
                     rows, result = run_point(server.url, name, workload, concurrency, _max_tokens(args, workload),
-                                             args.sessions, f"{name} {workload} c{concurrency}")
+                                             args.sessions, f"{name} {workload} c{concurrency}", files=args.files)
                     points.append(point(name, serve_args, workload, concurrency, _max_tokens(args, workload), rows,
                                         result, [result.loadavg_before, result.loadavg_after]))
     return points
@@ -231,7 +232,8 @@ def run_interleaved(args) -> list[dict]:
                 for r in range(args.rounds):
                     for name in names[r % len(names):] + names[: r % len(names)]:
                         got, result = run_point(server.url, name, workload, concurrency, _max_tokens(args, workload),
-                                                args.sessions, f"{name} {workload} c{concurrency} r{r}", extra[name])
+                                                args.sessions, f"{name} {workload} c{concurrency} r{r}", extra[name],
+                                                files=args.files)
                         for row in got:
                             row["session"] += r * args.sessions
                             row["round"] = r
@@ -253,6 +255,8 @@ def main() -> int:
     ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
     ap.add_argument("--concurrency", nargs="+", type=int, default=[1, 4])
     ap.add_argument("--sessions", type=int, default=4, help="sessions per run (one file each)")
+    ap.add_argument("--files", nargs="+", default=None, choices=list(json.loads(DATA.read_text())["files"]),
+                    help="only these files of benchmarks/data/long_context.json, cycled (default: all, in order)")
     ap.add_argument("--max-tokens", type=int, default=128, help="per reply in paste sessions")
     ap.add_argument("--edit-max-tokens", type=int, default=None, help="per reply in edit sessions (default: --max-tokens)")
     ap.add_argument("--server-args", default="--threads 2", help="added to every `chatserve serve`")
