@@ -62,12 +62,13 @@ class SpecRunner:
 
     def init_request(self, req: Request) -> None:
         """Resolve req's method (Engine.check_params has checked it). A request with
-        num_draft_tokens=0 never drafts: it gets no speculation state at all. A draft-model
-        request may also take the free proposals of mixable methods (when they beat the draft's)."""
+        num_draft_tokens=0 never drafts: it gets no speculation state at all. A request whose
+        drafts cost model steps (draft model, EAGLE head: takes_mixed) may also take the free
+        proposals of mixable methods (suffix decoding) when they promise more than its own."""
         if req.params.num_draft_tokens == 0:
             return
         method = self.methods[req.params.spec_method or self.config.method]
-        mixed = tuple(m for m in self.methods.values() if method.keeps_kv and m.mixable and m is not method)
+        mixed = tuple(m for m in self.methods.values() if method.takes_mixed and m.mixable and m is not method)
         req.spec = SpecState((method, *mixed))
         req.stats.spec_method = method.name
 
@@ -288,7 +289,8 @@ def _within_grammar(req: Request, offer: Offer | None) -> Offer | None:
 
 def _best(offers: list[Offer | None]) -> Offer | None:
     """The offer to price: a free proposal when it is expected to yield at least as much as the
-    draft model's (same verification rows, no draft steps), else the draft model's."""
+    draft model's (same verification rows, no draft steps), else the draft model's. Between free
+    ones (an EAGLE head's and a suffix proposal) the one that promises more, the first on a tie."""
     free = [o for o in offers if o is not None and not o.method.keeps_kv]
     model = [o for o in offers if o is not None and o.method.keeps_kv]
     best_free = max(free, key=lambda o: sum(o.gains), default=None)

@@ -72,7 +72,8 @@ class SpecMethod(Protocol):
     label: ClassVar[str]  # how a UI names it
     keeps_kv: ClassVar[bool]  # runs the draft model, which keeps KV in the pool (blocks carry its mark)
     reads_features: ClassVar[bool]  # observe()s the target's features after every step (an EAGLE head)
-    mixable: ClassVar[bool]  # free proposals a draft-model request may take when they beat its own
+    mixable: ClassVar[bool]  # free proposals a takes_mixed request may take when they beat its own
+    takes_mixed: ClassVar[bool]  # its drafts cost model steps (draft model, EAGLE head): it takes mixable proposals
     accept_rate: AcceptanceEMA  # engine-wide, per method: the prior of new requests and probes
 
     @classmethod

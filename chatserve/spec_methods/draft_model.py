@@ -20,6 +20,7 @@ class DraftModelMethod:
     name = "draft"
     label = "draft model"
     mixable = False
+    takes_mixed = True
     keeps_kv = True
     reads_features = False
 

@@ -62,6 +62,7 @@ class EagleMethod:
     keeps_kv = False  # its KV follows the target's: no catch-up, no marks
     reads_features = True
     mixable = False
+    takes_mixed = True  # a long suffix match (code repeated back) beats the head's chain
 
     def __init__(self, runner, sampler):
         self.runner = runner  # chatserve.model_runner.HeadRunner

@@ -13,6 +13,7 @@ class NgramMethod:
     name = "ngram"
     label = "n-gram"
     mixable = False
+    takes_mixed = False
     keeps_kv = False
     reads_features = False
 

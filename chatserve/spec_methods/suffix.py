@@ -20,7 +20,8 @@ class SuffixMethod:
     label = "suffix decoding"
     keeps_kv = False
     reads_features = False
-    mixable = True  # a draft-model request takes a suffix proposal when it promises more
+    mixable = True  # a draft-model or EAGLE request takes a suffix proposal when it promises more
+    takes_mixed = False
 
     def __init__(self, config: SpecConfig):
         self.proposer = SuffixProposer()

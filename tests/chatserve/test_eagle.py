@@ -314,6 +314,24 @@ def test_greedy_output_is_equal_over_turns(tiny_llama_dir, trained_head, convers
     assert_pool_empty(engine)
 
 
+def test_an_eagle_request_takes_suffix_proposals_and_stays_equal(tiny_llama_dir, trained_head, conversation):
+    """Code repeated back: an EAGLE request also drafts from suffix decoding's matches (mixed in as a
+    draft-model request's are) when they promise more than the head, over turns from the prefix
+    cache, with output equal to speculation off; the head's rows stay right around the suffix
+    steps (it drafts and is accepted between them). The head here was trained on these very
+    replies, so its measured rate starts low (0.2) for the suffix matches to promise more."""
+    from spec.adaptive import AcceptanceEMA
+
+    engine = make_engine(tiny_llama_dir, trained_head)
+    engine.spec.methods["eagle"].accept_rate = AcceptanceEMA(ema=0.05, prior=0.2)
+    for prompt, expected in conversation:
+        assert engine.generate([prompt], GREEDY)[0]["token_ids"] == expected
+    by_method = engine.spec.stats_by_method
+    assert by_method["suffix"].num_draft_tokens > 0 and by_method["suffix"].num_accepted_tokens > 0
+    assert by_method["eagle"].num_accepted_tokens > 0
+    assert_pool_empty(engine)
+
+
 def head_kv_by_position(engine, prompt, params) -> torch.Tensor:
     """Run one request; -> the head's K at positions [0, num_computed_tokens) read back from
     the pool through the request's block table, [positions, num_kv_heads, head_dim]."""
