@@ -82,9 +82,11 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     common = dict(model=args.model, dtype=args.dtype, quantization=args.quantization, kv_cache_memory=1 << 30)
-    configs = {"off": None, "eagle": SpecConfig(method="eagle", eagle_head=args.eagle_head)}
+    # No suffix corpus: every workload runs its prompts at batch 1 then 2 and greedy replies repeat,
+    # so a corpus of replies (mixed into draft and eagle requests) would draft replies it has seen.
+    configs = {"off": None, "eagle": SpecConfig(method="eagle", eagle_head=args.eagle_head, suffix_corpus_tokens=0)}
     if args.draft_model:
-        configs["draft"] = SpecConfig(method="draft", draft_model=args.draft_model)
+        configs["draft"] = SpecConfig(method="draft", draft_model=args.draft_model, suffix_corpus_tokens=0)
     results: dict = {"model": args.model, "rounds": args.rounds, "runs": {}}
     engines = {}
     for name, spec in configs.items():  # all loaded first: the runs below alternate between them
