@@ -5,7 +5,8 @@ N clients share M requests. Each runs conversations of a few turns over the webs
 streamed `/v1/chat/completions` (the client keeps the history there). Every request is one of:
 
 - healthy: a chat turn read to its `done` (websocket) or `[DONE]` (SSE);
-- cancel: websocket `cancel` after 0-3 deltas (0: during the prefill), read to its `done`;
+- cancel: websocket `cancel` after 0-3 deltas (0: sent right behind the chat, during the prefill),
+  read to its `done`; a turn that ended before the cancel was due gets none;
   on `/v1` a cancel is a stream closed mid-way, as an OpenAI client does it;
 - drop: the connection closed (or its transport aborted) mid-turn, no answer expected;
 - bad: malformed JSON, a binary frame, a frame over the size limit or a prompt over the context,
@@ -72,7 +73,7 @@ class Outcome:
 
     kind: str  # KINDS
     endpoint: str  # "ws" | "openai"
-    detail: str = ""  # the bad kind, or "abort"/"close" for drops
+    detail: str = ""  # the bad kind, "abort"/"close" for drops, "prefill"/"after N" (deltas) for cancels
     answered: bool = False
     error: str | None = None
     ttft_s: float | None = None  # healthy turns: first text
@@ -283,13 +284,18 @@ class Soak:
             return True
         chat = {"type": "chat", "id": turn_id, "content": self.user_text(rng, turn), "params": self.params(rng)}
         start = time.perf_counter()
+        num_deltas = rng.randint(0, 3)
+        cancel = json.dumps({"type": "cancel", "id": turn_id})
+        if outcome.kind == "cancel" and num_deltas == 0:  # the cancel right behind the chat: during the prefill
+            outcome.detail = "prefill"
+            msg = await self._send(ws, json.dumps(chat), rng, then=cancel)
+            return await self._read_cancelled(ws, outcome, msg)
         msg = await self._send(ws, json.dumps(chat), rng)
         if outcome.kind == "healthy":
             return await self._read_turn(ws, outcome, start, msg)
-        num_deltas = rng.randint(0, 3)
-        for i in range(num_deltas):
+        for i in range(max(num_deltas, 1)):
             msg = msg if i == 0 else json.loads(await ws.recv())
-            if msg.get("type") != "delta":  # finished (or failed) before the cancel/drop
+            if msg.get("type") != "delta":  # finished (or failed) before the cancel/drop: no cancel to send
                 outcome.answered = msg.get("type") == "done"
                 outcome.error = None if outcome.answered else f"unexpected {msg}"
                 return True
@@ -300,19 +306,28 @@ class Soak:
             else:
                 await ws.close()
             return False
-        await ws.send(json.dumps({"type": "cancel", "id": turn_id}))  # cancel
-        while (msg := json.loads(await ws.recv())).get("type") == "delta":
-            pass
-        outcome.answered = msg.get("type") == "done"  # "abort", or "stop"/"length" if it crossed the cancel
+        outcome.detail = f"after {num_deltas}"
+        await ws.send(cancel)
+        return await self._read_cancelled(ws, outcome, json.loads(await ws.recv()))
+
+    async def _read_cancelled(self, ws, outcome: Outcome, msg: dict) -> bool:
+        """Read a cancelled turn to its end: one `done` ("abort", or "stop"/"length" if the reply
+        finished before the cancel reached the server, which then answers the cancel with nothing)."""
+        while msg.get("type") == "delta":
+            msg = json.loads(await ws.recv())
+        outcome.answered = msg.get("type") == "done"
         outcome.error = None if outcome.answered else f"unexpected {msg}"
         return True
 
-    async def _send(self, ws, frame: str | bytes, rng: random.Random) -> dict:
-        """Send a frame and return the first answer; a turn refused for load (queue_full: every
-        generation slot taken, e.g. by dropped clients not yet noticed) is sent again after a
-        pause, as a client should, and counted as a retry."""
+    async def _send(self, ws, frame: str | bytes, rng: random.Random, then: str | None = None) -> dict:
+        """Send a frame (and `then` right behind it, unanswered if the frame is refused) and return
+        the first answer; a turn refused for load (queue_full: every generation slot taken, e.g. by
+        dropped clients not yet noticed) is sent again after a pause, as a client should, and
+        counted as a retry."""
         for _ in range(MAX_TURN_RETRIES):
             await ws.send(frame)
+            if then is not None:
+                await ws.send(then)
             msg = json.loads(await ws.recv())
             if msg.get("type") != "error" or msg.get("code") != QUEUE_FULL:
                 return msg
