@@ -135,7 +135,7 @@ def main() -> None:
     prompts = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS[args.workload]]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     replies = [engine.generate([p], params)[0]["token_ids"] for p in prompts]
-    costs = measure_spec_costs(engine.models, MAX_K, 1, reps=3)
+    costs = measure_spec_costs(engine.models, MAX_K, 1)
     verify = [costs.target(k + 1) / costs.target(1) for k in range(MAX_K + 1)]
     verify_cost = lambda k: verify[k] if k else 1.0  # noqa: E731
     print(f"{args.model}, {args.workload} x {len(prompts)}, {sum(map(len, replies))} reply tokens")

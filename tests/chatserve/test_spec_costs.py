@@ -131,3 +131,54 @@ def test_adaptive_batches_are_lossless_and_leave_the_pool_empty(tiny_llama_dir, 
         assert rate != prior
         if abs(observed - prior) > 0.2:  # k depends on measured timings; near the prior the EMA may lag
             assert (rate < prior) == (observed < prior)
+
+
+class _Clock:
+    """A fake perf_counter: forwards advance it by what they cost, a slow spell adds to a run of calls."""
+
+    def __init__(self, slow_calls: range):
+        self.now, self.calls, self.slow_calls = 0.0, 0, slow_calls
+
+    def __call__(self) -> float:
+        return self.now
+
+    def forward(self, rows: int) -> None:
+        self.now += rows * 1e-3 + (0.1 if self.calls in self.slow_calls else 0.0)
+        self.calls += 1
+
+
+class _Runner:
+    def __init__(self, clock: _Clock, per_row: float):
+        self.clock, self.per_row = clock, per_row
+
+    def run(self, items):
+        self.clock.forward(int(self.per_row * len(items[0].token_ids)) or 1)
+
+
+class _Pool:
+    def allocate(self, table, num_tokens):
+        table.block_ids = [0]
+        return True
+
+    def free(self, table):
+        pass
+
+
+@pytest.mark.parametrize("spell_start", [0, 3, 9, 14, 20, 31])
+def test_a_slow_spell_of_the_machine_does_not_bend_the_table(monkeypatch, spell_start):
+    """The machine slows for 8 forwards in a row (another tenant): every forward of up to 16
+    rows still gets a clean timing, so the table is the runners' true cost per row count. Timed
+    point by point (warm-up and two repeats each, as before), the spell lands on every timing of
+    two or three row counts, and 2-4 rows looked as dear as 5 (or as cheap as 1)."""
+    import types
+
+    from chatserve import spec_costs
+
+    clock = _Clock(range(spell_start, spell_start + 8))
+    monkeypatch.setattr(spec_costs.time, "perf_counter", clock)
+    models = types.SimpleNamespace(block_manager=_Pool(), target_runner=_Runner(clock, 1),
+                                   draft_runner=_Runner(clock, 0.5))
+    costs = measure_spec_costs(models, 4, 2)
+    assert costs.target_seconds == {r: pytest.approx(r * 1e-3) for r in row_grid(10, 4)}
+    assert costs.draft_seconds == {r: pytest.approx(max(r // 2, 1) * 1e-3) for r in (1, 2)}
+    assert set(costs.catch_up_seconds) == set(spec_costs.CATCH_UP_ROWS)
