@@ -34,6 +34,7 @@ CATCH_UP_ROWS = (16, 32, 64, 128, 256)
 ASSUMED_ROW_COST = 0.05
 ASSUMED_DRAFT_COST = 0.35
 ASSUMED_DRAFT_ROW_COST = 0.01
+ASSUMED_HEAD_COST = 0.07  # an EAGLE head step: 5-7% of a one-row target step on Qwen 1.5B (measured)
 
 
 @dataclass(frozen=True)
@@ -41,11 +42,13 @@ class SpecCosts:
     target_seconds: dict[int, float]  # rows -> one target forward over that many rows
     draft_seconds: dict[int, float]  # rows -> one draft forward (a logit row each); empty without a draft model
     catch_up_seconds: dict[int, float] = field(default_factory=dict)  # rows -> a draft forward with one logit row
+    head_seconds: dict[int, float] = field(default_factory=dict)  # rows -> one EAGLE head draft step; empty without
 
     def __post_init__(self):  # the row counts in order, once (allocate_drafts looks up ~100 a step)
         object.__setattr__(self, "_target_rows", sorted(self.target_seconds))
         object.__setattr__(self, "_draft_rows", sorted(self.draft_seconds))
         object.__setattr__(self, "_catch_up_rows", sorted(self.catch_up_seconds))
+        object.__setattr__(self, "_head_rows", sorted(self.head_seconds))
 
     def target(self, rows: int) -> float:
         """Seconds of one target forward over `rows` rows (looked up)."""
@@ -65,6 +68,15 @@ class SpecCosts:
     def draft(self, rows: int) -> float:
         """Seconds of one draft forward over `rows` rows (looked up); 0 without a draft model."""
         return _lookup(self.draft_seconds, self._draft_rows, rows) if self.draft_seconds else 0.0
+
+    def head(self, rows: int) -> float:
+        """Seconds of one EAGLE head draft step over `rows` rows (its layer, norm and trimmed LM
+        head; looked up); 0 without a head."""
+        return _lookup(self.head_seconds, self._head_rows, rows) if self.head_seconds else 0.0
+
+    def draft_step(self, kind: str, rows: int) -> float:
+        """One draft position's forward for `rows` sequences: "draft" (the draft model) or "head"."""
+        return self.draft(rows) if kind == "draft" else self.head(rows)
 
     def catch_up(self, rows: int) -> float:
         """Seconds of a draft forward feeding `rows` tokens it has not seen (one logit row);
@@ -101,15 +113,16 @@ def row_grid(max_rows: int, max_k: int) -> list[int]:
     return sorted(r for r in grid if r <= max(max_rows, 1))
 
 
-def assumed_spec_costs(max_rows: int, has_draft_model: bool) -> SpecCosts:
+def assumed_spec_costs(max_rows: int, has_draft_model: bool, has_head: bool = False) -> SpecCosts:
     """A linear model (the ASSUMED_* constants) on every row count up to max_rows."""
     rows = range(1, max(max_rows, 1) + 1)
     target = {r: 1.0 + ASSUMED_ROW_COST * (r - 1) for r in rows}
+    head = {r: ASSUMED_HEAD_COST * (1.0 + ASSUMED_ROW_COST * (r - 1)) for r in rows} if has_head else {}
     if not has_draft_model:
-        return SpecCosts(target, {})
+        return SpecCosts(target, {}, head_seconds=head)
     draft = {r: ASSUMED_DRAFT_COST + ASSUMED_DRAFT_ROW_COST * (r - 1) for r in rows}
     catch_up = {r: ASSUMED_DRAFT_COST + ASSUMED_DRAFT_ROW_COST * (r - 1) for r in CATCH_UP_ROWS}
-    return SpecCosts(target, draft, catch_up)
+    return SpecCosts(target, draft, catch_up, head)
 
 
 def time_forward(runner, table: BlockTable, context: int, num_rows: int, num_logits: int | None = None,
@@ -124,6 +137,16 @@ def time_forward(runner, table: BlockTable, context: int, num_rows: int, num_log
 def _forward(runner, table: BlockTable, context: int, num_rows: int, num_logits: int | None = None):
     item = BatchItem([0] * num_rows, context, table.block_ids, num_logits or num_rows)
     return lambda: runner.run([item])
+
+
+def _head_step(head_runner, table: BlockTable, context: int, num_rows: int):
+    """One EAGLE draft step over `num_rows` sequences, as EagleMethod.propose runs it: the head's
+    layer over one row each, its norm and its LM head (the rows stand for different requests at
+    the same position of the table; only the time is used)."""
+    items = [BatchItem([0], context, table.block_ids, 1) for _ in range(num_rows)]
+    features = head_runner.block_features.new_zeros(num_rows, head_runner.head.hidden_size)
+    head = head_runner.head
+    return lambda: head.compute_logits(head.norm(head_runner.run(items, features)))
 
 
 def _timed(fn) -> float:
@@ -151,7 +174,8 @@ def best_of_rounds(forwards: dict, rounds: dict) -> dict:
 @torch.inference_mode()
 def measure_spec_costs(models, max_k: int, max_num_seqs: int, rounds: int = ROUNDS) -> SpecCosts | None:
     """None when the pool cannot spare the scratch blocks (then assumed_spec_costs apply).
-    Without a draft model (models.draft_runner None) only the target is timed. Forwards of up to
+    Without a draft model (models.draft_runner None) its forwards are not timed, nor an EAGLE head's
+    steps without one (models.eagle_runner). Forwards of up to
     FEW_ROWS rows (the steps that batch-1 and batch-2 drafts choose between) take the best of
     `rounds`, longer ones of 2 (each lasts long enough to average a slow spell out)."""
     max_rows = min(MAX_ROWS, max_num_seqs * (max_k + 1))
@@ -172,8 +196,13 @@ def measure_spec_costs(models, max_k: int, max_num_seqs: int, rounds: int = ROUN
             for rows in grid:
                 forwards[kind, rows] = _forward(runner, table, CONTEXT, rows, num_logits)
                 num_rounds[kind, rows] = rounds if rows <= FEW_ROWS and kind != "catch_up" else min(rounds, 2)
+        head = getattr(models, "eagle_runner", None)
+        for rows in row_grid(max_num_seqs, 3) if head is not None else ():
+            forwards["head", rows] = _head_step(head, table, CONTEXT, rows)
+            num_rounds["head", rows] = rounds
         best = best_of_rounds(forwards, num_rounds)
     finally:
         bm.free(table)
-    tables = {kind: {rows: t for (k, rows), t in best.items() if k == kind} for kind in ("target", "draft", "catch_up")}
-    return SpecCosts(tables["target"], tables["draft"], tables["catch_up"])
+    tables = {kind: {rows: t for (k, rows), t in best.items() if k == kind}
+              for kind in ("target", "draft", "catch_up", "head")}
+    return SpecCosts(tables["target"], tables["draft"], tables["catch_up"], tables["head"])

@@ -46,7 +46,8 @@ class SpecRunner:
         if config.adaptive:
             self.costs = measure_spec_costs(models, config.num_draft_tokens, max_num_seqs)
             if self.costs is None:  # no scratch room in the pool: a linear model instead
-                self.costs = assumed_spec_costs(MAX_ROWS, models.draft_runner is not None)
+                self.costs = assumed_spec_costs(MAX_ROWS, models.draft_runner is not None,
+                                                models.eagle_runner is not None)
 
     @property
     def stats(self) -> SpecStats:
@@ -146,17 +147,27 @@ class SpecRunner:
 
     def _allocate(self, priced: list[tuple[Request, list[Offer | None]]], prefill_rows: int) -> None:
         offers = [_best(o) for _, o in priced]
-        runs_model = [o is not None and o.method.keeps_kv for o in offers]
-        setup = [self._catch_up_seconds(r, o) for (r, _), o in zip(priced, offers)] if any(runs_model) else None
+        runs_model = [o is not None and o.method.step_cost is not None for o in offers]
+        has_catch_up = any(o is not None and o.method.keeps_kv for o in offers)
+        setup = [self._catch_up_seconds(r, o) for (r, _), o in zip(priced, offers)] if has_catch_up else None
         target = self.costs.step_target(len(priced), prefill_rows)
         ks = allocate_drafts([o.gains if o else [] for o in offers], target,
-                             self.costs.draft if any(runs_model) else None, runs_model, setup)
+                             self._draft_step_seconds(offers), runs_model, setup)
         ks = [self._probe_k(req, offer, k) for (req, _), offer, k in zip(priced, offers, ks)]
         for (req, _), offer, k in zip(priced, offers, ks):
             req.spec.offer = offer if k else None
             req.num_lookahead_tokens = k
             for method in req.spec.methods:
                 self._controller(req, method).allocated(k if offer is not None and offer.method is method else 0)
+
+    def _draft_step_seconds(self, offers: list[Offer | None]):
+        """rows -> seconds of one draft position's forward over that many sequences, for the
+        methods whose drafts cost a forward each (a draft model, an EAGLE head); None when every
+        offer is free. A batch drafting with both is priced at the dearer (a rare mix)."""
+        kinds = {o.method.step_cost for o in offers if o is not None} - {None}
+        if not kinds:
+            return None
+        return lambda rows: max(self.costs.draft_step(kind, rows) for kind in kinds)
 
     def _probe_k(self, req: Request, offer: Offer | None, k: int) -> int:
         """k, or 1 for a free proposal whose controller probes and that the costs priced out.

@@ -22,6 +22,7 @@ class DraftModelMethod:
     mixable = False
     takes_mixed = True
     keeps_kv = True
+    step_cost = "draft"
     reads_features = False
 
     def __init__(self, runner, sampler):

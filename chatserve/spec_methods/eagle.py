@@ -38,8 +38,8 @@ Design choices:
   the head's predicted feature. At T > 0 a draft is sampled from the head's distribution (the
   request's temperature / top-k / top-p, over the head's trimmed vocabulary: 0 elsewhere),
   which rejection sampling is given: lossless for any draft distribution.
-- Priced like a free proposal (keeps_kv False): the head's steps are not in the measured costs
-  yet (spec_costs.py), so adaptive k does not weigh them.
+- No catch-up (keeps_kv False), but each draft position costs a head step: measured at start
+  with the target's forwards (SpecCosts.head) and priced by adaptive k as a draft model's are.
 """
 
 from __future__ import annotations
@@ -60,6 +60,7 @@ class EagleMethod:
     name = "eagle"
     label = "EAGLE head"
     keeps_kv = False  # its KV follows the target's: no catch-up, no marks
+    step_cost = "head"
     reads_features = True
     mixable = False
     takes_mixed = True  # a long suffix match (code repeated back) beats the head's chain

@@ -15,6 +15,7 @@ class NgramMethod:
     mixable = False
     takes_mixed = False
     keeps_kv = False
+    step_cost = None
     reads_features = False
 
     def __init__(self, config: SpecConfig):

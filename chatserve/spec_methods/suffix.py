@@ -19,6 +19,7 @@ class SuffixMethod:
     name = "suffix"
     label = "suffix decoding"
     keeps_kv = False
+    step_cost = None
     reads_features = False
     mixable = True  # a draft-model or EAGLE request takes a suffix proposal when it promises more
     takes_mixed = False

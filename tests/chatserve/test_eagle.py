@@ -292,6 +292,34 @@ def test_the_oracle_head_has_every_draft_accepted_over_turns(oracle):
     assert_pool_empty(engine)
 
 
+def test_adaptive_k_prices_the_heads_steps(oracle):
+    """The oracle head's drafts are all accepted. With verification rows nearly free, drafts pay
+    when head steps are free too; when each head step costs a whole target step, k drafts cost
+    k + 1 steps for at most k + 1 tokens and the allocator drafts nothing (the probes every 16
+    steps excepted). The costs are measured at start for an engine with a head; output is
+    unchanged either way."""
+    from chatserve.spec_costs import SpecCosts
+
+    model_dir, head_path = oracle
+    engine = make_engine(model_dir, head_path, adaptive=True)
+    measured = engine.spec.costs
+    assert measured.head_seconds and all(t > 0 for t in measured.head_seconds.values())
+    assert min(measured.head_seconds) == 1 and not measured.draft_seconds
+    tok = engine.tokenizer
+    prompt = tok.encode(HISTORY)
+    params = dataclasses.replace(GREEDY, max_tokens=40)
+    expected = make_engine(model_dir, method=None).generate([prompt], params)[0]["token_ids"]
+    target = {r: 1.0 + 0.01 * (r - 1) for r in range(1, 65)}
+    drafted = {}
+    for name, head in (("free", {}), ("dear", {r: 1.0 for r in range(1, 17)})):
+        engine.spec.costs = SpecCosts(target, {}, head_seconds=head)
+        before = engine.spec.stats_by_method["eagle"].num_draft_tokens
+        assert engine.generate([prompt], params)[0]["token_ids"] == expected
+        drafted[name] = engine.spec.stats_by_method["eagle"].num_draft_tokens - before  # suffix drafts apart
+    assert drafted["free"] >= 20 and drafted["dear"] <= 40 // 16 + 1, drafted
+    assert_pool_empty(engine)
+
+
 @pytest.mark.parametrize("adaptive", [False, True])
 def test_greedy_output_is_equal_over_turns(tiny_llama_dir, trained_head, conversation, adaptive):
     from tests.chatserve.test_long_context import FIXED_COSTS
