@@ -140,14 +140,16 @@ void store_kv(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, tor
 // (its block table) and sees its first ctx[t] tokens. q, out [T, H, D]; caches [NB, BS, Hkv, D];
 // block_tables [B, max_blocks] int32.
 //
-// Keys are cut into partitions of kPart (split-K, "flash decoding"): a work item is (row, kv head,
-// partition) and leaves its partition's max score, sum of exponentials and unnormalized output;
-// a second pass merges a row's partitions in order. Why (SmolLM2's shape, 30 layers, 2 threads):
+// Keys are cut into partitions of kPart (split-K, "flash decoding"): a work item is (the rows of
+// one sequence, kv head, partition) and leaves, per row, its partition's max score, sum of
+// exponentials and unnormalized output; a second pass merges a row's partitions in order. Why
+// (SmolLM2's shape, 30 layers, 2 threads):
 // - one item per (row, kv head) gave 3 items to 2 threads and read 7.6 GB/s: 12.2 ms a step at
 //   2k tokens of context;
-// - each verification row re-read the whole context: 5 rows cost 3x one row (37 ms at 2k).
-//   Items are ordered (kv head, partition, row) within a sequence's rows, so the rows of a
-//   verification read a partition's K and V (2 x 256 x D floats) while it is still in L2.
+// - each verification row re-read the whole context: 5 rows cost 3x one row (37 ms at 2k). Items
+//   were then ordered (kv head, partition, row), so each row read the partition from L2: still
+//   2.5-2.8x on Qwen's shape (12 heads, 2 kv heads, D 128). Now one item scores every row of a
+//   verification against each group of 8 keys while it is in L1 (attend_partition).
 // A row's numbers depend only on its own context (partition edges at multiples of kPart, merged
 // in order), never on the rows beside it or the thread count: a verification row equals the
 // decode step at its position bit for bit.
@@ -159,104 +161,134 @@ struct AttnShape {
   int64_t H, Hkv, G, D, BS, MB;
 };
 
-// Item (row t, kv head kh, keys [j0, j1)): m[g], l[g] and o[g * D ..] for its G heads.
+// o[g * D ..] += sum_j p[g * n + j] V[j] over keys [jb, je) for GN heads, 16 columns at a time
+// (n: the stride of p's rows).
+// GN is a template argument: with a run-time head count gcc kept the sums on the stack and
+// stored and reloaded one per multiply-add (perf: ~40% of the kernel's time in this loop).
+template <int GN>
+inline void weigh_values(const float* vp, const int64_t* kv_rows, const float* p, int64_t n, int64_t jb, int64_t je,
+                         int64_t D, float* o) {
+  for (int64_t d = 0; d < D; d += 16) {
+    __m256 acc[GN][2];
+    for (int g = 0; g < GN; ++g) {
+      acc[g][0] = _mm256_loadu_ps(o + g * D + d);
+      acc[g][1] = _mm256_loadu_ps(o + g * D + d + 8);
+    }
+    for (int64_t j = jb; j < je; ++j) {
+      const float* v = vp + kv_rows[j] + d;
+      const __m256 v0 = _mm256_loadu_ps(v), v1 = _mm256_loadu_ps(v + 8);
+      for (int g = 0; g < GN; ++g) {
+        const __m256 w = _mm256_broadcast_ss(p + g * n + j);
+        acc[g][0] = _mm256_fmadd_ps(w, v0, acc[g][0]);
+        acc[g][1] = _mm256_fmadd_ps(w, v1, acc[g][1]);
+      }
+    }
+    for (int g = 0; g < GN; ++g) {
+      _mm256_storeu_ps(o + g * D + d, acc[g][0]);
+      _mm256_storeu_ps(o + g * D + d + 8, acc[g][1]);
+    }
+  }
+}
+
+// Item (rows [t0, t1) of one sequence, kv head kh, partition p of keys [j0, j0 + kPart)): for each
+// of those rows that sees keys of the partition, m[g], l[g] and o[g * D ..] of its G heads at
+// item index (t * Hkv + kh) * P + p. The rows share every load of K: a group of 8 keys is read
+// once and scored against all rows' G queries while it is in L1 (row by row, each verification
+// row read the partition's K again: 5 rows cost 2.5-2.8x one at 1-4k tokens on Qwen's shape).
+// Every key is scored in a group of 8 (the last group padded with a copy of the last key) and a
+// score depends on its own key only, so a row's numbers do not depend on the rows beside it.
 void attend_partition(const AttnShape& s, const float* qp, const float* kp, const float* vp, const int32_t* table,
-                      int64_t t, int64_t kh, int64_t j0, int64_t j1, float fscale, float* m_out, float* l_out,
-                      float* o_out, std::vector<float>& scores, std::vector<int64_t>& kv_rows) {
-  const int64_t G = s.G, D = s.D, BS = s.BS, Hkv = s.Hkv, n = j1 - j0;
-  scores.resize(G * n);
-  kv_rows.resize(n);
-  for (int64_t j = 0; j < n; ++j)
-    kv_rows[j] = ((static_cast<int64_t>(table[(j0 + j) / BS]) * BS + (j0 + j) % BS) * Hkv + kh) * D;
+                      const int64_t* cx, int64_t t0, int64_t t1, int64_t kh, int64_t p, int64_t P, float fscale,
+                      float* part_m, float* part_l, float* part_o, std::vector<float>& scores,
+                      std::vector<int64_t>& kv_rows) {
+  const int64_t G = s.G, D = s.D, BS = s.BS, Hkv = s.Hkv, j0 = p * kPart;
+  int64_t n = 0;
+  for (int64_t t = t0; t < t1; ++t) n = std::max(n, std::min(j0 + kPart, cx[t]) - j0);
+  if (n <= 0) return;
+  const int64_t npad = (n + 7) / 8 * 8, R = t1 - t0;
+  scores.resize(R * G * npad);
+  kv_rows.resize(npad);
+  for (int64_t j = 0; j < npad; ++j) {
+    const int64_t key = j0 + std::min(j, n - 1);
+    kv_rows[j] = ((static_cast<int64_t>(table[key / BS]) * BS + key % BS) * Hkv + kh) * D;
+  }
   // Scores, 8 keys at a time per head: 8 accumulators share each q load, and one transposing
   // reduction (6 hadds) gives the 8 dot products in one vector instead of 8 horizontal sums.
   const __m256 vscale = _mm256_set1_ps(fscale);
-  int64_t j8 = 0;
-  for (; j8 + 8 <= n; j8 += 8) {
+  for (int64_t j8 = 0; j8 < npad; j8 += 8) {
     const float* kr[8];
     for (int i = 0; i < 8; ++i) kr[i] = kp + kv_rows[j8 + i];
+    for (int64_t t = t0; t < t1; ++t) {
+      if (cx[t] <= j0) continue;
+      for (int64_t g = 0; g < G; ++g) {
+        const float* qh = qp + (t * s.H + kh * G + g) * D;
+        __m256 acc[8];
+        for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
+        for (int64_t d = 0; d < D; d += 8) {
+          const __m256 qv = _mm256_loadu_ps(qh + d);
+          for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[i] + d), acc[i]);
+        }
+        const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
+        const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
+        const __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+        _mm256_storeu_ps(scores.data() + ((t - t0) * G + g) * npad + j8, _mm256_mul_ps(sums, vscale));
+      }
+    }
+  }
+  for (int64_t t = t0; t < t1; ++t) {
+    if (cx[t] <= j0) continue;
+    const int64_t nt = std::min(j0 + kPart, cx[t]) - j0, item = (t * Hkv + kh) * P + p;
+    float* m_out = part_m + item * G;
+    float* l_out = part_l + item * G;
+    // exp(score - the partition's max) per head, and their sum, over the row's own nt keys.
     for (int64_t g = 0; g < G; ++g) {
-      const float* qh = qp + (t * s.H + kh * G + g) * D;
-      __m256 acc[8];
-      for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
-      for (int64_t d = 0; d < D; d += 8) {
-        const __m256 qv = _mm256_loadu_ps(qh + d);
-        for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[i] + d), acc[i]);
+      float* sc = scores.data() + ((t - t0) * G + g) * npad;
+      __m256 mv = _mm256_set1_ps(-INFINITY);
+      int64_t j = 0;
+      for (; j + 8 <= nt; j += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(sc + j));
+      float mx = hmax(mv);
+      for (; j < nt; ++j) mx = std::max(mx, sc[j]);
+      const __m256 mb = _mm256_set1_ps(mx);
+      __m256 sv = _mm256_setzero_ps();
+      j = 0;
+      for (; j + 8 <= nt; j += 8) {
+        const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sc + j), mb));
+        _mm256_storeu_ps(sc + j, e);
+        sv = _mm256_add_ps(sv, e);
       }
-      const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
-      const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
-      const __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
-      _mm256_storeu_ps(scores.data() + g * n + j8, _mm256_mul_ps(sums, vscale));
-    }
-  }
-  for (int64_t j = j8; j < n; ++j) {  // the last n % 8 keys one at a time
-    const float* k = kp + kv_rows[j];
-    for (int64_t g = 0; g < G; ++g) {
-      const float* qh = qp + (t * s.H + kh * G + g) * D;
-      __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-      for (int64_t d = 0; d < D; d += 16) {
-        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d), _mm256_loadu_ps(k + d), a0);
-        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d + 8), _mm256_loadu_ps(k + d + 8), a1);
+      float sum = hsum(sv);
+      if (j < nt) {  // the tail through the same vector exp, padded
+        alignas(32) float buf[8];
+        std::fill_n(buf, 8, -INFINITY);
+        std::copy(sc + j, sc + nt, buf);
+        alignas(32) float e[8];
+        _mm256_store_ps(e, exp256(_mm256_sub_ps(_mm256_load_ps(buf), mb)));
+        for (int64_t r = 0; r < nt - j; ++r) {
+          sc[j + r] = e[r];
+          sum += e[r];
+        }
       }
-      scores[g * n + j] = hsum(_mm256_add_ps(a0, a1)) * fscale;
+      m_out[g] = mx;
+      l_out[g] = sum;
     }
+    std::fill_n(part_o + item * G * D, G * D, 0.f);
   }
-  // exp(score - the partition's max) per head, and their sum.
-  for (int64_t g = 0; g < G; ++g) {
-    float* sc = scores.data() + g * n;
-    __m256 mv = _mm256_set1_ps(-INFINITY);
-    int64_t j = 0;
-    for (; j + 8 <= n; j += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(sc + j));
-    float mx = hmax(mv);
-    for (; j < n; ++j) mx = std::max(mx, sc[j]);
-    const __m256 mb = _mm256_set1_ps(mx);
-    __m256 sv = _mm256_setzero_ps();
-    j = 0;
-    for (; j + 8 <= n; j += 8) {
-      const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sc + j), mb));
-      _mm256_storeu_ps(sc + j, e);
-      sv = _mm256_add_ps(sv, e);
-    }
-    float sum = hsum(sv);
-    if (j < n) {  // the tail through the same vector exp, padded
-      alignas(32) float buf[8];
-      std::fill_n(buf, 8, -INFINITY);
-      std::copy(sc + j, sc + n, buf);
-      alignas(32) float e[8];
-      _mm256_store_ps(e, exp256(_mm256_sub_ps(_mm256_load_ps(buf), mb)));
-      for (int64_t r = 0; r < n - j; ++r) {
-        sc[j + r] = e[r];
-        sum += e[r];
-      }
-    }
-    m_out[g] = mx;
-    l_out[g] = sum;
-  }
-  // Output: keys in blocks of 32, whose V rows stay in L1 across the passes over them: 16
-  // columns at a time for up to 4 heads in registers, carried from block to block in o_out.
-  std::fill_n(o_out, G * D, 0.f);
+  // Output: keys in blocks of 32, whose V rows stay in L1 across the passes of every row and
+  // head group over them: 16 columns at a time for up to 4 heads in registers, carried from
+  // block to block in o.
   for (int64_t jb = 0; jb < n; jb += 32) {
-    const int64_t je = std::min<int64_t>(jb + 32, n);
-    for (int64_t d = 0; d < D; d += 16) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t nt = cx[t] <= j0 ? 0 : std::min(j0 + kPart, cx[t]) - j0;
+      if (jb >= nt) continue;
+      const int64_t je = std::min<int64_t>(jb + 32, nt), item = (t * Hkv + kh) * P + p;
       for (int64_t g0 = 0; g0 < G; g0 += 4) {
-        const int64_t gn = std::min<int64_t>(4, G - g0);
-        __m256 acc[4][2];
-        for (int g = 0; g < gn; ++g) {
-          acc[g][0] = _mm256_loadu_ps(o_out + (g0 + g) * D + d);
-          acc[g][1] = _mm256_loadu_ps(o_out + (g0 + g) * D + d + 8);
-        }
-        for (int64_t j = jb; j < je; ++j) {
-          const float* v = vp + kv_rows[j] + d;
-          const __m256 v0 = _mm256_loadu_ps(v), v1 = _mm256_loadu_ps(v + 8);
-          for (int g = 0; g < gn; ++g) {
-            const __m256 p = _mm256_set1_ps(scores[(g0 + g) * n + j]);
-            acc[g][0] = _mm256_fmadd_ps(p, v0, acc[g][0]);
-            acc[g][1] = _mm256_fmadd_ps(p, v1, acc[g][1]);
-          }
-        }
-        for (int g = 0; g < gn; ++g) {
-          _mm256_storeu_ps(o_out + (g0 + g) * D + d, acc[g][0]);
-          _mm256_storeu_ps(o_out + (g0 + g) * D + d + 8, acc[g][1]);
+        const float* w = scores.data() + ((t - t0) * G + g0) * npad;
+        float* o = part_o + (item * G + g0) * D;
+        switch (std::min<int64_t>(4, G - g0)) {  // a head count known to the compiler: the sums stay in registers
+          case 4: weigh_values<4>(vp, kv_rows.data(), w, npad, jb, je, D, o); break;
+          case 3: weigh_values<3>(vp, kv_rows.data(), w, npad, jb, je, D, o); break;
+          case 2: weigh_values<2>(vp, kv_rows.data(), w, npad, jb, je, D, o); break;
+          default: weigh_values<1>(vp, kv_rows.data(), w, npad, jb, je, D, o); break;
         }
       }
     }
@@ -289,16 +321,17 @@ void paged_attention_rows(torch::Tensor out, torch::Tensor q, torch::Tensor k_ca
       TORCH_CHECK(bt[sq[t] * MB + b] >= 0 && bt[sq[t] * MB + b] < num_blocks, "attention: bad block id");
     P = std::max(P, (cx[t] + kPart - 1) / kPart);
   }
-  // Items (row, kv head, partition), ordered (kv head, partition, row) within each run of rows of
-  // one sequence, so a partition's readers follow one another.
-  std::vector<int64_t> items;  // (t * Hkv + kh) * P + p
+  // Items (a run of rows of one sequence, kv head, partition): the rows of a verification read
+  // each partition's keys together.
+  struct Item {
+    int64_t t0, t1, kh, p;
+  };
+  std::vector<Item> items;
   for (int64_t r0 = 0; r0 < T;) {
     int64_t r1 = r0 + 1, parts = (cx[r0] + kPart - 1) / kPart;
     for (; r1 < T && sq[r1] == sq[r0]; ++r1) parts = std::max(parts, (cx[r1] + kPart - 1) / kPart);
     for (int64_t kh = 0; kh < Hkv; ++kh)
-      for (int64_t p = 0; p < parts; ++p)
-        for (int64_t t = r0; t < r1; ++t)
-          if (p * kPart < cx[t]) items.push_back((t * Hkv + kh) * P + p);
+      for (int64_t p = 0; p < parts; ++p) items.push_back({r0, r1, kh, p});
     r0 = r1;
   }
   std::vector<float> part_m(T * Hkv * P * G), part_l(T * Hkv * P * G), part_o(T * Hkv * P * G * D);
@@ -310,10 +343,9 @@ void paged_attention_rows(torch::Tensor out, torch::Tensor q, torch::Tensor k_ca
     std::vector<float> scores;
     std::vector<int64_t> kv_rows;
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t item = items[i], p = item % P, t = item / P / Hkv, kh = item / P % Hkv;
-      const int64_t j0 = p * kPart, j1 = std::min(j0 + kPart, cx[t]);
-      attend_partition(s, qp, kp, vp, bt + sq[t] * MB, t, kh, j0, j1, fscale, part_m.data() + item * G,
-                       part_l.data() + item * G, part_o.data() + item * G * D, scores, kv_rows);
+      const Item& it = items[i];
+      attend_partition(s, qp, kp, vp, bt + sq[it.t0] * MB, cx, it.t0, it.t1, it.kh, it.p, P, fscale, part_m.data(),
+                       part_l.data(), part_o.data(), scores, kv_rows);
     }
   });
   // Merge each row's partitions in order: out = sum_p e^(m_p - M) o_p / sum_p e^(m_p - M) l_p.
