@@ -174,10 +174,10 @@ def best_of_rounds(forwards: dict, rounds: dict) -> dict:
 @torch.inference_mode()
 def measure_spec_costs(models, max_k: int, max_num_seqs: int, rounds: int = ROUNDS) -> SpecCosts | None:
     """None when the pool cannot spare the scratch blocks (then assumed_spec_costs apply).
-    Without a draft model (models.draft_runner None) its forwards are not timed, nor an EAGLE head's
-    steps without one (models.eagle_runner). Forwards of up to
-    FEW_ROWS rows (the steps that batch-1 and batch-2 drafts choose between) take the best of
-    `rounds`, longer ones of 2 (each lasts long enough to average a slow spell out)."""
+    A draft model's forwards are timed only with one (models.draft_runner), an EAGLE head's steps
+    only with one (models.eagle_runner). Forwards of up to FEW_ROWS rows (the steps that batch-1
+    and batch-2 drafts choose between) take the best of `rounds`, longer ones of 2 (each lasts long
+    enough to average a slow spell out)."""
     max_rows = min(MAX_ROWS, max_num_seqs * (max_k + 1))
     bm = models.block_manager
     table = BlockTable()
@@ -196,9 +196,8 @@ def measure_spec_costs(models, max_k: int, max_num_seqs: int, rounds: int = ROUN
             for rows in grid:
                 forwards[kind, rows] = _forward(runner, table, CONTEXT, rows, num_logits)
                 num_rounds[kind, rows] = rounds if rows <= FEW_ROWS and kind != "catch_up" else min(rounds, 2)
-        head = getattr(models, "eagle_runner", None)
-        for rows in row_grid(max_num_seqs, 3) if head is not None else ():
-            forwards["head", rows] = _head_step(head, table, CONTEXT, rows)
+        for rows in row_grid(max_num_seqs, 3) if models.eagle_runner is not None else ():
+            forwards["head", rows] = _head_step(models.eagle_runner, table, CONTEXT, rows)
             num_rounds["head", rows] = rounds
         best = best_of_rounds(forwards, num_rounds)
     finally:

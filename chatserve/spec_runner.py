@@ -64,12 +64,12 @@ class SpecRunner:
     def init_request(self, req: Request) -> None:
         """Resolve req's method (Engine.check_params has checked it). A request with
         num_draft_tokens=0 never drafts: it gets no speculation state at all. A request whose
-        drafts cost model steps (draft model, EAGLE head: takes_mixed) may also take the free
+        drafts cost model steps (draft model, EAGLE head: a step_cost) may also take the free
         proposals of mixable methods (suffix decoding) when they promise more than its own."""
         if req.params.num_draft_tokens == 0:
             return
         method = self.methods[req.params.spec_method or self.config.method]
-        mixed = tuple(m for m in self.methods.values() if method.takes_mixed and m.mixable and m is not method)
+        mixed = tuple(m for m in self.methods.values() if method.step_cost and m.mixable and m is not method)
         req.spec = SpecState((method, *mixed))
         req.stats.spec_method = method.name
 

@@ -202,8 +202,9 @@ void attend_partition(const AttnShape& s, const float* qp, const float* kp, cons
                       float* part_m, float* part_l, float* part_o, std::vector<float>& scores,
                       std::vector<int64_t>& kv_rows) {
   const int64_t G = s.G, D = s.D, BS = s.BS, Hkv = s.Hkv, j0 = p * kPart;
+  const auto keys_of = [&](int64_t t) { return std::max<int64_t>(0, std::min(j0 + kPart, cx[t]) - j0); };  // row t's
   int64_t n = 0;
-  for (int64_t t = t0; t < t1; ++t) n = std::max(n, std::min(j0 + kPart, cx[t]) - j0);
+  for (int64_t t = t0; t < t1; ++t) n = std::max(n, keys_of(t));
   if (n <= 0) return;
   const int64_t npad = (n + 7) / 8 * 8, R = t1 - t0;
   scores.resize(R * G * npad);
@@ -219,7 +220,7 @@ void attend_partition(const AttnShape& s, const float* qp, const float* kp, cons
     const float* kr[8];
     for (int i = 0; i < 8; ++i) kr[i] = kp + kv_rows[j8 + i];
     for (int64_t t = t0; t < t1; ++t) {
-      if (cx[t] <= j0) continue;
+      if (keys_of(t) == 0) continue;
       for (int64_t g = 0; g < G; ++g) {
         const float* qh = qp + (t * s.H + kh * G + g) * D;
         __m256 acc[8];
@@ -236,8 +237,8 @@ void attend_partition(const AttnShape& s, const float* qp, const float* kp, cons
     }
   }
   for (int64_t t = t0; t < t1; ++t) {
-    if (cx[t] <= j0) continue;
-    const int64_t nt = std::min(j0 + kPart, cx[t]) - j0, item = (t * Hkv + kh) * P + p;
+    const int64_t nt = keys_of(t), item = (t * Hkv + kh) * P + p;
+    if (nt == 0) continue;
     float* m_out = part_m + item * G;
     float* l_out = part_l + item * G;
     // exp(score - the partition's max) per head, and their sum, over the row's own nt keys.
@@ -278,7 +279,7 @@ void attend_partition(const AttnShape& s, const float* qp, const float* kp, cons
   // block to block in o.
   for (int64_t jb = 0; jb < n; jb += 32) {
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t nt = cx[t] <= j0 ? 0 : std::min(j0 + kPart, cx[t]) - j0;
+      const int64_t nt = keys_of(t);
       if (jb >= nt) continue;
       const int64_t je = std::min<int64_t>(jb + 32, nt), item = (t * Hkv + kh) * P + p;
       for (int64_t g0 = 0; g0 < G; g0 += 4) {

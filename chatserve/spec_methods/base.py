@@ -73,8 +73,7 @@ class SpecMethod(Protocol):
     keeps_kv: ClassVar[bool]  # runs the draft model, which keeps KV in the pool (blocks carry its mark)
     step_cost: ClassVar[str | None]  # each draft position costs a forward: "draft" (model) or "head" (SpecCosts)
     reads_features: ClassVar[bool]  # observe()s the target's features after every step (an EAGLE head)
-    mixable: ClassVar[bool]  # free proposals a takes_mixed request may take when they beat its own
-    takes_mixed: ClassVar[bool]  # its drafts cost model steps (draft model, EAGLE head): it takes mixable proposals
+    mixable: ClassVar[bool]  # free proposals that a request whose drafts cost steps (step_cost) may take instead
     accept_rate: AcceptanceEMA  # engine-wide, per method: the prior of new requests and probes
 
     @classmethod

@@ -63,7 +63,6 @@ class EagleMethod:
     step_cost = "head"
     reads_features = True
     mixable = False
-    takes_mixed = True  # a long suffix match (code repeated back) beats the head's chain
 
     def __init__(self, runner, sampler):
         self.runner = runner  # chatserve.model_runner.HeadRunner

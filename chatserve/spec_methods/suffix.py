@@ -22,7 +22,6 @@ class SuffixMethod:
     step_cost = None
     reads_features = False
     mixable = True  # a draft-model or EAGLE request takes a suffix proposal when it promises more
-    takes_mixed = False
 
     def __init__(self, config: SpecConfig):
         self.proposer = SuffixProposer()

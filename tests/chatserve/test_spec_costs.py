@@ -177,7 +177,7 @@ def test_a_slow_spell_of_the_machine_does_not_bend_the_table(monkeypatch, spell_
     clock = _Clock(range(spell_start, spell_start + 8))
     monkeypatch.setattr(spec_costs.time, "perf_counter", clock)
     models = types.SimpleNamespace(block_manager=_Pool(), target_runner=_Runner(clock, 1),
-                                   draft_runner=_Runner(clock, 0.5))
+                                   draft_runner=_Runner(clock, 0.5), eagle_runner=None)
     costs = measure_spec_costs(models, 4, 2)
     assert costs.target_seconds == {r: pytest.approx(r * 1e-3) for r in row_grid(10, 4)}
     assert costs.draft_seconds == {r: pytest.approx(max(r // 2, 1) * 1e-3) for r in (1, 2)}
