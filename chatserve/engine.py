@@ -189,6 +189,7 @@ class Engine:
             self.spec.propose(scheduled)
         items = [self._batch_item(s) for s in scheduled]
         features = None
+        forward_start = time.perf_counter()
         if (self.spec and self.spec.reads_features) or self.feature_observer:
             logits, cu_logits, features = self.models.target_runner.run_with_features(items)
             # The block ids as scheduled: a request that finishes below releases its table first.
@@ -196,6 +197,8 @@ class Engine:
         else:
             logits, cu_logits = self.models.target_runner.run(items)  # [num_logits, vocab]
         now = time.perf_counter()
+        if self.spec and not num_prompt_tokens:
+            self.spec.observe_forward(sum(len(it.token_ids) for it in items), now - forward_start)
         deltas = []
         for i, s in enumerate(scheduled):
             rows = logits[cu_logits[i] : cu_logits[i + 1]]

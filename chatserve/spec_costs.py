@@ -7,12 +7,21 @@ cost about what 1 row does and 5 rows about twice that, and at 4 sequences a 4-d
 verification is 20 rows where plain decoding is 4. So we time target forwards over a grid of
 row counts (and the draft's) once, in scratch blocks taken from the pool and given back, and
 look up in between. When the pool cannot spare the blocks, assumed_spec_costs stands in.
+
+Timed alone at start-up, a forward is not what the same rows cost in service (another tenant's
+steal, caches the other models left cold, contexts that grow): on this VM two sequences' steps of
+2, 3 and 4 rows took 55, 72 and 90 ms in the engine where the start-up table said +7-10 ms a row,
+and speculation at batch 2 lost 10-27% buying rows at half their price. ObservedForwards keeps
+the engine's own decode forwards per row count and rescales the table where they say otherwise.
 """
 
 from __future__ import annotations
 
 import bisect
+import dataclasses
+import statistics
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -22,7 +31,7 @@ from chatserve.block_manager import BlockTable
 
 CONTEXT = 48  # tokens already in the cache when the timed rows arrive: a short chat
 MAX_ROWS = 64  # beyond this, cost is extrapolated in proportion to rows
-ROUNDS = 5  # timings of each forward of up to FEW_ROWS rows (best_of_rounds); 2 for longer ones
+ROUNDS = 5  # timings of each forward of up to FEW_ROWS rows (median_of_rounds); 2 for longer ones
 FEW_ROWS = 16
 # A draft that has not seen a request's tokens catches up on them in forwards with no logit
 # rows to speak of (one): priced from these points, not from decode rows (Qwen 0.5B, 2 threads:
@@ -155,20 +164,58 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def best_of_rounds(forwards: dict, rounds: dict) -> dict:
-    """{key: best seconds} over `rounds[key]` timings of each forward, taken in rounds that visit
+def median_of_rounds(forwards: dict, rounds: dict) -> dict:
+    """{key: median seconds} over `rounds[key]` timings of each forward, taken in rounds that visit
     every key once (after one warm-up each) rather than key by key. A slow spell of the machine
     (another tenant's steal: on this 2-core VM one measured 5 rows at 76 ms and, a minute later,
-    118 ms) then slows one round of many keys, not every timing of a few, and the best of the
-    rounds keeps the table's shape, which is all allocate_drafts compares."""
+    118 ms) then slows one round of many keys, not every timing of a few, and the median keeps
+    the table's shape, which is all allocate_drafts compares. The median, not the best: a step
+    costs what it typically costs (two sequences' 3 rows: best of 8 53 ms, median 74), and the
+    best of rounds priced rows past one at half what they cost in service."""
     for fn in forwards.values():
         fn()
-    best = {key: float("inf") for key in forwards}
+    seen = {key: [] for key in forwards}
     for r in range(max(rounds.values(), default=0)):
         for key, fn in forwards.items():
             if r < rounds[key]:
-                best[key] = min(best[key], _timed(fn))
-    return best
+                seen[key].append(_timed(fn))
+    return {key: statistics.median(times) for key, times in seen.items()}
+
+
+class ObservedForwards:
+    """The target's decode-only forwards as the engine times them: the latest `window` per row
+    count. corrected(costs) rescales the start-up table by what service says: a row count seen
+    at least MIN_SEEN times costs the median of its forwards; one not seen takes the ratio
+    (seen / table) of the nearest row count seen, so the table's shape stands where nothing says
+    otherwise; and the result never falls as rows grow (a cheap-looking 6 rows beside dear 5
+    would buy a row for nothing). A median of a window, not a running mean: one slow forward
+    moves nothing, a slow minute moves the price while it lasts. Rows that service never buys
+    are never measured again, but the rows that are bought are: a batch that stops drafting
+    because drafts looked dear measures its plain steps, and the probes of free proposals keep
+    one more row measured."""
+
+    WINDOW = 9
+    MIN_SEEN = 3
+
+    def __init__(self, window: int = WINDOW):
+        self.window = window
+        self._seen: dict[int, deque[float]] = {}
+
+    def observe(self, rows: int, seconds: float) -> None:
+        self._seen.setdefault(rows, deque(maxlen=self.window)).append(seconds)
+
+    def corrected(self, costs: SpecCosts) -> SpecCosts:
+        ratios = {rows: statistics.median(times) / costs.target(rows)
+                  for rows, times in self._seen.items() if len(times) >= self.MIN_SEEN}
+        if not ratios:
+            return costs
+        seen = sorted(ratios)
+        target, floor = {}, 0.0
+        for rows in sorted(costs.target_seconds):
+            nearest = min(seen, key=lambda r: (abs(r - rows), r))  # a tie takes the smaller
+            floor = max(floor, costs.target_seconds[rows] * ratios[nearest])
+            target[rows] = floor
+        return dataclasses.replace(costs, target_seconds=target)
 
 
 @torch.inference_mode()
@@ -176,8 +223,8 @@ def measure_spec_costs(models, max_k: int, max_num_seqs: int, rounds: int = ROUN
     """None when the pool cannot spare the scratch blocks (then assumed_spec_costs apply).
     A draft model's forwards are timed only with one (models.draft_runner), an EAGLE head's steps
     only with one (models.eagle_runner). Forwards of up to FEW_ROWS rows (the steps that batch-1
-    and batch-2 drafts choose between) take the best of `rounds`, longer ones of 2 (each lasts long
-    enough to average a slow spell out)."""
+    and batch-2 drafts choose between) take the median of `rounds`, longer ones of 2 (each lasts
+    long enough to average a slow spell out)."""
     max_rows = min(MAX_ROWS, max_num_seqs * (max_k + 1))
     bm = models.block_manager
     table = BlockTable()
@@ -199,9 +246,9 @@ def measure_spec_costs(models, max_k: int, max_num_seqs: int, rounds: int = ROUN
         for rows in row_grid(max_num_seqs, 3) if models.eagle_runner is not None else ():
             forwards["head", rows] = _head_step(models.eagle_runner, table, CONTEXT, rows)
             num_rounds["head", rows] = rounds
-        best = best_of_rounds(forwards, num_rounds)
+        typical = median_of_rounds(forwards, num_rounds)
     finally:
         bm.free(table)
-    tables = {kind: {rows: t for (k, rows), t in best.items() if k == kind}
+    tables = {kind: {rows: t for (k, rows), t in typical.items() if k == kind}
               for kind in ("target", "draft", "catch_up", "head")}
     return SpecCosts(tables["target"], tables["draft"], tables["catch_up"], tables["head"])

@@ -18,7 +18,7 @@ from chatserve.config import SpecConfig
 from chatserve.request import Request
 from chatserve.sampler import Sampler
 from chatserve.scheduler import ScheduledSeq
-from chatserve.spec_costs import MAX_ROWS, assumed_spec_costs, measure_spec_costs
+from chatserve.spec_costs import MAX_ROWS, ObservedForwards, SpecCosts, assumed_spec_costs, measure_spec_costs
 from chatserve.spec_methods import SPEC_METHODS, Offer, SpecMethod, SpecState
 from spec.adaptive import AdaptiveDraftLength, allocate_drafts
 from spec.stats import SpecStats
@@ -44,10 +44,24 @@ class SpecRunner:
         self.stats_by_method = {name: SpecStats() for name in self.methods}  # engine-wide, per method
         self.costs = None
         if config.adaptive:
-            self.costs = measure_spec_costs(models, config.num_draft_tokens, max_num_seqs)
-            if self.costs is None:  # no scratch room in the pool: a linear model instead
+            measured = measure_spec_costs(models, config.num_draft_tokens, max_num_seqs)
+            if measured is None:  # no scratch room in the pool: a linear model instead
                 self.costs = assumed_spec_costs(MAX_ROWS, models.draft_runner is not None,
                                                 models.eagle_runner is not None)
+            else:
+                self.costs = measured
+                self._measured_costs = measured  # service's forwards correct it (observe_forward)
+
+    @property
+    def costs(self) -> SpecCosts | None:
+        """What allocate_drafts prices a step with: None (adaptive k off), the start-up table as
+        service's forwards correct it, the assumed linear model, or costs set by hand (a test, a
+        replay), which are used as they are."""
+        return self._costs
+
+    @costs.setter
+    def costs(self, costs: SpecCosts | None) -> None:
+        self._costs, self._measured_costs, self._observed = costs, None, ObservedForwards()
 
     @property
     def stats(self) -> SpecStats:
@@ -253,6 +267,14 @@ class SpecRunner:
                 ks.append(0)
         for name, (reqs, ks) in work.items():
             self.methods[name].propose(reqs, ks)
+
+    def observe_forward(self, rows: int, seconds: float) -> None:
+        """A decode-only step's target forward over `rows` rows took `seconds`: measured costs
+        follow what service's forwards cost (spec_costs.ObservedForwards); assumed ones, in units
+        of a forward rather than seconds, stay as they are."""
+        if self._measured_costs is not None:
+            self._observed.observe(rows, seconds)
+            self._costs = self._observed.corrected(self._measured_costs)
 
     @property
     def reads_features(self) -> bool:

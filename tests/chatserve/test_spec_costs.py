@@ -182,3 +182,78 @@ def test_a_slow_spell_of_the_machine_does_not_bend_the_table(monkeypatch, spell_
     assert costs.target_seconds == {r: pytest.approx(r * 1e-3) for r in row_grid(10, 4)}
     assert costs.draft_seconds == {r: pytest.approx(max(r // 2, 1) * 1e-3) for r in (1, 2)}
     assert set(costs.catch_up_seconds) == set(spec_costs.CATCH_UP_ROWS)
+
+
+def test_service_forwards_reprice_the_table():
+    """Rows seen in service cost what they took (median); a row count not seen keeps the table's
+    shape at the level of its nearest seen neighbour; nothing is corrected before MIN_SEEN."""
+    from chatserve.spec_costs import ObservedForwards
+
+    table = SpecCosts({1: 1.0, 2: 1.1, 3: 1.2, 4: 1.3, 5: 2.0, 8: 2.2}, {})
+    seen = ObservedForwards()
+    for _ in range(ObservedForwards.MIN_SEEN - 1):
+        seen.observe(2, 1.1)
+        seen.observe(3, 2.0)
+    assert seen.corrected(table) == table  # too few to say anything
+    seen.observe(2, 1.1)
+    seen.observe(3, 2.0)
+    costs = seen.corrected(table)
+    assert costs.target(2) == pytest.approx(1.1) and costs.target(3) == pytest.approx(2.0)
+    assert costs.target(1) == pytest.approx(1.0)  # nearest seen: 2 rows, as the table said
+    assert costs.target(4) == pytest.approx(1.3 * 2.0 / 1.2)  # nearest seen: 3 rows, 1.67x the table
+    assert costs.target(8) == pytest.approx(2.2 * 2.0 / 1.2)
+    assert costs.draft_seconds == table.draft_seconds
+    seen.observe(3, 9.0)  # one slow forward among four moves nothing
+    assert seen.corrected(table).target(3) == pytest.approx(2.0)
+
+
+def test_corrected_prices_never_fall_as_rows_grow():
+    from chatserve.spec_costs import ObservedForwards
+
+    table = SpecCosts({1: 1.0, 4: 1.3, 5: 2.0, 8: 2.2}, {})
+    seen = ObservedForwards()
+    for _ in range(ObservedForwards.MIN_SEEN):
+        seen.observe(4, 3.0)  # 2.3x the table
+        seen.observe(5, 2.0)  # as the table
+    costs = seen.corrected(table)
+    assert costs.target(4) == pytest.approx(3.0)
+    assert costs.target(5) == pytest.approx(3.0) and costs.target(8) == pytest.approx(3.0)
+
+
+def test_batch_two_stops_buying_rows_that_service_prices_dearer():
+    """The session-21 loss: the start-up table said a batch-2 step's extra rows cost +8 ms each,
+    the engine's steps took +17. Priced by the table, two sequences at acceptance 0.4 draft; once
+    service's forwards are seen, they do not."""
+    from chatserve.spec_costs import ObservedForwards
+    from spec.adaptive import allocate_drafts
+
+    table = SpecCosts({1: 0.040, 2: 0.048, 3: 0.056, 4: 0.064, 5: 0.072, 6: 0.080}, {})
+    gains = [[0.4, 0.16]] * 2
+    assert sum(allocate_drafts(gains, table.target)) > 0
+    seen = ObservedForwards()
+    for rows, ms in ((2, 55.1), (3, 72.3), (4, 89.6)):
+        for _ in range(ObservedForwards.MIN_SEEN):
+            seen.observe(rows, ms / 1e3)
+    assert allocate_drafts(gains, seen.corrected(table).target) == [0, 0]
+
+
+def test_the_engine_reports_its_decode_forwards_and_costs_set_by_hand_stay(tiny_llama_dir):
+    """Every decode-only step's forward reaches the cost table (a prompt's steps do not: their
+    time is the prompt's); costs set by hand are used as set."""
+    from chatserve.sampling_params import SamplingParams
+
+    spec = SpecConfig(method="ngram", num_draft_tokens=2)
+    engine = Engine(EngineConfig(model=str(tiny_llama_dir), kv_cache_memory=8 << 20, spec=spec, max_num_seqs=2))
+    measured = engine.spec.costs
+    seen = []
+    observe = engine.spec.observe_forward
+    engine.spec.observe_forward = lambda rows, seconds: (seen.append(rows), observe(rows, seconds))
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    engine.generate([[1, 5, 9, 5, 9, 5, 9, 2] * 4, [2, 6, 8, 6, 8, 6, 8, 3] * 4], params)
+    assert len(seen) >= 6 and all(1 <= rows <= 2 * 3 for rows in seen)  # decodes and drafts, never a prompt
+    assert engine.spec.costs.target_seconds != measured.target_seconds
+    assert sorted(engine.spec.costs.target_seconds) == sorted(measured.target_seconds)
+    pinned = SpecCosts({1: 1.0, 8: 1.3}, {})
+    engine.spec.costs = pinned
+    engine.generate([[1, 5, 9, 5, 9, 5, 9, 2] * 4], params)
+    assert engine.spec.costs is pinned
