@@ -21,6 +21,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("x"), pybind11::arg("codes"), pybind11::arg("subs"), pybind11::arg("dd"),
         pybind11::arg("bias") = pybind11::none(), NoGil());
   m.def("q8_matmul", &q8_matmul, "int8 (per output row) weight x int8 activation matmul", NoGil());
+  m.def("q8x8_matmul", &q8x8_matmul, "q8_matmul for a weight interleaved by 8 output features", NoGil());
   m.def("rms_norm", &rms_norm, "RMSNorm of float32 rows (optionally adding a residual in place first)",
         pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("eps"), pybind11::arg("residual") = pybind11::none(),
         NoGil());

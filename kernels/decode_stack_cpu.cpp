@@ -12,7 +12,7 @@ namespace {
 
 // One weight layer, as the module that holds it computes it for few rows.
 struct LinearW {
-  enum Kind : int64_t { kInt4 = 0, kQ4K = 1, kF32 = 2, kInt8 = 3 };
+  enum Kind : int64_t { kInt4 = 0, kQ4K = 1, kF32 = 2, kInt8 = 3, kInt8x8 = 4 };
   int64_t kind;
   torch::Tensor a, b, c;  // int4: codes, params; Q4_K: codes, subs, dd; f32: weight; int8: qweight, scales
   c10::optional<torch::Tensor> bias;
@@ -28,9 +28,9 @@ struct LinearW {
         if (bias) y.add_(*bias);
         return y;
       }
-      default: {  // quant/int8.Int8Linear through kernels/quant_matmul.int8_matmul
+      default: {  // quant/int8.Int8Linear through kernels/quant_matmul.int8_matmul (or int8x8_matmul)
         auto xq = quantize_rows(x);
-        auto y = q8_matmul(xq[0], xq[1], a, b);
+        auto y = kind == kInt8x8 ? q8x8_matmul(xq[0], xq[1], a, b) : q8_matmul(xq[0], xq[1], a, b);
         if (bias) y.add_(*bias);
         return y;
       }
@@ -58,7 +58,7 @@ class DecodeStack {
     TORCH_CHECK(linears.size() == 4, "add_layer: qkv, o, gate_up, down");
     std::vector<LinearW> w;
     for (auto& [kind, a, b, c, bias] : linears) {
-      TORCH_CHECK(kind >= LinearW::kInt4 && kind <= LinearW::kInt8, "add_layer: unknown linear kind");
+      TORCH_CHECK(kind >= LinearW::kInt4 && kind <= LinearW::kInt8x8, "add_layer: unknown linear kind");
       w.push_back(LinearW{kind, a, b, c, bias});
     }
     layers_.push_back(Layer{ln1, ln2, k_cache, v_cache, w[0], w[1], w[2], w[3]});

@@ -85,6 +85,34 @@ def int8_matmul(x: torch.Tensor,  # [M, K] float32, K % 32 == 0
     return ext.q8_matmul(xq, xd, qweight, scales)
 
 
+def pack_int8(qweight: torch.Tensor) -> torch.Tensor:
+    """[N, K] int8 row-major -> the same bytes interleaved by 8 output features (N % 8 == 0,
+    K % 4 == 0), as int8x8_matmul reads them: features 8g..8g+8, step t, feature i, k = 4t + j."""
+    n, k = qweight.shape
+    return qweight.view(n // 8, 8, k // 4, 4).permute(0, 2, 1, 3).contiguous().view(n, k)
+
+
+def unpack_int8(packed: torch.Tensor) -> torch.Tensor:
+    """pack_int8's inverse: the row-major [N, K] int8 weight (a copy)."""
+    n, k = packed.shape
+    return packed.view(n // 8, k // 4, 8, 4).permute(0, 2, 1, 3).reshape(n, k)
+
+
+def int8x8_matmul(x: torch.Tensor,  # [M, K] float32, K % 32 == 0
+                  packed: torch.Tensor,  # [N, K] int8 from pack_int8, N % 8 == 0
+                  scales: torch.Tensor,  # [N] float32
+                  ) -> torch.Tensor:  # [M, N] float32
+    """int8_matmul for a weight in pack_int8's layout: the same activations and integer dots, the
+    8 features of a step at once (~1.4x fewer vector ops per row)."""
+    ext = _extension()
+    assert ext is not None, "int8x8_matmul: the CPU kernel is not available (check is_available())"
+    assert x.dim() == 2 and x.dtype == torch.float32 and x.shape[1] % GROUP_SIZE == 0, (x.shape, x.dtype)
+    assert packed.dtype == torch.int8 and packed.shape[1] == x.shape[1] and packed.shape[0] % 8 == 0, packed.shape
+    assert scales.dtype == torch.float32 and scales.shape == (packed.shape[0],)
+    xq, xd, _ = ext.quantize_rows(x.contiguous())
+    return ext.q8x8_matmul(xq, xd, packed, scales)
+
+
 def f32_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ weight [N, K].T in float32 (K % 8 == 0), each row computed the same way whatever
     M is (MKL's GEMM/GEMV do not promise that). For few rows: it reads W once per call."""

@@ -17,6 +17,7 @@
 #include "cpu_simd.h"
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 
 namespace {
 
@@ -138,6 +139,45 @@ void tile8(const int8_t* w, const float* ws, const int8_t* xq, const float* xd, 
   }
 }
 
+
+// The same int8 weights interleaved by 8 output features (quant/int8.pack_int8; N % 8 == 0): for
+// features 8 g .. 8 g + 8, step t of K / 4 is 32 bytes, byte 4 i + j the weight of feature 8 g + i
+// at k = 4 t + j. vpmaddubsw of a step against 4 activation bytes broadcast gives the 8 features'
+// pair sums at once, so a row costs sign, vpmaddubsw, vpmaddwd and an add per 32 multiply-adds,
+// and one float multiply-add per 8 steps (a group of 32: the activation's scale), where the
+// row-major tile8 spends six vector ops per 32 (a float conversion, a permute and an FMA per
+// group and feature). The 8 outputs are one vector: no horizontal sums.
+inline __m256i broadcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+template <int R>
+void tile8x8(const int8_t* w, const float* ws, const int8_t* xq, const float* xd, float* y,
+             int64_t K, int64_t N, int64_t r0, int64_t g) {
+  const int64_t G = K / kGroup;
+  const __m256i ones = _mm256_set1_epi16(1);
+  const int8_t* wg = w + g * 8 * K;
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t kb = 0; kb < G; ++kb) {
+    __m256i sum[R];
+    for (int r = 0; r < R; ++r) sum[r] = _mm256_setzero_si256();
+    for (int t = 0; t < kGroup / 4; ++t) {
+      const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + (kb * 8 + t) * 32));
+      const __m256i aw = _mm256_sign_epi8(wv, wv);
+      for (int r = 0; r < R; ++r) {
+        const __m256i xv = broadcast4(xq + (r0 + r) * K + kb * kGroup + 4 * t);
+        sum[r] = _mm256_add_epi32(sum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, wv)), ones));
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r]), _mm256_set1_ps(xd[(r0 + r) * G + kb]), acc[r]);
+  }
+  const __m256 scale = _mm256_loadu_ps(ws + g * 8);
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + (r0 + r) * N + g * 8, _mm256_mul_ps(acc[r], scale));
+}
 
 // float32 weights [N, K] (K % 8 == 0): each output a dot product in a fixed order (8-wide chunks,
 // even and odd chunks in two accumulators), so a row's result never depends on the row count,
@@ -286,6 +326,31 @@ torch::Tensor q8_matmul(torch::Tensor xq, torch::Tensor xd, torch::Tensor qweigh
     for (int64_t nb = n0; nb < n1; nb += chunk) {
       const int64_t ne = std::min(nb + chunk, n1);
       chatserve::for_row_tiles(M, [&](auto rows, int64_t r) { tile8<decltype(rows)::value>(w, ws, q, d, out, K, N, r, nb, ne); });
+    }
+  });
+  return y;
+}
+
+// q8_matmul for a weight interleaved by 8 output features (tile8x8; N % 8 == 0).
+torch::Tensor q8x8_matmul(torch::Tensor xq, torch::Tensor xd, torch::Tensor packed, torch::Tensor scales) {
+  TORCH_CHECK(xq.scalar_type() == torch::kInt8 && packed.scalar_type() == torch::kInt8);
+  TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && xd.scalar_type() == torch::kFloat32);
+  TORCH_CHECK(xq.is_contiguous() && xd.is_contiguous() && packed.is_contiguous() && scales.is_contiguous());
+  const int64_t M = xq.size(0), K = xq.size(1), N = packed.size(0);
+  TORCH_CHECK(K % kGroup == 0 && N % 8 == 0 && packed.size(1) == K && scales.numel() == N && xd.size(1) * kGroup == K);
+  auto y = torch::empty({M, N}, xd.options());
+  const int8_t* w = packed.data_ptr<int8_t>();
+  const float* ws = scales.data_ptr<float>();
+  const int8_t* q = xq.data_ptr<int8_t>();
+  const float* d = xd.data_ptr<float>();
+  float* out = y.data_ptr<float>();
+  const int64_t chunk = std::max<int64_t>(1, (128 * 1024) / (8 * K));  // groups a chunk: W read once
+  at::parallel_for(0, N / 8, 2, [&](int64_t g0, int64_t g1) {
+    for (int64_t gb = g0; gb < g1; gb += chunk) {
+      const int64_t ge = std::min(gb + chunk, g1);
+      chatserve::for_row_tiles(M, [&](auto rows, int64_t r) {
+        for (int64_t g = gb; g < ge; ++g) tile8x8<decltype(rows)::value>(w, ws, q, d, out, K, N, r, g);
+      });
     }
   });
   return y;

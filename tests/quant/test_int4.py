@@ -149,7 +149,7 @@ def test_quantize_weights_int4_swaps_every_layer(generator):
     ids = torch.tensor([3, 0, 63])
     step = table.abs().amax() / 127
     torch.testing.assert_close(model.embed_tokens(ids), table[ids], atol=step.item(), rtol=0)
-    head = dequantize_int8(model.lm_head.qweight, model.lm_head.scales)
+    head = dequantize_int8(model.lm_head.int8_rows(), model.lm_head.scales)
     torch.testing.assert_close(head, table, atol=step.item(), rtol=0)
     x = torch.randn(40, 64)  # past SMALL_M rows: the same kernel as for a few (activations in int8)
     y, want = model.lm_head(x), x @ head.t()

@@ -25,15 +25,32 @@ def test_quantize_round_trip_within_half_a_step(generator):
     assert (q.abs().amax(dim=1) == 127).all()  # each row's largest weight uses the full range
 
 
+def _matmul(layout):
+    """The kernel of one weight layout, on a row-major q: row-major, or interleaved by 8 features."""
+    if layout == "rows":
+        return kernel.int8_matmul
+    return lambda x, q, scales: kernel.int8x8_matmul(x, kernel.pack_int8(q), scales)
+
+
+def test_packing_round_trips_and_interleaves_by_eight(generator):
+    q = torch.randint(-127, 128, (24, 64), dtype=torch.int8, generator=generator)
+    packed = kernel.pack_int8(q)
+    assert torch.equal(kernel.unpack_int8(packed), q)
+    # feature 8g + i, k = 4t + j at byte 32 t + 4 i + j of its group's K * 8 bytes
+    g, i, t, j = 2, 5, 7, 3
+    assert packed.view(-1)[g * 8 * 64 + 32 * t + 4 * i + j] == q[8 * g + i, 4 * t + j]
+
+
+@pytest.mark.parametrize("layout", ["rows", "x8"])
 @pytest.mark.parametrize("k", [96, 576])  # 3 groups (all tail), 18 groups (8 + 8 + a tail of 2)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 17])
-def test_kernel_matches_its_reference(k, rows, generator):
+def test_kernel_matches_its_reference(layout, k, rows, generator):
     q, scales = quantize_int8(torch.randn(40, k, generator=generator))
     q[0, :32] = -127  # the sign trick at the range's ends
     q[1, :32] = 127
     x = torch.randn(rows, k, generator=generator)
     x[0, 32:64] = 0.0  # an all-zero activation group
-    torch.testing.assert_close(kernel.int8_matmul(x, q, scales), kernel.int8_matmul_ref(x, q, scales),
+    torch.testing.assert_close(_matmul(layout)(x, q, scales), kernel.int8_matmul_ref(x, q, scales),
                                rtol=1e-5, atol=1e-4)
 
 
@@ -44,14 +61,37 @@ def test_kernel_reference_is_close_to_the_float_matmul(generator):
     assert (kernel.int8_matmul_ref(x, q, scales) - exact).abs().max() < 0.01 * exact.abs().max()
 
 
-def test_kernel_rows_do_not_depend_on_the_row_count(generator):
-    q, scales = quantize_int8(torch.randn(100, 320, generator=generator))
+@pytest.mark.parametrize("layout", ["rows", "x8"])
+def test_kernel_rows_do_not_depend_on_the_row_count(layout, generator):
+    matmul = _matmul(layout)
+    q, scales = quantize_int8(torch.randn(104, 320, generator=generator))
     x = torch.randn(SMALL_M, 320, generator=generator)
-    alone = kernel.int8_matmul(x[:1], q, scales)
+    alone = matmul(x[:1], q, scales)
     for rows in range(2, SMALL_M + 1):
-        out = kernel.int8_matmul(x[:rows], q, scales)
+        out = matmul(x[:rows], q, scales)
         assert torch.equal(out[:1], alone), rows
-        assert torch.equal(out[rows - 1 : rows], kernel.int8_matmul(x[rows - 1 : rows], q, scales)), rows
+        assert torch.equal(out[rows - 1 : rows], matmul(x[rows - 1 : rows], q, scales)), rows
+
+
+def test_a_layer_packs_where_the_kernel_runs_and_a_tied_table_reads_the_packed_rows(generator):
+    from quant.apply import share_tied_rows
+    from quant.int8 import Int8Embedding
+
+    table = nn.Embedding(64, 96)
+    head = nn.Linear(96, 64, bias=False)
+    head.weight = table.weight
+    layer, embedding = Int8Linear.from_linear(head, keep_dense=False), Int8Embedding.from_embedding(table)
+    odd = Int8Linear.from_linear(nn.Linear(96, 60))  # 60 features: not a multiple of 8
+    assert layer.packed and not odd.packed
+    q, _ = quantize_int8(head.weight.data)
+    assert torch.equal(layer.int8_rows(), q) and odd.int8_rows() is odd.qweight
+    ids = torch.tensor([[0, 7, 8], [63, 9, 7]])
+    want = embedding(ids)
+    share_tied_rows(embedding, layer)
+    assert embedding.packed and embedding.qweight.data_ptr() == layer.qweight.data_ptr()
+    assert torch.equal(embedding(ids), want)
+    x = torch.randn(3, 96, generator=generator)
+    torch.testing.assert_close(layer(x), kernel.int8_matmul_ref(x, q, layer.scales), rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("rows", [1, 5, SMALL_M, SMALL_M + 7])
@@ -61,7 +101,7 @@ def test_int8_linear_is_the_dequantized_matmul(rows, bias, generator):
     layer = Int8Linear.from_linear(linear)
     x = torch.randn(rows, 256, generator=generator)
     if rows <= SMALL_M:  # the C++ kernel on float rows
-        ref = x @ dequantize_int8(layer.qweight, layer.scales).t()
+        ref = x @ dequantize_int8(layer.int8_rows(), layer.scales).t()
     else:  # the kept bf16 weight
         ref = x.bfloat16().float() @ linear.weight.detach().bfloat16().float().t()
     if bias:
