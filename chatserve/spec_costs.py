@@ -8,11 +8,13 @@ verification is 20 rows where plain decoding is 4. So we time target forwards ov
 row counts (and the draft's) once, in scratch blocks taken from the pool and given back, and
 look up in between. When the pool cannot spare the blocks, assumed_spec_costs stands in.
 
-Timed alone at start-up, a forward is not what the same rows cost in service (another tenant's
-steal, caches the other models left cold, contexts that grow): on this VM two sequences' steps of
-2, 3 and 4 rows took 55, 72 and 90 ms in the engine where the start-up table said +7-10 ms a row,
-and speculation at batch 2 lost 10-27% buying rows at half their price. ObservedForwards keeps
-the engine's own decode forwards per row count and rescales the table where they say otherwise.
+Timed at start-up, a forward is not what the same rows cost in service (another tenant's steal,
+caches the other models left cold, contexts that grow): on this VM two sequences' steps of 2, 3
+and 4 rows took 55, 72 and 90 ms in the engine where a table of best timings said +7-10 ms a row
+(the typical forward of 3-5 rows is 20-40% above the best one), and speculation at batch 2 lost
+10-27% buying rows at half their price. So the table takes the median of its rounds, and
+ObservedForwards keeps the engine's own decode forwards per row count and rescales the table
+where they say otherwise.
 """
 
 from __future__ import annotations
