@@ -308,52 +308,51 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor pa
 }
 
 // y [M, N] float32 = x @ (q * s).T for the quantized activations of quantize_rows; q [N, K] int8
-// with |q| <= 127, s [N] float32.
-torch::Tensor q8_matmul(torch::Tensor xq, torch::Tensor xd, torch::Tensor qweight, torch::Tensor scales) {
+// with |q| <= 127, s [N] float32; row-major, or interleaved by 8 output features (tile8x8; N % 8
+// == 0). Output features are split over threads, each walking its share in chunks of ~128 KiB of
+// weights and running every activation row over a chunk before the next (as q4_matmul): W is
+// read from memory once per call.
+static torch::Tensor q8_run(torch::Tensor xq, torch::Tensor xd, torch::Tensor qweight, torch::Tensor scales, bool packed) {
   TORCH_CHECK(xq.scalar_type() == torch::kInt8 && qweight.scalar_type() == torch::kInt8);
   TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && xd.scalar_type() == torch::kFloat32);
   TORCH_CHECK(xq.is_contiguous() && xd.is_contiguous() && qweight.is_contiguous() && scales.is_contiguous());
   const int64_t M = xq.size(0), K = xq.size(1), N = qweight.size(0);
   TORCH_CHECK(K % kGroup == 0 && qweight.size(1) == K && scales.numel() == N && xd.size(1) * kGroup == K);
+  TORCH_CHECK(!packed || N % 8 == 0, "an int8 weight interleaved by 8 needs N % 8 == 0");
   auto y = torch::empty({M, N}, xd.options());
   const int8_t* w = qweight.data_ptr<int8_t>();
   const float* ws = scales.data_ptr<float>();
   const int8_t* q = xq.data_ptr<int8_t>();
   const float* d = xd.data_ptr<float>();
   float* out = y.data_ptr<float>();
-  const int64_t chunk = std::max<int64_t>(16, (128 * 1024) / K);  // as q4_matmul: W read once
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    for (int64_t nb = n0; nb < n1; nb += chunk) {
-      const int64_t ne = std::min(nb + chunk, n1);
-      chatserve::for_row_tiles(M, [&](auto rows, int64_t r) { tile8<decltype(rows)::value>(w, ws, q, d, out, K, N, r, nb, ne); });
-    }
-  });
+  if (packed) {
+    const int64_t chunk = std::max<int64_t>(1, (128 * 1024) / (8 * K));  // groups of 8 features
+    at::parallel_for(0, N / 8, 2, [&](int64_t g0, int64_t g1) {
+      for (int64_t gb = g0; gb < g1; gb += chunk) {
+        const int64_t ge = std::min(gb + chunk, g1);
+        chatserve::for_row_tiles(M, [&](auto rows, int64_t r) {
+          for (int64_t g = gb; g < ge; ++g) tile8x8<decltype(rows)::value>(w, ws, q, d, out, K, N, r, g);
+        });
+      }
+    });
+  } else {
+    const int64_t chunk = std::max<int64_t>(16, (128 * 1024) / K);
+    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+      for (int64_t nb = n0; nb < n1; nb += chunk) {
+        const int64_t ne = std::min(nb + chunk, n1);
+        chatserve::for_row_tiles(M, [&](auto rows, int64_t r) { tile8<decltype(rows)::value>(w, ws, q, d, out, K, N, r, nb, ne); });
+      }
+    });
+  }
   return y;
 }
 
-// q8_matmul for a weight interleaved by 8 output features (tile8x8; N % 8 == 0).
+torch::Tensor q8_matmul(torch::Tensor xq, torch::Tensor xd, torch::Tensor qweight, torch::Tensor scales) {
+  return q8_run(xq, xd, qweight, scales, false);
+}
+
 torch::Tensor q8x8_matmul(torch::Tensor xq, torch::Tensor xd, torch::Tensor packed, torch::Tensor scales) {
-  TORCH_CHECK(xq.scalar_type() == torch::kInt8 && packed.scalar_type() == torch::kInt8);
-  TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && xd.scalar_type() == torch::kFloat32);
-  TORCH_CHECK(xq.is_contiguous() && xd.is_contiguous() && packed.is_contiguous() && scales.is_contiguous());
-  const int64_t M = xq.size(0), K = xq.size(1), N = packed.size(0);
-  TORCH_CHECK(K % kGroup == 0 && N % 8 == 0 && packed.size(1) == K && scales.numel() == N && xd.size(1) * kGroup == K);
-  auto y = torch::empty({M, N}, xd.options());
-  const int8_t* w = packed.data_ptr<int8_t>();
-  const float* ws = scales.data_ptr<float>();
-  const int8_t* q = xq.data_ptr<int8_t>();
-  const float* d = xd.data_ptr<float>();
-  float* out = y.data_ptr<float>();
-  const int64_t chunk = std::max<int64_t>(1, (128 * 1024) / (8 * K));  // groups a chunk: W read once
-  at::parallel_for(0, N / 8, 2, [&](int64_t g0, int64_t g1) {
-    for (int64_t gb = g0; gb < g1; gb += chunk) {
-      const int64_t ge = std::min(gb + chunk, g1);
-      chatserve::for_row_tiles(M, [&](auto rows, int64_t r) {
-        for (int64_t g = gb; g < ge; ++g) tile8x8<decltype(rows)::value>(w, ws, q, d, out, K, N, r, g);
-      });
-    }
-  });
-  return y;
+  return q8_run(xq, xd, packed, scales, true);
 }
 
 // y [M, N] float32 = x [M, K] @ w [N, K].T, rows independent of M (see tile_f32).
