@@ -2,9 +2,18 @@
 #pragma once
 #include <immintrin.h>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 namespace chatserve {
+
+// Four bytes at p (any alignment) in every 32-bit lane: activations against weights interleaved
+// by 8 output features (Q4_K, int8).
+inline __m256i broadcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
 
 inline float hsum(__m256 v) {
   __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);

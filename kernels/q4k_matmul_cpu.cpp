@@ -27,10 +27,10 @@
 #include "cpu_simd.h"
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 
 namespace {
 
+using chatserve::broadcast4;
 
 constexpr int kSuper = 256;
 constexpr int kSub = 32;
@@ -44,11 +44,6 @@ inline int hsum_epi32(__m128i v) {
 constexpr int kGroup = 8;  // output features interleaved
 constexpr int64_t kCodeBytes = 1024, kSubBytes = 128, kDdFloats = 16;  // per group and superblock
 
-inline __m256i broadcast4(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm256_set1_epi32(v);
-}
 
 // y[r0 .. r0 + R, 8 g .. 8 g + 8]: each unpacked step of the 8 features' codes serves R rows.
 template <int R>

@@ -17,10 +17,10 @@
 #include "cpu_simd.h"
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 
 namespace {
 
+using chatserve::broadcast4;
 using chatserve::hsum;
 
 constexpr int kGroup = 32;
@@ -147,11 +147,6 @@ void tile8(const int8_t* w, const float* ws, const int8_t* xq, const float* xd, 
 // and one float multiply-add per 8 steps (a group of 32: the activation's scale), where the
 // row-major tile8 spends six vector ops per 32 (a float conversion, a permute and an FMA per
 // group and feature). The 8 outputs are one vector: no horizontal sums.
-inline __m256i broadcast4(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm256_set1_epi32(v);
-}
 
 template <int R>
 void tile8x8(const int8_t* w, const float* ws, const int8_t* xq, const float* xd, float* y,
