@@ -6,7 +6,8 @@ questions ("paste"), and an "edit this file" session whose every reply returns t
 Per turn: TTFT, TPOT, the longest gap between deltas against the turn's median gap, cached
 prompt tokens and acceptance; per configuration the issue's goals (second-turn TTFT <= 10% of
 the first, longest gap <= 3x the median, first-turn TTFT <= 1.1x speculation off, speedup over
-off). Every run's sessions start with their own first line, so no run finds another's blocks
+off), and the server's resident memory and free KV blocks after every point (idle, so every
+block but the prefix cache's is free). Every run's sessions start with their own first line, so no run finds another's blocks
 in the prefix cache. Suffix decoding matches only each conversation's own tokens
 (`--suffix-corpus-tokens 0`; `--reuse-replies` lifts it): the files repeat across points, and a
 reply seen in an earlier point would be drafted again. Writes JSON and a PNG.
@@ -27,16 +28,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 import shlex
 import statistics
 import sys
 from pathlib import Path
+
+import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from chatserve.bench.metrics import RequestRecord, tpot_ms, ttft_ms  # noqa: E402
 from chatserve.bench.report import machine, write_json  # noqa: E402
 from chatserve.bench.runner import LoadSpec, run_load  # noqa: E402
+from chatserve.bench.soak import read_rss  # noqa: E402
 from chatserve.bench.sweep import ServerProcess, wait_idle  # noqa: E402
 from chatserve.bench.workloads import Conversation, Session  # noqa: E402
 
@@ -125,16 +130,32 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def plot(points: list[dict], path: Path) -> None:
+def plot(points: list[dict], path: Path, memories: list[dict] = ()) -> None:
     """Per workload: TTFT, TPOT and longest gap / median gap by turn (solid: lowest concurrency,
-    dashed: highest), and the TPOT speedup over off by concurrency."""
+    dashed: highest), and the TPOT speedup over off by concurrency; below, each server's resident
+    memory after every point."""
     from chatserve.bench.plots import _colors, _pyplot
 
     plt = _pyplot()
     workloads = sorted({p["workload"] for p in points}, key=WORKLOADS.index)
     configs = list(dict.fromkeys(p["config"] for p in points))
     concs = sorted({p["concurrency"] for p in points})
-    fig, axes = plt.subplots(len(workloads), 4, figsize=(17, 4 * len(workloads)), squeeze=False)
+    num_rows = len(workloads) + bool(memories)
+    fig, axes = plt.subplots(num_rows, 4, figsize=(17, 4 * num_rows), squeeze=False)
+    if memories:
+        grid = axes[-1, 0].get_gridspec()
+        for ax in axes[-1]:
+            ax.remove()
+        mem_ax = fig.add_subplot(grid[-1, :])
+        for m, color in zip(memories, _colors(plt)):
+            xs = [s["seconds"] / 60 for s in m["samples"]]
+            mem_ax.plot(xs, [s["rss_mib"] for s in m["samples"]], marker="o", color=color, label=m["server"])
+        mem_ax.set_title("server resident memory after each point (MiB; every block free after every point: "
+                         f"{all(m['pool_all_free_after_every_point'] for m in memories)})", fontsize=10)
+        mem_ax.set_xlabel("minutes since the server was up")
+        mem_ax.grid(alpha=0.3)
+        mem_ax.legend(fontsize=7)
+        axes = axes[:-1]
     colors = dict(zip(configs, _colors(plt)))
     for row, workload in zip(axes, workloads):
         for p in (p for p in points if p["workload"] == workload):
@@ -163,6 +184,30 @@ def plot(points: list[dict], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def memory_sample(server: ServerProcess, label: str, t0: float) -> dict:
+    """The server's VmRSS and pool once it runs nothing: blocks that are neither free nor held by
+    the prefix cache's free list after a point would be a leak."""
+    wait_idle(server.url)
+    health = httpx.get(server.url + "/health", timeout=10).json()
+    rss = read_rss(server.proc.pid)
+    sample = {"label": label, "seconds": round(time.monotonic() - t0, 1), "rss_mib": rss >> 20 if rss else None,
+              "num_free_blocks": health.get("num_free_blocks"), "num_blocks": health.get("num_blocks")}
+    print(f"memory after {label}: RSS {sample['rss_mib']} MiB, free blocks {sample['num_free_blocks']} of "
+          f"{sample['num_blocks']}", file=sys.stderr)
+    return sample
+
+
+def memory_summary(samples: list[dict]) -> dict:
+    """Growth of resident memory from the first point's end to the last's (start-up's warm-up and the
+    first point's allocations settle in the first), and whether every block was free after each point."""
+    rss = [s["rss_mib"] for s in samples if s["rss_mib"]]
+    after_first = rss[1] if len(rss) > 1 else None
+    return {"rss_start_mib": rss[0] if rss else None, "rss_after_first_point_mib": after_first,
+            "rss_end_mib": rss[-1] if rss else None, "rss_max_mib": max(rss, default=None),
+            "rss_growth_after_first_point": rss[-1] / after_first if after_first else None,
+            "pool_all_free_after_every_point": all(s["num_free_blocks"] == s["num_blocks"] for s in samples)}
 
 
 def run_point(url: str, name: str, workload: str, concurrency: int, max_tokens: int, num_sessions: int,
@@ -197,8 +242,9 @@ def _fresh(args) -> list[str]:
     return [] if args.reuse_replies else ["--suffix-corpus-tokens", "0"]
 
 
-def run_servers(args) -> list[dict]:
-    """One `chatserve serve` per configuration, one after another."""
+def run_servers(args, memories: list[dict]) -> list[dict]:
+    """One `chatserve serve` per configuration, one after another; each server's memory samples
+    are appended to `memories`."""
     points = []
     for item in args.configs:
         name, _, serve = item.partition("=")
@@ -207,17 +253,23 @@ def run_servers(args) -> list[dict]:
         if args.draft_model and "--no-spec" not in serve_args and "--draft-model" not in serve_args:
             serve_args += ["--draft-model", args.draft_model]
         with ServerProcess(args.model, serve_args) as server:
+            t0 = time.monotonic()
+            memory = [memory_sample(server, "start", t0)]
             for workload in args.workloads:
                 for concurrency in args.concurrency:
                     rows, result = run_point(server.url, name, workload, concurrency, _max_tokens(args, workload),
                                              args.sessions, f"{name} {workload} c{concurrency}", files=args.files)
                     points.append(point(name, serve_args, workload, concurrency, _max_tokens(args, workload), rows,
                                         result, [result.loadavg_before, result.loadavg_after]))
+                    memory.append(memory_sample(server, f"{workload} c={concurrency}", t0))
+                    points[-1]["memory_after"] = memory[-1]
+            memories.append({"server": name, "samples": memory, **memory_summary(memory)})
     return points
 
 
-def run_interleaved(args) -> list[dict]:
-    """One server; each configuration a per-request method, in rounds whose order rotates."""
+def run_interleaved(args, memories: list[dict]) -> list[dict]:
+    """One server; each configuration a per-request method, in rounds whose order rotates; its
+    memory samples are appended to `memories`."""
     serve_args = [*shlex.split(args.interleave), *shlex.split(args.server_args), *_fresh(args)]
     if args.draft_model and "--draft-model" not in serve_args:
         serve_args += ["--draft-model", args.draft_model]
@@ -225,6 +277,8 @@ def run_interleaved(args) -> list[dict]:
     extra = {name: {"num_draft_tokens": 0} if name == "off" else {"spec_method": name} for name in names}
     points = []
     with ServerProcess(args.model, serve_args) as server:
+        t0 = time.monotonic()
+        memory = [memory_sample(server, "start", t0)]
         for workload in args.workloads:
             for concurrency in args.concurrency:
                 rows: dict[str, list] = {name: [] for name in names}
@@ -240,9 +294,11 @@ def run_interleaved(args) -> list[dict]:
                         rows[name] += got
                         last[name] = result
                         loadavg[name].append([result.loadavg_before, result.loadavg_after])
+                        memory.append(memory_sample(server, f"{name} {workload} c={concurrency} r{r}", t0))
                 for name in names:
                     points.append(point(name, serve_args + [f"(per request: {extra[name]})"], workload, concurrency,
                                         _max_tokens(args, workload), rows[name], last[name], loadavg[name]))
+        memories.append({"server": "interleaved", "samples": memory, **memory_summary(memory)})
     return points
 
 
@@ -268,13 +324,18 @@ def main() -> int:
     ap.add_argument("--out", type=Path, required=True, help="JSON; the PNG goes next to it")
     args = ap.parse_args()
 
-    points = run_interleaved(args) if args.interleave is not None else run_servers(args)
+    memories: list[dict] = []
+    points = run_interleaved(args, memories) if args.interleave is not None else run_servers(args, memories)
     table = goals(points)
     print(format_table(table))
+    for m in memories:
+        print(f"{m['server']}: RSS {m['rss_start_mib']} MiB at start, {m['rss_after_first_point_mib']} after the "
+              f"first point, {m['rss_end_mib']} at the end (max {m['rss_max_mib']}); every block free after every "
+              f"point: {m['pool_all_free_after_every_point']}")
     png = args.out.with_suffix(".png")
-    plot(points, png)
+    plot(points, png, memories)
     write_json({"kind": "long-context", "argv": sys.argv[1:], "machine": machine(), "goals": table,
-                "points": points, "plot": str(png)}, args.out)
+                "memory": memories, "points": points, "plot": str(png)}, args.out)
     print(f"wrote {args.out} and {png}", file=sys.stderr)
     return 0
 
