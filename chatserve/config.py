@@ -20,6 +20,10 @@ class SpecConfig:
     method: str = "draft"
     draft_model: str | None = None
     num_draft_tokens: int = 4  # the maximum k; adaptive speculation picks k in [0, max]
+    # The maximum k of proposals that run no model (n-gram, suffix decoding) when adaptive k
+    # prices them: their drafts cost verification rows only, so a long match (code returned
+    # with an edit) may draft this far while a weak one drafts little. Fixed k: num_draft_tokens.
+    num_free_draft_tokens: int = 16
     ngram_min: int = 1
     ngram_max: int = 4
     adaptive: bool = True
@@ -47,6 +51,8 @@ class SpecConfig:
             raise ValueError(f"spec.draft_model: required when spec.method is {self.method!r}")
         if not 1 <= self.num_draft_tokens <= 16:
             raise ValueError(f"spec.num_draft_tokens: must be in [1, 16], got {self.num_draft_tokens}")
+        if not 1 <= self.num_free_draft_tokens <= 32:
+            raise ValueError(f"spec.num_free_draft_tokens: must be in [1, 32], got {self.num_free_draft_tokens}")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError("spec.ngram_min/ngram_max: need 1 <= ngram_min <= ngram_max")
         if self.draft_catch_up not in DRAFT_CATCH_UPS:

@@ -221,13 +221,16 @@ class ObservedForwards:
 
 
 @torch.inference_mode()
-def measure_spec_costs(models, max_k: int, max_num_seqs: int, rounds: int = ROUNDS) -> SpecCosts | None:
+def measure_spec_costs(models, max_k: int, max_num_seqs: int, max_rows_k: int | None = None,
+                       rounds: int = ROUNDS) -> SpecCosts | None:
     """None when the pool cannot spare the scratch blocks (then assumed_spec_costs apply).
+    Every row count up to max_k + 1 is timed, then row_grid's steps up to max_num_seqs
+    sequences of max_rows_k drafts (default max_k; free proposals may draft further).
     A draft model's forwards are timed only with one (models.draft_runner), an EAGLE head's steps
     only with one (models.eagle_runner). Forwards of up to FEW_ROWS rows (the steps that batch-1
     and batch-2 drafts choose between) take the median of `rounds`, longer ones of 2 (each lasts
     long enough to average a slow spell out)."""
-    max_rows = min(MAX_ROWS, max_num_seqs * (max_k + 1))
+    max_rows = min(MAX_ROWS, max_num_seqs * (max(max_k, max_rows_k or 0) + 1))
     bm = models.block_manager
     table = BlockTable()
     has_draft_model = models.draft_runner is not None

@@ -44,7 +44,8 @@ class SpecRunner:
         self.stats_by_method = {name: SpecStats() for name in self.methods}  # engine-wide, per method
         self.costs = None
         if config.adaptive:
-            measured = measure_spec_costs(models, config.num_draft_tokens, max_num_seqs)
+            measured = measure_spec_costs(models, config.num_draft_tokens, max_num_seqs,
+                                          max(config.num_draft_tokens, config.num_free_draft_tokens))
             if measured is None:  # no scratch room in the pool: a linear model instead
                 self.costs = assumed_spec_costs(MAX_ROWS, models.draft_runner is not None,
                                                 models.eagle_runner is not None)
@@ -153,10 +154,13 @@ class SpecRunner:
         return offers
 
     def _controller(self, req: Request, method: SpecMethod) -> AdaptiveDraftLength:
+        """req's adaptive state for `method`; its cap is num_free_draft_tokens for a method whose
+        proposals run no model (their extra drafts cost verification rows, which the allocation
+        prices), else num_draft_tokens."""
         controllers = req.spec.controllers
         if method.name not in controllers:  # a new request starts from the engine-wide estimate
-            controllers[method.name] = AdaptiveDraftLength(self.config.num_draft_tokens,
-                                                           initial_accept_rate=method.accept_rate.rate)
+            max_k = self.config.num_draft_tokens if method.step_cost else self.config.num_free_draft_tokens
+            controllers[method.name] = AdaptiveDraftLength(max_k, initial_accept_rate=method.accept_rate.rate)
         return controllers[method.name]
 
     def _allocate(self, priced: list[tuple[Request, list[Offer | None]]], prefill_rows: int) -> None:

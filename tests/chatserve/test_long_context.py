@@ -313,3 +313,33 @@ def test_a_seeded_request_samples_the_same_text_whatever_the_measured_costs(tiny
     assert drafted_a > 0 and rows_a == rows_b
     assert tokens_a == tokens_b
     assert priced_a != priced_b  # the prices do change what an unseeded request drafts
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_free_proposals_draft_past_num_draft_tokens_only_when_priced(tiny_llama_dir, conversation, method):
+    """Proposals that run no model cost verification rows only: under adaptive k they may draft up
+    to num_free_draft_tokens (8 here) where rows are cheap (FIXED_COSTS, 5% a row) and the method
+    is trusted (engine-wide acceptance 0.95), never past it; with a fixed k, num_draft_tokens (4)
+    is the most. Greedy output unchanged either way."""
+    from spec.adaptive import AcceptanceEMA
+
+    prompt, expected = conversation[2]
+    for adaptive, cap in ((True, 8), (False, 4)):
+        engine = Engine(EngineConfig(model=str(tiny_llama_dir), kv_cache_memory=8 << 20, spec=SpecConfig(
+            method=method, num_draft_tokens=4, num_free_draft_tokens=8, adaptive=adaptive)))
+        if adaptive:
+            engine.spec.costs = FIXED_COSTS
+        engine.spec.methods[method].accept_rate = AcceptanceEMA(0.05, 0.95)
+        ks, propose = [], engine.spec.methods[method].propose
+
+        def recording_propose(reqs, step_ks, propose=propose, ks=ks):
+            ks.extend(step_ks)
+            return propose(reqs, step_ks)
+
+        engine.spec.methods[method].propose = recording_propose
+        out = engine.generate([prompt], GREEDY)[0]
+        assert out["token_ids"] == expected
+        assert max(ks) == cap, (adaptive, ks)
+        assert_pool_empty(engine)
+    with pytest.raises(ValueError, match="num_free_draft_tokens"):
+        SpecConfig(method="ngram", num_free_draft_tokens=0)
