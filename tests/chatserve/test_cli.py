@@ -82,3 +82,14 @@ def test_serve_on_cuda_without_a_gpu_fails_at_start_and_auto_falls_back(capsys, 
     assert "device cuda" in err and "sees no CUDA device" in err and "--device auto" in err
     config = engine_config(build_parser().parse_args(["serve", "--model", str(tiny_llama_dir), "--device", "auto"]))
     assert config.device == "cpu" and config.kernels == "auto"
+
+
+def test_free_draft_cap_reaches_the_spec_config_and_is_checked(tiny_llama_dir, capsys):
+    from chatserve.cli import engine_config, main
+
+    args = ["serve", "--model", str(tiny_llama_dir), "--draft", "suffix"]
+    assert engine_config(build_parser().parse_args(args)).spec.num_free_draft_tokens == 16
+    config = engine_config(build_parser().parse_args([*args, "--num-free-draft-tokens", "8"]))
+    assert config.spec.num_free_draft_tokens == 8 and config.spec.num_draft_tokens == 4
+    assert main([*args, "--num-free-draft-tokens", "64"]) == 2
+    assert "num_free_draft_tokens: must be in [1, 32], got 64" in capsys.readouterr().err
