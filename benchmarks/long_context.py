@@ -7,10 +7,11 @@ Per turn: TTFT, TPOT, the longest gap between deltas against the turn's median g
 prompt tokens and acceptance; per configuration the issue's goals (second-turn TTFT <= 10% of
 the first, longest gap <= 3x the median, first-turn TTFT <= 1.1x speculation off, speedup over
 off), and the server's resident memory and free KV blocks after every point (idle, so every
-block but the prefix cache's is free). Every run's sessions start with their own first line, so no run finds another's blocks
-in the prefix cache. Suffix decoding matches only each conversation's own tokens
-(`--suffix-corpus-tokens 0`; `--reuse-replies` lifts it): the files repeat across points, and a
-reply seen in an earlier point would be drafted again. Writes JSON and a PNG.
+block but the prefix cache's is free). Every run's sessions start with their own first line,
+so no run finds another's blocks in the prefix cache. Suffix decoding matches only each
+conversation's own tokens (`--suffix-corpus-tokens 0`; `--reuse-replies` lifts it): the files
+repeat across points, and a reply seen in an earlier point would be drafted again. Writes JSON
+and a PNG.
 
     python benchmarks/long_context.py --model smollm2-135m-instruct --configs off ngram suffix \
         --concurrency 1 4 --max-tokens 64 --out benchmarks/results/long_context_smollm2.json
@@ -28,10 +29,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 import shlex
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -262,7 +263,6 @@ def run_servers(args, memories: list[dict]) -> list[dict]:
                     points.append(point(name, serve_args, workload, concurrency, _max_tokens(args, workload), rows,
                                         result, [result.loadavg_before, result.loadavg_after]))
                     memory.append(memory_sample(server, f"{workload} c={concurrency}", t0))
-                    points[-1]["memory_after"] = memory[-1]
             memories.append({"server": name, "samples": memory, **memory_summary(memory)})
     return points
 

@@ -42,6 +42,11 @@ class SpecConfig:
     # request's own tokens only (benchmarks of fresh conversations that repeat their files).
     suffix_corpus_tokens: int = 1 << 16
 
+    @property
+    def max_draft_tokens(self) -> int:
+        """The most drafts any request may take in a step: a fixed k or a free proposal's cap."""
+        return max(self.num_draft_tokens, self.num_free_draft_tokens)
+
     def __post_init__(self) -> None:
         from chatserve.spec_methods import SPEC_METHODS  # the registry's classes import this module
 

@@ -44,8 +44,7 @@ class SpecRunner:
         self.stats_by_method = {name: SpecStats() for name in self.methods}  # engine-wide, per method
         self.costs = None
         if config.adaptive:
-            measured = measure_spec_costs(models, config.num_draft_tokens, max_num_seqs,
-                                          max(config.num_draft_tokens, config.num_free_draft_tokens))
+            measured = measure_spec_costs(models, config.num_draft_tokens, max_num_seqs, config.max_draft_tokens)
             if measured is None:  # no scratch room in the pool: a linear model instead
                 self.costs = assumed_spec_costs(MAX_ROWS, models.draft_runner is not None,
                                                 models.eagle_runner is not None)

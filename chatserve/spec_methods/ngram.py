@@ -18,8 +18,7 @@ class NgramMethod:
     reads_features = False
 
     def __init__(self, config: SpecConfig):
-        self.lookup = NgramProposer(config.ngram_min, config.ngram_max,
-                                    max(config.num_draft_tokens, config.num_free_draft_tokens))
+        self.lookup = NgramProposer(config.ngram_min, config.ngram_max, config.max_draft_tokens)
         # n-gram drafts on chat are mostly rejected: a lower prior than a draft model's
         self.accept_rate = AcceptanceEMA(ema=0.05, prior=0.5)
 
