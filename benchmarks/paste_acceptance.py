@@ -11,6 +11,10 @@ replies themselves may differ after a near-tie: the two runs compute the prompt'
 different numeric paths (chunks, decode steps), so their greedy outputs need not be equal.
 
     .venv/bin/python benchmarks/paste_acceptance.py --out benchmarks/results/paste_acceptance_qwen.json
+
+`--draft-vocab lowest` drafts over the lowest ids instead of those the target's replies count
+most (spec/draft_vocab.py), `--cached-only` skips the fresh engine: an A/B of the draft's
+vocabulary on this workload, counted.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ sys.path.insert(0, str(ROOT))
 from chatserve.config import EngineConfig, SpecConfig  # noqa: E402
 from chatserve.engine import Engine  # noqa: E402
 from chatserve.sampling_params import SamplingParams  # noqa: E402
+import spec.draft_vocab  # noqa: E402
 
 DATA = ROOT / "benchmarks" / "data" / "long_context.json"
 
@@ -55,13 +60,18 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=3)
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--draft-vocab", choices=("counts", "lowest"), default="counts")
+    ap.add_argument("--cached-only", action="store_true")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
+    if args.draft_vocab == "lowest":  # no tokenizer's counts found: the lowest ids, as before session 24
+        spec.draft_vocab.COUNTS_DIR = Path("/nonexistent")
     data = json.loads(DATA.read_text())
     files = list(data["files"].items())
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     rows, prompts = [], []
     engine = make_engine(args, True, "decode")
+    print(f"draft vocabulary: {len(engine.models.draft.lm_head.keep_ids)} ids, {args.draft_vocab} first", flush=True)
     for i in args.files:
         name, code = files[i]
         messages = []
@@ -73,8 +83,8 @@ def main() -> None:
             prompts.append((i, turn, prompt, out["token_ids"]))
             messages.append({"role": "assistant", "content": out["text"]})
     del engine
-    engine = make_engine(args, False, "whole")
-    for i, turn, prompt, tokens in prompts:
+    engine = None if args.cached_only else make_engine(args, False, "whole")
+    for i, turn, prompt, tokens in prompts if engine else ():
         if turn == 0:
             continue
         out = engine.generate([prompt], params)[0]

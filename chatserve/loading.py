@@ -22,7 +22,7 @@ from chatserve.models.loader import load_model
 from chatserve.sampling_params import SamplingParams
 from chatserve.tokenizer import Tokenizer
 from kernels.backend import resolve_device, resolve_kernels
-from spec.draft_vocab import SubsetHead, subset_head
+from spec.draft_vocab import SubsetHead, reply_counts, subset_head, vocab_fingerprint
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -74,8 +74,9 @@ def load_models(config: EngineConfig) -> LoadedModels:
         draft_dir = resolve(config.spec.draft_model)
         draft_cfg = read_config(draft_dir)
         check_same_vocab(tokenizer, Tokenizer(draft_dir), target_cfg, draft_cfg)
+        counts = reply_counts(vocab_fingerprint(tokenizer.hf.get_vocab())) if config.spec.draft_vocab_size else {}
         restrict = functools.partial(subset_head, num_kept=config.spec.draft_vocab_size,
-                                     always=tokenizer.special_token_ids)
+                                     always=tokenizer.special_token_ids, counts=counts)
         draft = _load(draft_dir, draft_cfg, dtype, max_model_len, config, restrict)
         draft = _quantized(draft, config).to(device)
     shapes = [cache_shape(target, dtype, config.kv_cache_dtype, config.kv_cache_unquantized_layers)]
