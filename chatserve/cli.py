@@ -67,7 +67,7 @@ def _engine_args(p: argparse.ArgumentParser, default_model: str, speculate_by_de
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=256,
                    help="token budget per engine step (the prefill chunk size)")
-    p.add_argument("--stall-limit", type=float, default=3.0,
+    p.add_argument("--stall-limit", type=float, default=EngineConfig.stall_limit,
                    help="beside running streams, size prompt chunks so a step takes at most this many "
                         "decode steps (measured); 0 = only the token budget")
     p.add_argument("--threads", type=int, default=None, help="torch threads")

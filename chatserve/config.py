@@ -84,7 +84,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 256
     # Beside running decodes, a step's prompt tokens are sized (from measured costs) so that the
     # step takes at most this many decode-only steps; 0 = only the token budget limits them.
-    stall_limit: float = 3.0
+    # 2.5 keeps every stream's longest gap within 3x its median at 4 sessions (3.0 gave 3.5x;
+    # docs/benchmarks.md, session 24).
+    stall_limit: float = 2.5
     enable_prefix_caching: bool = True
     num_threads: int | None = None  # torch threads; None = leave torch's default
     seed: int = 0
