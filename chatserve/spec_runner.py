@@ -10,6 +10,7 @@ state lives on the request (req.spec, req.draft_token_ids, req.draft_probs), nev
 from __future__ import annotations
 
 import dataclasses
+import statistics
 
 import torch
 
@@ -20,13 +21,20 @@ from chatserve.sampler import Sampler
 from chatserve.scheduler import ScheduledSeq
 from chatserve.spec_costs import MAX_ROWS, ObservedForwards, SpecCosts, assumed_spec_costs, measure_spec_costs
 from chatserve.spec_methods import SPEC_METHODS, Offer, SpecMethod, SpecState
-from spec.adaptive import AdaptiveDraftLength, allocate_drafts
+from spec.adaptive import AdaptiveDraftLength, allocate_drafts, step_seconds
 from spec.stats import SpecStats
 
 # With draft_catch_up "decode": a catch-up chunk may add this share to the time of a step
 # (docs/benchmarks.md, "Long conversations"), and without measured costs it is this many tokens.
 CATCH_UP_SHARE = 0.5
 CATCH_UP_CHUNK = 64
+# A step that drafts may cost at most this many times the typical step of each stream in it (the
+# median price of its latest steps, or a plain step's before it has 3): a long free draft (up to
+# num_free_draft_tokens rows) on a turn of short steps would otherwise hold one delta back for
+# 4x its usual gap. Streams whose steps are long (edit sessions) grow into long drafts. Prices,
+# not wall times: the cost table may be in units of a forward (assumed costs, tests).
+GAP_LIMIT = 2.5
+MIN_GAP_SAMPLES = 3
 
 
 class SpecRunner:
@@ -42,6 +50,7 @@ class SpecRunner:
         if config.method not in self.methods:
             raise ValueError(f"spec.method: {config.method!r} cannot run with the loaded models")
         self.stats_by_method = {name: SpecStats() for name in self.methods}  # engine-wide, per method
+        self.gap_limit = GAP_LIMIT  # 0: a step's length is priced by tokens per second alone
         self.costs = None
         if config.adaptive:
             measured = measure_spec_costs(models, config.num_draft_tokens, max_num_seqs, config.max_draft_tokens)
@@ -168,14 +177,28 @@ class SpecRunner:
         has_catch_up = any(o is not None and o.method.keeps_kv for o in offers)
         setup = [self._catch_up_seconds(r, o) for (r, _), o in zip(priced, offers)] if has_catch_up else None
         target = self.costs.step_target(len(priced), prefill_rows)
-        ks = allocate_drafts([o.gains if o else [] for o in offers], target,
-                             self._draft_step_seconds(offers), runs_model, setup)
+        draft = self._draft_step_seconds(offers)
+        ks = allocate_drafts([o.gains if o else [] for o in offers], target, draft, runs_model, setup,
+                             self._max_step_seconds([r for r, _ in priced], target(len(priced))))
         ks = [self._probe_k(req, offer, k) for (req, _), offer, k in zip(priced, offers, ks)]
+        price = step_seconds(ks, target, draft, runs_model, setup)
+        for req, _ in priced:
+            req.spec.recent_steps.append(price)
         for (req, _), offer, k in zip(priced, offers, ks):
             req.spec.offer = offer if k else None
             req.num_lookahead_tokens = k
             for method in req.spec.methods:
                 self._controller(req, method).allocated(k if offer is not None and offer.method is method else 0)
+
+    def _max_step_seconds(self, reqs: list[Request], plain_seconds: float) -> float | None:
+        """The dearest step these streams may take: gap_limit x the cheapest typical step among
+        them (the median price of a stream's latest steps, or plain_seconds until it has
+        MIN_GAP_SAMPLES)."""
+        if not self.gap_limit:
+            return None
+        gaps = [statistics.median(r.spec.recent_steps) if len(r.spec.recent_steps) >= MIN_GAP_SAMPLES
+                else plain_seconds for r in reqs]
+        return self.gap_limit * min(gaps)
 
     def _draft_step_seconds(self, offers: list[Offer | None]):
         """rows -> seconds of one draft position's forward over that many sequences, for the

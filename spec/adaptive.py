@@ -102,12 +102,31 @@ def geometric_gains(accept_rate: float, cap: int) -> list[float]:
     return [accept_rate ** j for j in range(1, cap + 1)]
 
 
+def step_seconds(
+    ks: list[int],
+    target_seconds,
+    draft_seconds=None,
+    runs_model: list[bool] | None = None,
+    setup_seconds: list[float] | None = None,
+) -> float:
+    """What allocate_drafts prices a step at whose sequences draft ks (same arguments)."""
+    seconds = target_seconds(len(ks) + sum(ks))
+    if setup_seconds is not None:
+        seconds += sum(setup for setup, k in zip(setup_seconds, ks) if k)
+    if draft_seconds is not None:
+        model_ks = [k for i, k in enumerate(ks) if runs_model is None or runs_model[i]]
+        seconds += sum(draft_seconds(n) for s in range(1, max(model_ks, default=0) + 1)
+                       if (n := sum(k >= s for k in model_ks)))
+    return seconds
+
+
 def allocate_drafts(
     gains: list[list[float]],
     target_seconds,
     draft_seconds=None,
     runs_model: list[bool] | None = None,
     setup_seconds: list[float] | None = None,
+    max_seconds: float | None = None,
 ) -> list[int]:
     """Batch-level draft lengths: k_i <= len(gains[i]) for each decoding sequence of one step,
     chosen to maximize expected emitted tokens per second of the whole step.
@@ -129,6 +148,8 @@ def allocate_drafts(
     setup_seconds[i], when given, is paid once if sequence i drafts at all (a draft model
     catching up on tokens it has not seen); the scan is repeated without the sequences that
     have one, so a dear setup cannot keep the others from drafting.
+    max_seconds, when given, bounds a step that drafts (a stream's gap between deltas); plain
+    decoding is always allowed.
     Returns all zeros when no allocation beats plain decoding (b tokens for target_seconds(b)).
     """
     b = len(gains)
@@ -158,6 +179,8 @@ def allocate_drafts(
                 seconds = target_seconds(b + n) + setup
                 if draft_seconds is not None:
                     seconds += sum(draft_seconds(a) for a in active_per_step[1:] if a)
+                if max_seconds is not None and seconds > max_seconds:
+                    break  # a step's seconds only grow with n
                 if tokens / seconds > best_rate:
                     best_rate, best = tokens / seconds, chosen[:n]
     ks = [0] * b

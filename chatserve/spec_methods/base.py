@@ -8,6 +8,7 @@ reads_features (an EAGLE head) is shown the target's features after every forwar
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
@@ -43,6 +44,9 @@ class Offer:
         return len(self.gains)
 
 
+RECENT_STEPS = 8  # steps kept per request for its typical gap (SpecRunner.GAP_LIMIT)
+
+
 @dataclass(eq=False)
 class SpecState:
     """One request's speculation, kept on the request between the calls of a step: its
@@ -54,6 +58,8 @@ class SpecState:
     controllers: dict[str, object] = field(default_factory=dict)  # name -> spec.adaptive.AdaptiveDraftLength
     offer: Offer | None = None
     num_catch_up_tokens: int = 0
+    # the prices (SpecCosts) of its latest steps: what its client waits between deltas
+    recent_steps: deque = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))
 
     @property
     def method(self) -> SpecMethod:

@@ -315,6 +315,39 @@ def test_a_seeded_request_samples_the_same_text_whatever_the_measured_costs(tiny
     assert priced_a != priced_b  # the prices do change what an unseeded request drafts
 
 
+def test_a_long_free_draft_waits_until_the_streams_steps_are_long(tiny_llama_dir, conversation):
+    """Rows at 25% of a step and a trusted suffix proposer: unbounded, the third step already
+    verifies 11 drafts (3.75x a plain step). With the gap limit (2.5) a step costs at most 2.5x
+    the stream's typical step: a plain one's until it has 3 steps (so <= 6 drafts), then the
+    median of its latest; as its steps grow, so may its drafts. Greedy output unchanged."""
+    from spec.adaptive import AcceptanceEMA
+
+    costs = SpecCosts({r: 1.0 + 0.25 * (r - 1) for r in range(1, 65)}, {r: 0.1 for r in range(1, 17)},
+                      {16: 0.3, 32: 0.5, 64: 1.0, 128: 2.0, 256: 4.0})
+    prompt, _ = conversation[2]
+    params = dataclasses.replace(GREEDY, max_tokens=64)
+    expected = make_engine(tiny_llama_dir).generate([prompt], params)[0]["token_ids"]
+    drafted = {}
+    for gap_limit in (2.5, 0):
+        engine = Engine(EngineConfig(model=str(tiny_llama_dir), kv_cache_memory=8 << 20, spec=SpecConfig(
+            method="suffix", num_draft_tokens=4, num_free_draft_tokens=16)))
+        engine.spec.costs, engine.spec.gap_limit = costs, gap_limit
+        engine.spec.methods["suffix"].accept_rate = AcceptanceEMA(0.05, 0.95)
+        ks, propose = [], engine.spec.methods["suffix"].propose
+
+        def recording_propose(reqs, step_ks, propose=propose, ks=ks):
+            ks.extend(step_ks)
+            return propose(reqs, step_ks)
+
+        engine.spec.methods["suffix"].propose = recording_propose
+        out = engine.generate([prompt], params)[0]
+        assert out["token_ids"] == expected
+        assert_pool_empty(engine)
+        drafted[gap_limit] = ks
+    assert max(drafted[0][:3]) > 6, drafted  # the premise: unbounded, an early step drafts far
+    assert max(drafted[2.5][:3]) <= 6 and max(drafted[2.5]) > 6, drafted
+
+
 @pytest.mark.parametrize("method", ["ngram", "suffix"])
 def test_free_proposals_draft_past_num_draft_tokens_only_when_priced(tiny_llama_dir, conversation, method):
     """Proposals that run no model cost verification rows only: under adaptive k they may draft up

@@ -1,6 +1,6 @@
 import pytest
 
-from spec.adaptive import AdaptiveDraftLength, allocate_drafts, geometric_gains
+from spec.adaptive import AdaptiveDraftLength, allocate_drafts, geometric_gains, step_seconds
 
 
 def _linear(per_row: float = 0.05):
@@ -158,6 +158,44 @@ def test_allocate_drafts_with_a_draft_model_is_near_the_best(seed):
     ks = allocate_drafts(_gains(rates, caps), _tiled, draft)
     _, best_rate = _brute_force(rates, caps, _tiled, draft)
     assert _rate(rates, ks, _tiled, draft) >= 0.97 * best_rate
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_step_seconds_prices_a_step_as_allocate_drafts_does(seed):
+    import random
+
+    rng = random.Random(200 + seed)
+    b = rng.randint(1, 4)
+    ks = [rng.randint(0, 5) for _ in range(b)]
+    setup = [rng.choice([0.0, 0.3, 1.0]) for _ in range(b)]
+    runs_model = [rng.random() < 0.5 for _ in range(b)]
+    draft = lambda rows: 0.25 + 0.02 * rows  # noqa: E731
+    model_ks = [k if m else 0 for k, m in zip(ks, runs_model)]
+    want = (_tiled(b + sum(ks)) + sum(u for u, k in zip(setup, ks) if k)
+            + sum(draft(sum(k >= s for k in model_ks)) for s in range(1, max(model_ks) + 1) if any(k >= s for k in model_ks)))
+    assert step_seconds(ks, _tiled, draft, runs_model, setup) == pytest.approx(want)
+    assert step_seconds(ks, _tiled) == _tiled(b + sum(ks))
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_allocate_drafts_keeps_a_drafting_step_under_max_seconds(seed):
+    """A bound on the step's seconds: the allocation is the best of those within it (checked by
+    enumeration), and plain decoding stays allowed whatever the bound."""
+    import itertools
+    import random
+
+    rng = random.Random(300 + seed)
+    b = rng.randint(1, 3)
+    rates = [rng.choice([0.5, 0.8, 0.95, 1.0]) for _ in range(b)]
+    caps = [rng.randint(0, 6) for _ in range(b)]
+    linear = lambda rows: 1.0 + 0.25 * (rows - 1)  # noqa: E731
+    bound = linear(b) * rng.choice([0.5, 1.0, 1.6, 2.5, 4.0])
+    ks = allocate_drafts(_gains(rates, caps), linear, max_seconds=bound)
+    assert all(0 <= k <= c for k, c in zip(ks, caps))
+    assert not any(ks) or step_seconds(ks, linear) <= bound
+    within = [list(k) for k in itertools.product(*(range(c + 1) for c in caps))
+              if not any(k) or linear(b + sum(k)) <= bound]
+    assert _rate(rates, ks, linear) == pytest.approx(max(_rate(rates, k, linear) for k in within))
 
 
 def test_allocate_drafts_uses_free_rows_and_refuses_a_new_tile():
