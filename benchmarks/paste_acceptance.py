@@ -83,10 +83,9 @@ def main() -> None:
             prompts.append((i, turn, prompt, out["token_ids"]))
             messages.append({"role": "assistant", "content": out["text"]})
     del engine
-    engine = None if args.cached_only else make_engine(args, False, "whole")
-    for i, turn, prompt, tokens in prompts if engine else ():
-        if turn == 0:
-            continue
+    fresh = [] if args.cached_only else [p for p in prompts if p[1] > 0]
+    engine = make_engine(args, False, "whole") if fresh else None
+    for i, turn, prompt, tokens in fresh:
         out = engine.generate([prompt], params)[0]
         rows.append(row("fresh", i, turn, prompt, out))
         # not always equal: the cached run's prompt KV came from other chunks and from decode

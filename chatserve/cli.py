@@ -27,9 +27,9 @@ def _engine_args(p: argparse.ArgumentParser, default_model: str, speculate_by_de
     p.set_defaults(speculate_by_default=speculate_by_default)
     p.add_argument("--no-spec", action="store_true", help="disable speculative decoding")
     p.add_argument("--num-draft-tokens", type=int, default=4, help="maximum draft length k")
-    p.add_argument("--num-free-draft-tokens", type=int, default=16, metavar="K",
+    p.add_argument("--num-free-draft-tokens", type=int, default=SpecConfig.num_free_draft_tokens, metavar="K",
                    help="maximum k of n-gram and suffix proposals under adaptive k, which prices their "
-                        "verification rows (default 16)")
+                        "verification rows (default %(default)s)")
     p.add_argument("--no-adaptive", action="store_true", help="always draft k tokens (no adaptive k)")
     p.add_argument("--eagle-head", default=None, metavar="PATH",
                    help="EAGLE head file for --draft eagle (default: the one `chatserve train-head` saved for "

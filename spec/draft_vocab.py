@@ -78,9 +78,9 @@ def frequent_token_ids(vocab_size: int, num_kept: int, always: list[int],
     return torch.tensor(sorted(keep), dtype=torch.long)
 
 
-def restrict_head(model: nn.Module, num_kept: int, always: list[int], counts: dict[int, int] | None = None) -> bool:
+def restrict_head(model: nn.Module, num_kept: int, always: list[int]) -> bool:
     """Swap model.lm_head for a SubsetHead when that saves anything; returns whether it did."""
-    head = subset_head(model.lm_head, num_kept, always, counts)
+    head = subset_head(model.lm_head, num_kept, always)
     model.lm_head = head
     return isinstance(head, SubsetHead)
 
