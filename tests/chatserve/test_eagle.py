@@ -609,7 +609,7 @@ def test_the_unrolled_training_passes_equal_drafting_in_a_chain(tiny_qwen_dir):
     norm = lambda y: F.rms_norm(y, head.norm.weight.shape, head.norm.weight, head.norm.eps)  # noqa: E731
     with torch.no_grad():
         passes = head.forward_unrolled(features, embeds, depth=3)
-        torch.testing.assert_close(passes[0], head.forward_dense(features, embeds), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(passes[0], head.forward_dense(features, embeds), atol=1e-4, rtol=1e-4)
         for anchor in range(t - 2):
             feats = features[:, : anchor + 1].clone()
             y = head.forward_dense(feats, embeds[:, : anchor + 1])
