@@ -63,13 +63,15 @@ def test_cancel_mid_stream_frees_blocks(aengine):
 def test_task_cancellation_aborts(aengine):
     params = SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True)
 
-    async def consume():
+    async def consume(started: asyncio.Event):
         async for _ in aengine.generate(aengine.tokenize("Hi"), params):
-            pass
+            started.set()
 
     async def run():
-        task = asyncio.create_task(consume())
-        await asyncio.sleep(0.2)
+        # cancelled right after its first delta: a fixed sleep let a fast machine finish all 500 tokens
+        started = asyncio.Event()
+        task = asyncio.create_task(consume(started))
+        await started.wait()
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
