@@ -47,8 +47,9 @@ def _engine_args(p: argparse.ArgumentParser, default_model: str, speculate_by_de
                    help="attention and KV store: auto = Triton on CUDA, torch on the CPU; triton on the CPU "
                         "runs Triton's interpreter (needs TRITON_INTERPRET=1; slow, for testing the GPU path)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="activation and unquantized-weight dtype: auto = bfloat16 on CUDA and where the CPU has "
-                        "native bf16 (AVX-512 BF16 / AMX), else float32 (float32 for bit-exact comparisons)")
+                   help="activation and unquantized-weight dtype: auto = bfloat16 on CUDA; on the CPU float32 with "
+                        "int4 / int8 weights (their kernels take float32), else bfloat16 where the CPU has native "
+                        "bf16 (AVX-512 BF16 / AMX), else float32 (float32 for bit-exact comparisons)")
     p.add_argument("--quantization", "-q", default="auto", choices=["auto", "int4", "int8", "none", "bnb-int8", "bnb-nf4"],
                    help="weight quantization after loading: auto (default) = on the CPU int4 where its kernel "
                         "builds (groups of 32, 0.625 bytes per weight; LM head int8), else int8 (per channel); "
@@ -123,14 +124,14 @@ def engine_config(args) -> EngineConfig:
             suffix_corpus_tokens=args.suffix_corpus_tokens,
         )
     from kernels.backend import resolve_device
-    from kernels.cpu_features import default_dtype
 
     device = resolve_device(args.device)  # a missing GPU fails here, before anything loads
+    quantization = _quantization(args.quantization, device)
     return EngineConfig(
         model=args.model,
         device=device,
         kernels=args.kernels,
-        dtype=("bfloat16" if device == "cuda" else default_dtype()) if args.dtype == "auto" else args.dtype,
+        dtype=_dtype(args.dtype, device, quantization),
         kv_cache_dtype=args.kv_cache_dtype,
         kv_cache_unquantized_layers=args.kv_cache_unquantized_layers,
         kv_smooth_keys=not args.no_kv_smooth_keys,
@@ -141,9 +142,20 @@ def engine_config(args) -> EngineConfig:
         stall_limit=args.stall_limit,
         num_threads=args.threads,
         spec=spec,
-        quantization=_quantization(args.quantization, device),
+        quantization=quantization,
         chat_template=args.chat_template,
     )
+
+
+def _dtype(choice: str, device: str, quantization: str | None) -> str:
+    if choice != "auto":
+        return choice
+    if device == "cuda":
+        return "bfloat16"
+    from kernels import quant_matmul
+    from kernels.cpu_features import default_dtype
+
+    return default_dtype(quantization in ("int4", "int8") and quant_matmul.is_available())
 
 
 def _quantization(choice: str, device: str = "cpu") -> str | None:
@@ -261,15 +273,15 @@ def cmd_train_head(args) -> int:
     from chatserve.engine import Engine
     from chatserve.loading import resolve
     from chatserve.train_head import TrainConfig, run
-    from kernels.cpu_features import default_dtype
 
     cfg = TrainConfig(minutes=args.minutes, max_steps=args.max_steps, max_data_tokens=args.max_data_tokens,
                       reply_tokens=args.reply_tokens, head_vocab_size=args.head_vocab_size, fresh=args.fresh,
                       seed=args.seed, unroll=args.unroll, data_share=args.data_share, init=args.init)
+    quantization = _quantization(args.quantization)
     engine = Engine(EngineConfig(
         model=args.model,
-        dtype=default_dtype() if args.dtype == "auto" else args.dtype,
-        quantization=_quantization(args.quantization),
+        dtype=_dtype(args.dtype, "cpu", quantization),
+        quantization=quantization,
         max_model_len=args.max_model_len,
         max_num_seqs=16,  # head_data.collect answers 16 prompts at once
         enable_prefix_caching=False,  # every position fed, so its feature is recorded

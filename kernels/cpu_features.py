@@ -22,7 +22,12 @@ def has_native_bf16() -> bool:
     return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
 
 
-def default_dtype() -> str:
-    """The activation dtype the CLI uses when none is given: bfloat16 where the CPU computes it
-    natively, float32 otherwise."""
+def default_dtype(quantized_kernels: bool = False) -> str:
+    """The activation dtype the CLI uses when none is given: float32 where the C++ int4 / int8
+    kernels run the weights (they take float32 activations, and the decode stack, every layer of a
+    step in one call, is float32 only: on a Xeon with AVX-512 BF16, Qwen2.5-Coder-1.5B int4 decoded
+    in 50 ms at float32 and 63 ms at bfloat16, and prefilled 160 against 125 tokens/s); otherwise
+    bfloat16 where the CPU computes it natively (dense weights: half the bytes), else float32."""
+    if quantized_kernels:
+        return "float32"
     return "bfloat16" if has_native_bf16() else "float32"

@@ -93,3 +93,19 @@ def test_free_draft_cap_reaches_the_spec_config_and_is_checked(tiny_llama_dir, c
     assert config.spec.num_free_draft_tokens == 8 and config.spec.num_draft_tokens == 4
     assert main([*args, "--num-free-draft-tokens", "64"]) == 2
     assert "num_free_draft_tokens: must be in [1, 32], got 64" in capsys.readouterr().err
+
+
+def test_auto_dtype_is_float32_where_the_quantized_kernels_run(tiny_llama_dir, monkeypatch):
+    """The int4 / int8 C++ kernels take float32 activations and the decode stack is float32 only, so
+    auto never picks bfloat16 for them, even on a CPU with native bf16; dense weights still may."""
+    from chatserve.cli import engine_config
+    from kernels import cpu_features, quant_matmul
+
+    monkeypatch.setattr(cpu_features, "has_native_bf16", lambda: True)
+    base = ["serve", "--model", str(tiny_llama_dir), "--no-spec"]
+    if quant_matmul.is_available():
+        for q in ("auto", "int4", "int8"):
+            config = engine_config(build_parser().parse_args([*base, "-q", q]))
+            assert config.dtype == "float32" and config.quantization in ("int4", "int8"), q
+    assert engine_config(build_parser().parse_args([*base, "-q", "none"])).dtype == "bfloat16"
+    assert engine_config(build_parser().parse_args([*base, "-q", "int4", "--dtype", "bfloat16"])).dtype == "bfloat16"
