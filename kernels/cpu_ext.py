@@ -1,5 +1,7 @@
 """The C++ CPU kernels (AVX2): one extension built from kernels/*_cpu.cpp by torch.utils.cpp_extension
 on first use (~1-2 min, cached per machine and per source content in ~/.cache/torch_extensions), or None.
+The weight matmuls also carry AVX-512 VNNI tiles, compiled beside the AVX2 ones and taken at run time
+where the CPU has them (same outputs; `CHATSERVE_NO_VNNI=1` or `extension().set_vnni(False)` keeps AVX2).
 
 None where it cannot be built (no compiler or ninja), on a CPU without AVX2/FMA/F16C, or when
 CHATSERVE_NO_CPU_KERNELS is set; every caller then takes its plain-torch path (correct, slower).

@@ -25,3 +25,8 @@ void paged_attention_rows(torch::Tensor out, torch::Tensor q, torch::Tensor k_ca
                           torch::Tensor block_tables, torch::Tensor seq, torch::Tensor ctx, double scale);
 
 void bind_decode_stack(pybind11::module& m);
+
+namespace chatserve {
+bool vnni_enabled();
+bool set_vnni(bool on);
+}  // namespace chatserve

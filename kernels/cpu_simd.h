@@ -1,11 +1,25 @@
-// Small AVX2 helpers shared by the C++ CPU kernels (kernels/cpu_ext.py builds them).
+// Small AVX2 helpers shared by the C++ CPU kernels (kernels/cpu_ext.py builds them), and the switch
+// to their AVX-512 VNNI variants.
 #pragma once
 #include <immintrin.h>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
 
+// AVX-512 VNNI on 256-bit registers (EVEX vpdpbusd: four u8 x s8 products added into each int32
+// lane, one instruction where AVX2 needs vpmaddubsw, then an add, and for int32 a vpmaddwd): Intel
+// from Ice Lake and Sapphire Rapids, AMD from Zen 4. The extension is built for AVX2; functions
+// marked CHATSERVE_VNNI are compiled for VNNI as well and run only where vnni_enabled().
+#define CHATSERVE_VNNI __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
+
 namespace chatserve {
+
+// Whether the matmul kernels take their VNNI tiles: the CPU has AVX-512 VNNI + VL and
+// CHATSERVE_NO_VNNI is unset, unless set_vnni changed it (tests compare both paths; a VNNI tile
+// gives the same integers, so the same outputs bit for bit).
+bool vnni_enabled();
+// Turns the VNNI tiles on (where the CPU has them) or off; returns whether they were on.
+bool set_vnni(bool on);
 
 // Four bytes at p (any alignment) in every 32-bit lane: activations against weights interleaved
 // by 8 output features (Q4_K, int8).

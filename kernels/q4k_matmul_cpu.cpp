@@ -45,6 +45,32 @@ constexpr int kGroup = 8;  // output features interleaved
 constexpr int64_t kCodeBytes = 1024, kSubBytes = 128, kDdFloats = 16;  // per group and superblock
 
 
+// A superblock's end for R rows: its integer sums sumi (scales applied) and the mins' term against
+// the activations' sub-block sums, scaled by d, dmin and the row's xd, added into acc.
+template <int R>
+inline void superblock_end(const uint8_t* sub, const float* ddp, const float* xd, const int16_t* bsums,
+                           const __m256i* sumi, __m256* acc, int64_t K, int64_t r0, int64_t s) {
+  const int64_t S = K / kSuper;
+  const __m256 d = _mm256_loadu_ps(ddp), dmin = _mm256_loadu_ps(ddp + 8);
+  __m256i mins[4];
+  for (int jp = 0; jp < 4; ++jp)
+    mins[jp] = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sub + 64 + jp * 16)));
+  for (int r = 0; r < R; ++r) {
+    const int8_t* bs = reinterpret_cast<const int8_t*>(bsums + (r0 + r) * (K / kSub) + s * 8);
+    __m256i msum = _mm256_setzero_si256();
+    for (int jp = 0; jp < 4; ++jp) msum = _mm256_add_epi32(msum, _mm256_madd_epi16(mins[jp], broadcast4(bs + 4 * jp)));
+    const __m256 x_d = _mm256_set1_ps(xd[(r0 + r) * S + s]);
+    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi[r]), _mm256_mul_ps(d, x_d), acc[r]);
+    acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_mul_ps(dmin, x_d), acc[r]);
+  }
+}
+
+template <int R>
+inline void store_tile(const __m256* acc, const float* bias, float* y, int64_t N, int64_t r0, int64_t g) {
+  const __m256 b = bias != nullptr ? _mm256_loadu_ps(bias + g * kGroup) : _mm256_setzero_ps();
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + (r0 + r) * N + g * kGroup, _mm256_add_ps(acc[r], b));
+}
+
 // y[r0 .. r0 + R, 8 g .. 8 g + 8]: each unpacked step of the 8 features' codes serves R rows.
 template <int R>
 inline void tile(const uint8_t* codes, const uint8_t* subs, const float* dd, const int8_t* xq, const float* xd,
@@ -81,21 +107,55 @@ inline void tile(const uint8_t* codes, const uint8_t* subs, const float* dd, con
       }
       for (int r = 0; r < R; ++r) sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(sum16[r], scale));
     }
-    const __m256 d = _mm256_loadu_ps(dg + s * kDdFloats), dmin = _mm256_loadu_ps(dg + s * kDdFloats + 8);
-    __m256i mins[4];
-    for (int jp = 0; jp < 4; ++jp)
-      mins[jp] = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sg + s * kSubBytes + 64 + jp * 16)));
-    for (int r = 0; r < R; ++r) {
-      const int8_t* bs = reinterpret_cast<const int8_t*>(bsums + (r0 + r) * (K / kSub) + s * 8);
-      __m256i msum = _mm256_setzero_si256();
-      for (int jp = 0; jp < 4; ++jp) msum = _mm256_add_epi32(msum, _mm256_madd_epi16(mins[jp], broadcast4(bs + 4 * jp)));
-      const __m256 x_d = _mm256_set1_ps(xd[(r0 + r) * S + s]);
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi[r]), _mm256_mul_ps(d, x_d), acc[r]);
-      acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_mul_ps(dmin, x_d), acc[r]);
-    }
+    superblock_end<R>(sg + s * kSubBytes, dg + s * kDdFloats, xd, bsums, sumi, acc, K, r0, s);
   }
-  const __m256 b = bias != nullptr ? _mm256_loadu_ps(bias + g * kGroup) : _mm256_setzero_ps();
-  for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + (r0 + r) * N + g * kGroup, _mm256_add_ps(acc[r], b));
+  store_tile<R>(acc, bias, y, N, r0, g);
+}
+
+// VNNI: tile's integers, each step's products added into int32 lanes by vpdpbusd (one instruction
+// where tile spends vpmaddubsw and vpaddw). A sub-block's sums fit in int16 (see the top), so
+// vpmaddwd against (sc, 0) pairs applies the scales to them exactly as tile does: same outputs.
+// Four accumulators per row (low and high nibbles of even and odd steps) keep vpdpbusd's latency
+// off the critical path; the 32 ymm registers of AVX-512 hold them for 4 rows.
+template <int R>
+CHATSERVE_VNNI void tile_vnni(const uint8_t* codes, const uint8_t* subs, const float* dd, const int8_t* xq,
+                              const float* xd, const int16_t* bsums, const float* bias, float* y, int64_t K, int64_t N,
+                              int64_t r0, int64_t g) {
+  const int64_t S = K / kSuper;
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const uint8_t* cg = codes + g * S * kCodeBytes;
+  const uint8_t* sg = subs + g * S * kSubBytes;
+  const float* dg = dd + g * S * kDdFloats;
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t s = 0; s < S; ++s) {
+    __m256i sumi[R];
+    for (int r = 0; r < R; ++r) sumi[r] = _mm256_setzero_si256();
+    for (int j = 0; j < 8; ++j) {
+      // the 8 features' scales as (sc, 0) int16 pairs, one per int32 lane
+      const __m256i scale = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sg + s * kSubBytes + j * 8)));
+      __m256i sum[R][4];
+      for (int r = 0; r < R; ++r) sum[r][0] = sum[r][1] = sum[r][2] = sum[r][3] = _mm256_setzero_si256();
+      const uint8_t* cj = cg + s * kCodeBytes + j * 128;
+#pragma GCC unroll 4
+      for (int q = 0; q < 4; ++q) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cj + q * 32));
+        const __m256i lo = _mm256_and_si256(v, low4);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        for (int r = 0; r < R; ++r) {
+          const int8_t* xr = xq + (r0 + r) * K + s * kSuper + j * kSub + 4 * q;
+          sum[r][2 * (q & 1)] = _mm256_dpbusd_epi32(sum[r][2 * (q & 1)], lo, broadcast4(xr));
+          sum[r][2 * (q & 1) + 1] = _mm256_dpbusd_epi32(sum[r][2 * (q & 1) + 1], hi, broadcast4(xr + 16));
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m256i total = _mm256_add_epi32(_mm256_add_epi32(sum[r][0], sum[r][1]), _mm256_add_epi32(sum[r][2], sum[r][3]));
+        sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(total, scale));
+      }
+    }
+    superblock_end<R>(sg + s * kSubBytes, dg + s * kDdFloats, xd, bsums, sumi, acc, K, r0, s);
+  }
+  store_tile<R>(acc, bias, y, N, r0, g);
 }
 
 // Rows [0, M) of x [M, K] -> xq, xd, bsums (see quantize_rows_k), one superblock per item.
@@ -138,11 +198,17 @@ void q4k_run(const int8_t* q, const float* d, const int16_t* bs, const uint8_t* 
              const float* dn, const float* bias, float* out, int64_t M, int64_t K, int64_t N) {
   const int64_t groups = N / kGroup;
   const int64_t chunk = std::max<int64_t>(1, (128 * 1024) / (K / 2 * kGroup));
+  const bool vnni = chatserve::vnni_enabled();
   at::parallel_for(0, groups, 2, [&](int64_t g0, int64_t g1) {
     for (int64_t gb = g0; gb < g1; gb += chunk) {
       const int64_t ge = std::min(gb + chunk, g1);
       chatserve::for_row_tiles(M, [&](auto rows, int64_t r) {
-        for (int64_t g = gb; g < ge; ++g) tile<decltype(rows)::value>(c, sb, dn, q, d, bs, bias, out, K, N, r, g);
+        constexpr int R = decltype(rows)::value;
+        if (vnni) {
+          for (int64_t g = gb; g < ge; ++g) tile_vnni<R>(c, sb, dn, q, d, bs, bias, out, K, N, r, g);
+        } else {
+          for (int64_t g = gb; g < ge; ++g) tile<R>(c, sb, dn, q, d, bs, bias, out, K, N, r, g);
+        }
       });
     }
   });

@@ -16,7 +16,25 @@
 #include <immintrin.h>
 #include "cpu_simd.h"
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <cstdlib>
+
+namespace chatserve {
+
+namespace {
+bool cpu_has_vnni() {
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+}
+std::atomic<bool> vnni_on{cpu_has_vnni() && std::getenv("CHATSERVE_NO_VNNI") == nullptr};
+}  // namespace
+
+bool vnni_enabled() { return vnni_on.load(std::memory_order_relaxed); }
+
+bool set_vnni(bool on) { return vnni_on.exchange(on && cpu_has_vnni()); }
+
+}  // namespace chatserve
 
 namespace {
 
@@ -174,6 +192,36 @@ void tile8x8(const int8_t* w, const float* ws, const int8_t* xq, const float* xd
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + (r0 + r) * N + g * 8, _mm256_mul_ps(acc[r], scale));
 }
 
+// tile8x8 with vpdpbusd: |w| against xq with w's sign, four products into each int32 lane at once
+// (no vpmaddubsw pair sums to widen). The pair sums never saturate (|.| <= 2 * 127 * 127), so the
+// integers, and the outputs, are tile8x8's. Two accumulators per row (even and odd steps) for latency.
+template <int R>
+CHATSERVE_VNNI void tile8x8_vnni(const int8_t* w, const float* ws, const int8_t* xq, const float* xd, float* y,
+                                 int64_t K, int64_t N, int64_t r0, int64_t g) {
+  const int64_t G = K / kGroup;
+  const int8_t* wg = w + g * 8 * K;
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t kb = 0; kb < G; ++kb) {
+    __m256i sum[R][2];
+    for (int r = 0; r < R; ++r) sum[r][0] = sum[r][1] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int t = 0; t < kGroup / 4; ++t) {
+      const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + (kb * 8 + t) * 32));
+      const __m256i aw = _mm256_sign_epi8(wv, wv);
+      for (int r = 0; r < R; ++r) {
+        const __m256i xv = broadcast4(xq + (r0 + r) * K + kb * kGroup + 4 * t);
+        sum[r][t & 1] = _mm256_dpbusd_epi32(sum[r][t & 1], aw, _mm256_sign_epi8(xv, wv));
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(sum[r][0], sum[r][1])),
+                               _mm256_set1_ps(xd[(r0 + r) * G + kb]), acc[r]);
+  }
+  const __m256 scale = _mm256_loadu_ps(ws + g * 8);
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + (r0 + r) * N + g * 8, _mm256_mul_ps(acc[r], scale));
+}
+
 // float32 weights [N, K] (K % 8 == 0): each output a dot product in a fixed order (8-wide chunks,
 // even and odd chunks in two accumulators), so a row's result never depends on the row count,
 // which MKL's sgemm / sgemv switch does not promise (a decode row and the same row verified among
@@ -321,12 +369,18 @@ static torch::Tensor q8_run(torch::Tensor xq, torch::Tensor xd, torch::Tensor qw
   const float* d = xd.data_ptr<float>();
   float* out = y.data_ptr<float>();
   if (packed) {
+    const bool vnni = chatserve::vnni_enabled();
     const int64_t chunk = std::max<int64_t>(1, (128 * 1024) / (8 * K));  // groups of 8 features
     at::parallel_for(0, N / 8, 2, [&](int64_t g0, int64_t g1) {
       for (int64_t gb = g0; gb < g1; gb += chunk) {
         const int64_t ge = std::min(gb + chunk, g1);
         chatserve::for_row_tiles(M, [&](auto rows, int64_t r) {
-          for (int64_t g = gb; g < ge; ++g) tile8x8<decltype(rows)::value>(w, ws, q, d, out, K, N, r, g);
+          constexpr int R = decltype(rows)::value;
+          if (vnni) {
+            for (int64_t g = gb; g < ge; ++g) tile8x8_vnni<R>(w, ws, q, d, out, K, N, r, g);
+          } else {
+            for (int64_t g = gb; g < ge; ++g) tile8x8<R>(w, ws, q, d, out, K, N, r, g);
+          }
         });
       }
     });

@@ -1,0 +1,65 @@
+"""The matmul kernels' AVX-512 VNNI tiles (kernels/q4k_matmul_cpu.cpp, quant_matmul_cpu.cpp) give the
+integers of their AVX2 tiles, so the same outputs bit for bit, at every tile shape; and the switch
+between them is honest on a CPU without VNNI."""
+
+import pytest
+import torch
+
+from kernels import cpu_ext
+from kernels import quant_matmul as kernel
+from kernels.cpu_features import cpu_flags
+from quant.int8 import quantize_int8
+from quant.q4k import interleave, quantize_q4k
+
+VNNI_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}
+
+
+@pytest.fixture
+def ext():
+    ext = cpu_ext.extension()
+    assert ext is not None, "the C++ kernels build on every CI machine (tests/quant/test_int4.py)"
+    before = ext.set_vnni(True)
+    yield ext
+    ext.set_vnni(before)
+
+
+def both_paths(ext, fn):
+    ext.set_vnni(True)
+    vnni = fn()
+    ext.set_vnni(False)
+    avx2 = fn()
+    return vnni, avx2
+
+
+def test_the_switch_follows_the_cpu(ext):
+    has = VNNI_FLAGS <= cpu_flags()
+    assert ext.vnni_enabled() == has  # set_vnni(True) turns them on only where they exist
+    assert ext.set_vnni(False) == has and not ext.vnni_enabled()
+
+
+# K: one superblock, the 1.5B's hidden size and its MLP width; rows: every tile shape (4 + 1..3)
+@pytest.mark.parametrize("k", [256, 1536, 8960])
+def test_q4k_tiles_agree_bit_for_bit(ext, k, generator):
+    weight = torch.randn(24, k, generator=generator) * 0.05
+    packed = interleave(*quantize_q4k(weight))
+    x = torch.randn(11, k, generator=generator) * 4
+    bias = torch.randn(24, generator=generator)
+    for rows in (1, 2, 3, 4, 5, 7, 11):
+        vnni, avx2 = both_paths(ext, lambda: kernel.q4k_linear(x[:rows], *packed, bias))
+        assert torch.equal(vnni, avx2), rows
+    ref = kernel.q4k_matmul_ref(x, *quantize_q4k(weight)) + bias
+    assert (vnni - ref).abs().max() <= 1e-4 * ref.abs().max()
+
+
+@pytest.mark.parametrize("k", [32, 1536])
+def test_int8_interleaved_tiles_agree_bit_for_bit(ext, k, generator):
+    q, scales = quantize_int8(torch.randn(40, k, generator=generator))
+    q[0, :4] = torch.tensor([127, -127, 127, -127], dtype=torch.int8)  # the largest pair sums
+    packed = kernel.pack_int8(q)
+    x = torch.randn(9, k, generator=generator)
+    x[:, :4] = torch.tensor([1.0, -1.0, 1.0, -1.0]) * x.abs().amax()
+    for rows in (1, 2, 3, 4, 5, 9):
+        vnni, avx2 = both_paths(ext, lambda: kernel.int8x8_matmul(x[:rows], packed, scales))
+        assert torch.equal(vnni, avx2), rows
+    ref = kernel.int8_matmul_ref(x, q, scales)
+    assert (vnni - ref).abs().max() <= 1e-4 * ref.abs().max()
