@@ -11,7 +11,7 @@ tokens (ignore_eos). The client records TTFT (request sent -> first content chun
         --drafts none qwen2.5-coder-0.5b-instruct --json benchmarks/results/vs_llamacpp_qwen1.5b.json
 
 llama.cpp is not a dependency and never runs in CI: build its `llama-server` yourself (see
-docs/benchmarks.md). Its draft settings follow CPU-NOTES: --spec-draft-n-max 8 --spec-draft-p-min 0.5.
+docs/benchmarks.md). Its draft settings follow CPU-NOTES: --spec-type draft-simple --spec-draft-n-max 8 --spec-draft-p-min 0.5.
 """
 
 from __future__ import annotations
@@ -66,7 +66,9 @@ def start_server(kind: str, quant: str | None, model: str, draft: str | None, po
         cmd = [llama_server, "-m", str(gguf_of(model)), "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
                "-tb", str(threads), "-c", "4096", "-np", "1", "--no-webui"]
         if draft:
-            cmd += ["-md", str(gguf_of(draft)), "--spec-draft-n-max", "8", "--spec-draft-p-min", "0.5", "-td", str(threads)]
+            # --spec-type: a current llama-server loads a draft model but drafts nothing without it
+            cmd += ["-md", str(gguf_of(draft)), "--spec-type", "draft-simple", "--spec-draft-n-max", "8",
+                    "--spec-draft-p-min", "0.5", "-td", str(threads)]
     else:
         cmd = [sys.executable, "-m", "chatserve.cli", "serve", "--model", model, "--port", str(port),
                "--threads", str(threads), "-q", quant, "--max-model-len", "4096"]
@@ -89,9 +91,11 @@ def wait_ready(port: int, proc: subprocess.Popen, timeout: float = 900) -> None:
     raise TimeoutError("server did not become ready")
 
 
-def stream_turn(port: int, prompt: str, max_tokens: int, model: str) -> dict:
+def stream_turn(port: int, prompt: str, max_tokens: int, model: str, kind: str) -> dict:
     body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "temperature": 0.0, "stream": True, "ignore_eos": True, "cache_prompt": False}
+            "temperature": 0.0, "stream": True, "ignore_eos": True}
+    if kind == "llama.cpp":  # chatserve refuses fields it does not know
+        body["cache_prompt"] = False
     times, text = [], []
     start = time.perf_counter()
     with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=600) as r:
@@ -118,8 +122,8 @@ def run_config(kind: str, quant: str | None, args, draft: str | None) -> dict:
         t0 = time.perf_counter()
         wait_ready(port, proc)
         ready_s = time.perf_counter() - t0
-        stream_turn(port, "Say hello.", 8, args.model)  # warm-up, unrecorded
-        rows = {name: stream_turn(port, prompt, args.max_tokens, args.model)
+        stream_turn(port, "Say hello.", 8, args.model, kind)  # warm-up, unrecorded
+        rows = {name: stream_turn(port, prompt, args.max_tokens, args.model, kind)
                 for name, prompt in (("chat", CHAT_PROMPT), ("code_1k", code_prompt()))}
         return {"ready_s": ready_s, "turns": rows}
     finally:
