@@ -21,6 +21,13 @@ bool vnni_enabled();
 // Turns the VNNI tiles on (where the CPU has them) or off; returns whether they were on.
 bool set_vnni(bool on);
 
+// Software prefetch ahead of a stream of weights: a decode step reads every weight once, and the
+// hardware prefetchers alone kept one thread at ~9 GB/s of the ~13 it streams (an Intel Xeon,
+// Qwen 1.5B's Q4_K layers, cold): prefetching 4 KiB ahead took a layer from 0.88 to 0.67 ms.
+constexpr int64_t kPrefetchAhead = 4096;  // bytes, for the main stream of codes or weights
+
+inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
+
 // Four bytes at p (any alignment) in every 32-bit lane: activations against weights interleaved
 // by 8 output features (Q4_K, int8).
 inline __m256i broadcast4(const int8_t* p) {
