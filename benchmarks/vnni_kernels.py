@@ -13,13 +13,13 @@ import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.q4k_kernels import best_quarter  # noqa: E402
 from kernels import cpu_ext  # noqa: E402
 from kernels import quant_matmul as qm  # noqa: E402
 from quant.int8 import quantize_int8  # noqa: E402
@@ -28,16 +28,6 @@ from quant.q4k import interleave, quantize_q4k  # noqa: E402
 # (kind, in_features, out_features): Qwen2.5-Coder-1.5B's layers as chatserve runs them
 SHAPES = {"q4k gate_up": ("q4k", 1536, 17920), "q4k down": ("q4k", 8960, 1536), "q4k qkv": ("q4k", 1536, 2048),
           "int8 lm_head": ("int8", 1536, 151936)}
-
-
-def best_quarter(fn, runs: int) -> float:
-    fn()
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 4]
 
 
 def layers_of(kind: str, k: int, n: int, copies: int) -> list:

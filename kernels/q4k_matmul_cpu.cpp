@@ -1,5 +1,5 @@
 // GGUF's Q4_K weights against activations quantized as llama.cpp's Q8_K, for x86 CPUs with AVX2
-// (kernels/quant_matmul.py, quant/q4k.py).
+// (and AVX-512 VNNI where present; kernels/quant_matmul.py, quant/q4k.py).
 //
 // A superblock of 256 weights has a float d and dmin and 8 sub-blocks of 32 with integer scales
 // sc_j and mins m_j: w = d * sc_j * code - dmin * m_j. The weight is stored interleaved by 8
@@ -19,8 +19,9 @@
 // is 9 multiplies per 256 multiply-adds where the row-major layout (one feature's sub-block per
 // vpmaddubsw, each followed by its own vpmaddwd by the scale) needed 16; on Zen 3 both share the
 // same two pipes, and the kernel ran ~1.5x faster from 2 rows up (docs/benchmarks.md).
-// Rows never mix: every output is computed the same way whatever M is (greedy speculation
-// relies on it).
+// Where the CPU has AVX-512 VNNI, tile_vnni adds each step's products into int32 lanes with
+// vpdpbusd instead (same integers, same outputs). Rows never mix: every output is computed the
+// same way whatever M is (greedy speculation relies on it).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
