@@ -28,6 +28,27 @@ constexpr int64_t kPrefetchAhead = 4096;  // bytes, for the main stream of codes
 
 inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
 
+// 32 bytes at a, then 32 at b, in one 512-bit register (a lambda would not take the target).
+CHATSERVE_VNNI inline __m512i halves(const void* a, const void* b) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a))),
+                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)), 1);
+}
+
+// 8 floats at a, then 8 at b.
+CHATSERVE_VNNI inline __m512 halves_ps(const float* a, const float* b) {
+  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(_mm256_loadu_ps(a))),
+                                             _mm256_castps_pd(_mm256_loadu_ps(b)), 1));
+}
+
+// Where a prefetch `ahead` of offset `at` in one group's stream (of `per_group`) lands when groups are
+// read in pairs, g beside g + 1: past the group's end it goes to the same offset in the next pair
+// (g + 2 beside g + 3), which is what is read next, not into g + 1, which is being read already.
+// (Prefetching straight on left a third of a cold 1536-wide layer's codes to demand misses.)
+inline int64_t next_pair(int64_t at, int64_t ahead, int64_t per_group) {
+  const int64_t o = at + ahead;
+  return o < per_group ? o : o + per_group;
+}
+
 // Four bytes at p (any alignment) in every 32-bit lane: activations against weights interleaved
 // by 8 output features (Q4_K, int8).
 inline __m256i broadcast4(const int8_t* p) {
@@ -70,17 +91,25 @@ inline __m256 exp256(__m256 x) {
   return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
-// Calls tile(std::integral_constant<int, R>{}, r0) over rows [0, M) in tiles of 4, then one of the
-// remaining 1-3 rows: the register tiling every matmul kernel here shares.
-template <typename F>
+// The remaining `left` (< R + 1) rows from r0 in one tile of their own.
+template <int R, typename F>
+inline void rest_tile(int64_t left, int64_t r0, F& tile) {
+  if (left == R) {
+    tile(std::integral_constant<int, R>{}, r0);
+  } else if constexpr (R > 1) {
+    rest_tile<R - 1>(left, r0, tile);
+  }
+}
+
+// Calls tile(std::integral_constant<int, R>{}, r0) over rows [0, M) in tiles of Max, then one of
+// the remaining 1..Max - 1 rows: the register tiling every matmul kernel here shares (Max = 4 on
+// 16 ymm registers; the AVX-512 Q4_K tile takes 8 in 32 zmm).
+template <int Max = 4, typename F>
 inline void for_row_tiles(int64_t M, F&& tile) {
   int64_t r = 0;
-  for (; r + 4 <= M; r += 4) tile(std::integral_constant<int, 4>{}, r);
-  switch (M - r) {
-    case 3: tile(std::integral_constant<int, 3>{}, r); break;
-    case 2: tile(std::integral_constant<int, 2>{}, r); break;
-    case 1: tile(std::integral_constant<int, 1>{}, r); break;
-    default: break;
+  for (; r + Max <= M; r += Max) tile(std::integral_constant<int, Max>{}, r);
+  if constexpr (Max > 1) {
+    if (r < M) rest_tile<Max - 1>(M - r, r, tile);
   }
 }
 

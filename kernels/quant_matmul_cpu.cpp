@@ -19,6 +19,8 @@
 #include <atomic>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
+#include <vector>
 
 namespace chatserve {
 
@@ -44,6 +46,7 @@ using chatserve::kPrefetchAhead;
 using chatserve::prefetch;
 
 constexpr int kGroup = 32;
+constexpr int kPairRows = 8;  // rows per tile of the 512-bit VNNI tiles (32 zmm registers)
 
 // int32 lanes of code . xq for one group (u8 x s8 pairs -> i16, |.| <= 2 * 15 * 127), as float.
 inline __m256 group_dot(__m256i codes, const int8_t* xq, __m256i ones) {
@@ -234,6 +237,59 @@ CHATSERVE_VNNI void tile8x8_vnni(const int8_t* w, const float* ws, const int8_t*
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + (r0 + r) * N + g * 8, _mm256_mul_ps(acc[r], scale));
 }
 
+// tile8x8_vnni for groups g and g + 1 in one 512-bit register (as Q4_K's tile_pair_vnni), and without
+// the per-row sign: vpdpbusd takes the weights as its signed operand and the activations shifted to
+// unsigned, xu = xq + 128 (xq ^ 0x80, made once per call), so sum xu w = sum xq w + 128 sum w, and
+// sum w comes from one more vpdpbusd against ones per step, shared by every row. The integers are
+// tile8x8's (|sum| < 2^31), then the same float operations per lane: same outputs. Per step and
+// row one broadcast and one vpdpbusd for 16 features, where tile8x8_vnni spends a sign and a
+// vpdpbusd for 8.
+template <int R>
+CHATSERVE_VNNI void tile8x8_pair_vnni(const int8_t* w, const float* ws, const uint8_t* xu, const float* xd, float* y,
+                                      int64_t K, int64_t N, int64_t r0, int64_t g) {
+  const int64_t G = K / kGroup;
+  const int8_t* wa = w + g * 8 * K;
+  const int8_t* wb = wa + 8 * K;
+  const __m512i ones = _mm512_set1_epi8(1);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t kb = 0; kb < G; ++kb) {
+    __m512i sum[R][2];
+    for (int r = 0; r < R; ++r) sum[r][0] = sum[r][1] = _mm512_setzero_si512();
+    __m512i sw[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+    for (int line = 0; line < 4; ++line) {
+      const int64_t o = chatserve::next_pair(kb * 256 + 64 * line, kPrefetchAhead, 8 * K);
+      prefetch(wa + o);
+      prefetch(wb + o);
+    }
+#pragma GCC unroll 8
+    for (int t = 0; t < kGroup / 4; ++t) {
+      const __m512i wv = chatserve::halves(wa + (kb * 8 + t) * 32, wb + (kb * 8 + t) * 32);
+      sw[t & 1] = _mm512_dpbusd_epi32(sw[t & 1], ones, wv);
+      for (int r = 0; r < R; ++r) {
+        int32_t x4;
+        std::memcpy(&x4, xu + (r0 + r) * K + kb * kGroup + 4 * t, 4);
+        sum[r][t & 1] = _mm512_dpbusd_epi32(sum[r][t & 1], _mm512_set1_epi32(x4), wv);
+      }
+    }
+    const __m512i shift = _mm512_slli_epi32(_mm512_add_epi32(sw[0], sw[1]), 7);  // 128 sum w
+    for (int r = 0; r < R; ++r)
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_add_epi32(sum[r][0], sum[r][1]), shift)),
+                               _mm512_set1_ps(xd[(r0 + r) * G + kb]), acc[r]);
+  }
+  const __m512 scale = _mm512_loadu_ps(ws + g * 8);
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + (r0 + r) * N + g * 8, _mm512_mul_ps(acc[r], scale));
+}
+
+// xq ^ 0x80 = xq + 128 as unsigned bytes (tile8x8_pair_vnni's activations).
+CHATSERVE_VNNI void to_unsigned(const int8_t* xq, uint8_t* xu, int64_t n) {
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  int64_t i = 0;
+  for (; i + 64 <= n; i += 64)
+    _mm512_storeu_si512(xu + i, _mm512_xor_si512(_mm512_loadu_si512(xq + i), flip));
+  for (; i < n; ++i) xu[i] = static_cast<uint8_t>(xq[i]) ^ 0x80;
+}
+
 // float32 weights [N, K] (K % 8 == 0): each output a dot product in a fixed order (8-wide chunks,
 // even and odd chunks in two accumulators), so a row's result never depends on the row count,
 // which MKL's sgemm / sgemv switch does not promise (a decode row and the same row verified among
@@ -382,18 +438,33 @@ static torch::Tensor q8_run(torch::Tensor xq, torch::Tensor xd, torch::Tensor qw
   float* out = y.data_ptr<float>();
   if (packed) {
     const bool vnni = chatserve::vnni_enabled();
-    const int64_t chunk = std::max<int64_t>(1, (128 * 1024) / (8 * K));  // groups of 8 features
+    thread_local std::vector<uint8_t> xu_buffer;  // this (the calling) thread's: workers see xu
+    if (vnni) {
+      xu_buffer.resize(M * K);
+      to_unsigned(q, xu_buffer.data(), M * K);
+    }
+    const uint8_t* xu = xu_buffer.data();
+    // groups of 8 features, an even number (the VNNI tile takes them in pairs)
+    const int64_t chunk = std::max<int64_t>(2, (128 * 1024) / (8 * K)) & ~int64_t{1};
     at::parallel_for(0, N / 8, 2, [&](int64_t g0, int64_t g1) {
       for (int64_t gb = g0; gb < g1; gb += chunk) {
         const int64_t ge = std::min(gb + chunk, g1);
-        chatserve::for_row_tiles(M, [&](auto rows, int64_t r) {
-          constexpr int R = decltype(rows)::value;
-          if (vnni) {
-            for (int64_t g = gb; g < ge; ++g) tile8x8_vnni<R>(w, ws, q, d, out, K, N, r, g);
-          } else {
-            for (int64_t g = gb; g < ge; ++g) tile8x8<R>(w, ws, q, d, out, K, N, r, g);
-          }
-        });
+        if (vnni) {
+          chatserve::for_row_tiles<kPairRows>(M, [&](auto rows, int64_t r) {
+            constexpr int R = decltype(rows)::value;
+            int64_t g = gb;
+            for (; g + 2 <= ge; g += 2) tile8x8_pair_vnni<R>(w, ws, xu, d, out, K, N, r, g);
+            if (g < ge) {  // an odd group at the end of a thread's range
+              chatserve::for_row_tiles(R, [&](auto part, int64_t p) {
+                tile8x8_vnni<decltype(part)::value>(w, ws, q, d, out, K, N, r + p, g);
+              });
+            }
+          });
+        } else {
+          chatserve::for_row_tiles(M, [&](auto rows, int64_t r) {
+            for (int64_t g = gb; g < ge; ++g) tile8x8<decltype(rows)::value>(w, ws, q, d, out, K, N, r, g);
+          });
+        }
       }
     });
   } else {

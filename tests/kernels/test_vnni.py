@@ -37,28 +37,31 @@ def test_the_switch_follows_the_cpu(ext):
     assert ext.set_vnni(False) == has and not ext.vnni_enabled()
 
 
-# K: one superblock, the 1.5B's hidden size and its MLP width; rows: every tile shape (4 + 1..3)
-@pytest.mark.parametrize("k", [256, 1536, 8960])
-def test_q4k_tiles_agree_bit_for_bit(ext, k, generator):
-    weight = torch.randn(24, k, generator=generator) * 0.05
+# K: one superblock, the 1.5B's hidden size and its MLP width; N: pairs of groups of 8 features (the
+# 512-bit tile) with an odd group left at the end of a thread's range or not; rows: every tile shape
+# of both (AVX2 4 + 1..3; VNNI pairs 8 + 1..7)
+@pytest.mark.parametrize("k,n", [(256, 24), (1536, 24), (1536, 48), (8960, 40)])
+def test_q4k_tiles_agree_bit_for_bit(ext, k, n, generator):
+    weight = torch.randn(n, k, generator=generator) * 0.05
     packed = interleave(*quantize_q4k(weight))
-    x = torch.randn(11, k, generator=generator) * 4
-    bias = torch.randn(24, generator=generator)
-    for rows in (1, 2, 3, 4, 5, 7, 11):
+    x = torch.randn(19, k, generator=generator) * 4
+    bias = torch.randn(n, generator=generator)
+    for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 19):
         vnni, avx2 = both_paths(ext, lambda: kernel.q4k_linear(x[:rows], *packed, bias))
         assert torch.equal(vnni, avx2), rows
     ref = kernel.q4k_matmul_ref(x, *quantize_q4k(weight)) + bias
     assert (vnni - ref).abs().max() <= 1e-4 * ref.abs().max()
 
 
-@pytest.mark.parametrize("k", [32, 1536])
-def test_int8_interleaved_tiles_agree_bit_for_bit(ext, k, generator):
-    q, scales = quantize_int8(torch.randn(40, k, generator=generator))
+# N: 5 groups of 8 (two pairs and an odd one) and 8 groups
+@pytest.mark.parametrize("k,n", [(32, 40), (1536, 40), (1536, 64)])
+def test_int8_interleaved_tiles_agree_bit_for_bit(ext, k, n, generator):
+    q, scales = quantize_int8(torch.randn(n, k, generator=generator))
     q[0, :4] = torch.tensor([127, -127, 127, -127], dtype=torch.int8)  # the largest pair sums
     packed = kernel.pack_int8(q)
-    x = torch.randn(9, k, generator=generator)
+    x = torch.randn(19, k, generator=generator)
     x[:, :4] = torch.tensor([1.0, -1.0, 1.0, -1.0]) * x.abs().amax()
-    for rows in (1, 2, 3, 4, 5, 9):
+    for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 19):
         vnni, avx2 = both_paths(ext, lambda: kernel.int8x8_matmul(x[:rows], packed, scales))
         assert torch.equal(vnni, avx2), rows
     ref = kernel.int8_matmul_ref(x, q, scales)
