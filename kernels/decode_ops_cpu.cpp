@@ -190,6 +190,56 @@ inline void weigh_values(const float* vp, const int64_t* kv_rows, const float* p
   }
 }
 
+// weigh_values on 512-bit registers, up to 8 heads: one register holds the 16 columns that
+// weigh_values keeps in two, and each lane runs the same multiply-adds in the same order, so the
+// outputs are the same bit for bit; half the instructions, and a head group of up to 8 (Qwen's 6
+// query heads per kv head in one pass over V, where weigh_values made a pass of 4 and one of 2).
+template <int GN>
+CHATSERVE_VNNI void weigh_values_wide(const float* vp, const int64_t* kv_rows, const float* p, int64_t n, int64_t jb,
+                                      int64_t je, int64_t D, float* o) {
+  for (int64_t d = 0; d < D; d += 16) {
+    __m512 acc[GN];
+    for (int g = 0; g < GN; ++g) acc[g] = _mm512_loadu_ps(o + g * D + d);
+    for (int64_t j = jb; j < je; ++j) {
+      const __m512 v = _mm512_loadu_ps(vp + kv_rows[j] + d);
+      for (int g = 0; g < GN; ++g) acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(p[g * n + j]), v, acc[g]);
+    }
+    for (int g = 0; g < GN; ++g) _mm512_storeu_ps(o + g * D + d, acc[g]);
+  }
+}
+
+// The 8 dot products of acc's 8 vectors (each 8 partial sums), in one vector, times scale: one
+// transposing reduction (6 hadds) instead of 8 horizontal sums.
+inline __m256 dots8(const __m256* acc, __m256 scale) {
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
+  return _mm256_mul_ps(_mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31)), scale);
+}
+
+// Scores of 8 keys (rows kr) for two query heads qa and qb at once, on 512-bit registers: the low
+// half of each register is qa's 8 partial sums, the high half qb's, against the key broadcast to
+// both halves; the same multiply-adds per lane in the same order as the 256-bit loop, then the
+// same reduction per head: the same scores bit for bit.
+CHATSERVE_VNNI void score8_two_heads(const float* qa, const float* qb, const float* const* kr, int64_t D, float scale,
+                                     float* out_a, float* out_b) {
+  __m512 acc[8];
+  for (int i = 0; i < 8; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; d += 8) {
+    const __m512 qv = chatserve::halves_ps(qa + d, qb + d);
+    for (int i = 0; i < 8; ++i) {
+      const __m512 kv = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(kr[i] + d))));
+      acc[i] = _mm512_fmadd_ps(qv, kv, acc[i]);
+    }
+  }
+  __m256 lo[8], hi[8];
+  for (int i = 0; i < 8; ++i) {
+    lo[i] = _mm512_castps512_ps256(acc[i]);
+    hi[i] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[i]), 1));
+  }
+  _mm256_storeu_ps(out_a, dots8(lo, _mm256_set1_ps(scale)));
+  _mm256_storeu_ps(out_b, dots8(hi, _mm256_set1_ps(scale)));
+}
+
 // Item (rows [t0, t1) of one sequence, kv head kh, partition p of keys [j0, j0 + kPart)): for each
 // of those rows that sees keys of the partition, m[g], l[g] and o[g * D ..] of its G heads at
 // item index (t * Hkv + kh) * P + p. The rows share every load of K: a group of 8 keys is read
@@ -200,7 +250,7 @@ inline void weigh_values(const float* vp, const int64_t* kv_rows, const float* p
 void attend_partition(const AttnShape& s, const float* qp, const float* kp, const float* vp, const int32_t* table,
                       const int64_t* cx, int64_t t0, int64_t t1, int64_t kh, int64_t p, int64_t P, float fscale,
                       float* part_m, float* part_l, float* part_o, std::vector<float>& scores,
-                      std::vector<int64_t>& kv_rows) {
+                      std::vector<int64_t>& kv_rows, bool wide) {
   const int64_t G = s.G, D = s.D, BS = s.BS, Hkv = s.Hkv, j0 = p * kPart;
   const auto keys_of = [&](int64_t t) { return std::max<int64_t>(0, std::min(j0 + kPart, cx[t]) - j0); };  // row t's
   int64_t n = 0;
@@ -221,7 +271,15 @@ void attend_partition(const AttnShape& s, const float* qp, const float* kp, cons
     for (int i = 0; i < 8; ++i) kr[i] = kp + kv_rows[j8 + i];
     for (int64_t t = t0; t < t1; ++t) {
       if (keys_of(t) == 0) continue;
-      for (int64_t g = 0; g < G; ++g) {
+      int64_t g = 0;
+      if (wide) {  // heads in pairs on 512-bit registers, the same scores
+        for (; g + 2 <= G; g += 2) {
+          const float* qh = qp + (t * s.H + kh * G + g) * D;
+          float* out = scores.data() + ((t - t0) * G + g) * npad + j8;
+          score8_two_heads(qh, qh + D, kr, D, fscale, out, out + npad);
+        }
+      }
+      for (; g < G; ++g) {
         const float* qh = qp + (t * s.H + kh * G + g) * D;
         __m256 acc[8];
         for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
@@ -229,10 +287,7 @@ void attend_partition(const AttnShape& s, const float* qp, const float* kp, cons
           const __m256 qv = _mm256_loadu_ps(qh + d);
           for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[i] + d), acc[i]);
         }
-        const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
-        const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
-        const __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
-        _mm256_storeu_ps(scores.data() + ((t - t0) * G + g) * npad + j8, _mm256_mul_ps(sums, vscale));
+        _mm256_storeu_ps(scores.data() + ((t - t0) * G + g) * npad + j8, dots8(acc, vscale));
       }
     }
   }
@@ -282,15 +337,19 @@ void attend_partition(const AttnShape& s, const float* qp, const float* kp, cons
       const int64_t nt = keys_of(t);
       if (jb >= nt) continue;
       const int64_t je = std::min<int64_t>(jb + 32, nt), item = (t * Hkv + kh) * P + p;
-      for (int64_t g0 = 0; g0 < G; g0 += 4) {
+      const int64_t step = wide ? 8 : 4;
+      for (int64_t g0 = 0; g0 < G; g0 += step) {
         const float* w = scores.data() + ((t - t0) * G + g0) * npad;
         float* o = part_o + (item * G + g0) * D;
-        switch (std::min<int64_t>(4, G - g0)) {  // a head count known to the compiler: the sums stay in registers
-          case 4: weigh_values<4>(vp, kv_rows.data(), w, npad, jb, je, D, o); break;
-          case 3: weigh_values<3>(vp, kv_rows.data(), w, npad, jb, je, D, o); break;
-          case 2: weigh_values<2>(vp, kv_rows.data(), w, npad, jb, je, D, o); break;
-          default: weigh_values<1>(vp, kv_rows.data(), w, npad, jb, je, D, o); break;
-        }
+        auto run = [&](auto heads, int64_t) {  // a head count known to the compiler: the sums stay in registers
+          constexpr int GN = decltype(heads)::value;
+          if (wide) {
+            weigh_values_wide<GN>(vp, kv_rows.data(), w, npad, jb, je, D, o);
+          } else if constexpr (GN <= 4) {
+            weigh_values<GN>(vp, kv_rows.data(), w, npad, jb, je, D, o);
+          }
+        };
+        chatserve::rest_tile<8>(std::min<int64_t>(step, G - g0), 0, run);
       }
     }
   }
@@ -340,13 +399,14 @@ void paged_attention_rows(torch::Tensor out, torch::Tensor q, torch::Tensor k_ca
   const float* kp = k_cache.data_ptr<float>();
   const float* vp = v_cache.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
+  const bool wide = chatserve::vnni_enabled();  // the 512-bit loops (same numbers), where AVX-512 is
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> scores;
     std::vector<int64_t> kv_rows;
     for (int64_t i = i0; i < i1; ++i) {
       const Item& it = items[i];
       attend_partition(s, qp, kp, vp, bt + sq[it.t0] * MB, cx, it.t0, it.t1, it.kh, it.p, P, fscale, part_m.data(),
-                       part_l.data(), part_o.data(), scores, kv_rows);
+                       part_l.data(), part_o.data(), scores, kv_rows, wide);
     }
   });
   // Merge each row's partitions in order: out = sum_p e^(m_p - M) o_p / sum_p e^(m_p - M) l_p.

@@ -66,3 +66,17 @@ def test_int8_interleaved_tiles_agree_bit_for_bit(ext, k, n, generator):
         assert torch.equal(vnni, avx2), rows
     ref = kernel.int8_matmul_ref(x, q, scales)
     assert (vnni - ref).abs().max() <= 1e-4 * ref.abs().max()
+
+
+# Qwen 1.5B's attention shape (6 query heads per kv head: three pairs, one pass of V), SmolLM2's
+# (3: a pair and one left), the 0.5B's (7); verification rows across a partition edge (256 keys)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(12, 2, 128), (9, 3, 64), (14, 2, 64)])
+def test_attention_512_bit_loops_agree_bit_for_bit(ext, heads, kv_heads, head_dim, generator):
+    from kernels import decode_ops
+    from tests.kernels.paged_case import make_paged_case
+
+    case = make_paged_case([300, 41], [5, 1], heads, kv_heads, head_dim, 16, torch.float32, "auto", generator)
+    contexts = [296, 297, 298, 299, 300, 41]
+    vnni, avx2 = both_paths(ext, lambda: decode_ops.paged_attention_rows(
+        case.query, case.k_cache, case.v_cache, case.block_tables, [0] * 5 + [1], contexts, case.scale))
+    assert torch.equal(vnni, avx2)
