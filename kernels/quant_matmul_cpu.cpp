@@ -119,6 +119,81 @@ void tile(const uint8_t* codes, const at::Half* params, const int8_t* xq, const 
 }
 
 
+// tile on 512-bit registers where AVX-512 VNNI is: a pair of groups (32 bytes of codes, low nibbles
+// group a, high nibbles group b) in one register, the codes broadcast to both halves and shifted by
+// 0 and 4, against the two groups' 64 activation bytes in one load; vpdpbusd gives each group's
+// int32 lanes (tile's vpmaddubsw + vpmaddwd, the same integers), and one multiply-add scales both
+// (low half tile's acc[r][0], high half acc[r][1]). The tail and the sums are tile's: the same
+// outputs bit for bit, with about half the instructions per group and row.
+template <int R>
+CHATSERVE_VNNI void tile_vnni(const uint8_t* codes, const at::Half* params, const int8_t* xq, const float* xd,
+                              const float* xs, float* y, int64_t K, int64_t N, int64_t r0, int64_t n0, int64_t n1) {
+  const int64_t G = K / kGroup;
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i low4_256 = _mm256_set1_epi8(0x0F);
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const __m512i shifts = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);  // 0 | 4
+  __m512i lanes[4];  // the scales of groups 2 q and 2 q + 1, each in its half
+  for (int q = 0; q < 4; ++q)
+    lanes[q] = _mm512_inserti64x4(_mm512_set1_epi32(2 * q), _mm256_set1_epi32(2 * q + 1), 1);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* c = codes + n * (K / 2);
+    const uint16_t* dh = reinterpret_cast<const uint16_t*>(params) + n * 2 * G;  // d [G], then m [G]
+    const uint16_t* mh = dh + G;
+    __m512 acc[R];
+    __m256 macc[R];
+    float tail[R];
+    for (int r = 0; r < R; ++r) {
+      acc[r] = _mm512_setzero_ps();
+      macc[r] = _mm256_setzero_ps();
+      tail[r] = 0.f;
+    }
+    prefetch(dh + 8 * 2 * G);
+    int64_t g = 0;
+    for (; g + 8 <= G; g += 8) {
+      prefetch(c + g / 2 * 32 + kPrefetchAhead);
+      prefetch(c + g / 2 * 32 + kPrefetchAhead + 64);
+      const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dh + g)));
+      const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mh + g)));
+      __m512 sv[R];
+      for (int r = 0; r < R; ++r) {
+        const int64_t row = r0 + r;
+        sv[r] = _mm512_castps256_ps512(_mm256_mul_ps(dv, _mm256_loadu_ps(xd + row * G + g)));
+        macc[r] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(xs + row * G + g), macc[r]);
+      }
+      for (int q = 0; q < 4; ++q) {
+        const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + (g / 2 + q) * 32)));
+        const __m512i w = _mm512_and_si512(_mm512_srlv_epi16(v, shifts), low4);
+        for (int r = 0; r < R; ++r) {
+          const __m512i x = _mm512_loadu_si512(xq + (r0 + r) * K + (g + 2 * q) * kGroup);
+          const __m512 dot = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w, x));
+          acc[r] = _mm512_fmadd_ps(dot, _mm512_permutexvar_ps(lanes[q], sv[r]), acc[r]);
+        }
+      }
+    }
+    __m256 a0[R], a1[R];
+    for (int r = 0; r < R; ++r) {
+      a0[r] = _mm512_castps512_ps256(acc[r]);
+      a1[r] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r]), 1));
+    }
+    for (; g < G; g += 2) {  // the last G % 8 groups, as tile
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + (g / 2) * 32));
+      const __m256i wa = _mm256_and_si256(v, low4_256);
+      const __m256i wb = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4_256);
+      const float da = _cvtsh_ss(dh[g]), db = _cvtsh_ss(dh[g + 1]);
+      const float ma = _cvtsh_ss(mh[g]), mb = _cvtsh_ss(mh[g + 1]);
+      for (int r = 0; r < R; ++r) {
+        const int64_t row = r0 + r;
+        const int8_t* xr = xq + row * K + g * kGroup;
+        a0[r] = _mm256_fmadd_ps(group_dot(wa, xr, ones), _mm256_set1_ps(da * xd[row * G + g]), a0[r]);
+        a1[r] = _mm256_fmadd_ps(group_dot(wb, xr + kGroup, ones), _mm256_set1_ps(db * xd[row * G + g + 1]), a1[r]);
+        tail[r] += ma * xs[row * G + g] + mb * xs[row * G + g + 1];
+      }
+    }
+    for (int r = 0; r < R; ++r) y[(r0 + r) * N + n] = hsum(_mm256_add_ps(a0[r], a1[r])) + hsum(macc[r]) + tail[r];
+  }
+}
+
 // int8 weights, one scale per output row (quant/int8.py: w = q * s, |q| <= 127), against the same
 // quantized activations: y[r, n] = s_n * sum_g xd_g * dot(q_g, xq_g). Signed x signed products go
 // through vpmaddubsw as |q| x (xq with q's sign) (llama.cpp's Q8_0 trick); |q|, |xq| <= 127 keep
@@ -349,10 +424,18 @@ void q4_run(const int8_t* q, const float* d, const float* s, const uint8_t* c, c
   // enough to stay in L2 (~128 KiB of codes) and runs every activation row over a chunk before
   // the next (tiles of 4 activation rows share each unpacked group): W is read from memory once.
   const int64_t chunk = std::max<int64_t>(16, (128 * 1024) / (K / 2));
+  const bool vnni = chatserve::vnni_enabled();
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t nb = n0; nb < n1; nb += chunk) {
       const int64_t ne = std::min(nb + chunk, n1);
-      chatserve::for_row_tiles(M, [&](auto rows, int64_t r) { tile<decltype(rows)::value>(c, p, q, d, s, out, K, N, r, nb, ne); });
+      chatserve::for_row_tiles(M, [&](auto rows, int64_t r) {
+        constexpr int R = decltype(rows)::value;
+        if (vnni) {
+          tile_vnni<R>(c, p, q, d, s, out, K, N, r, nb, ne);
+        } else {
+          tile<R>(c, p, q, d, s, out, K, N, r, nb, ne);
+        }
+      });
       if (bias != nullptr)
         for (int64_t r = 0; r < M; ++r)
           for (int64_t n = nb; n < ne; ++n) out[r * N + n] += bias[n];

@@ -8,6 +8,7 @@ import torch
 from kernels import cpu_ext
 from kernels import quant_matmul as kernel
 from kernels.cpu_features import cpu_flags
+from quant.int4 import make_params, pack_codes, quantize_int4
 from quant.int8 import quantize_int8
 from quant.q4k import interleave, quantize_q4k
 
@@ -80,3 +81,19 @@ def test_attention_512_bit_loops_agree_bit_for_bit(ext, heads, kv_heads, head_di
     vnni, avx2 = both_paths(ext, lambda: decode_ops.paged_attention_rows(
         case.query, case.k_cache, case.v_cache, case.block_tables, [0] * 5 + [1], contexts, case.scale))
     assert torch.equal(vnni, avx2)
+
+
+# Q4_1 (groups of 32; the 0.5B draft's and SmolLM2's layers): K = 64 (only the tail of G % 8 groups),
+# 576 (SmolLM2: 18 groups, two of 8 then a tail), 896 (the 0.5B: 28 groups); rows of every tile shape
+@pytest.mark.parametrize("k", [64, 576, 896])
+def test_q4_1_tiles_agree_bit_for_bit(ext, k, generator):
+    codes, d, m = quantize_int4(torch.randn(40, k, generator=generator))
+    packed, params = pack_codes(codes), make_params(d, m)
+    x = torch.randn(9, k, generator=generator) * 3
+    x[0, :32] = 0.0  # an all-zero activation group
+    bias = torch.randn(40, generator=generator)
+    for rows in (1, 2, 3, 4, 5, 9):
+        vnni, avx2 = both_paths(ext, lambda: kernel.int4_linear(x[:rows], packed, params, bias))
+        assert torch.equal(vnni, avx2), rows
+    ref = kernel.int4_matmul_ref(x, packed, params) + bias
+    torch.testing.assert_close(vnni, ref, rtol=1e-5, atol=1e-4)
