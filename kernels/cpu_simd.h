@@ -40,6 +40,9 @@ CHATSERVE_VNNI inline __m512 halves_ps(const float* a, const float* b) {
                                              _mm256_castps_pd(_mm256_loadu_ps(b)), 1));
 }
 
+// Rows per tile of the 512-bit tiles over pairs of groups (Q4_K, int8): 32 zmm registers hold 8.
+constexpr int kPairRows = 8;
+
 // Where a prefetch `ahead` of offset `at` in one group's stream (of `per_group`) lands when groups are
 // read in pairs, g beside g + 1: past the group's end it goes to the same offset in the next pair
 // (g + 2 beside g + 3), which is what is read next, not into g + 1, which is being read already.

@@ -185,11 +185,9 @@ CHATSERVE_VNNI void tile_vnni(const uint8_t* codes, const uint8_t* subs, const f
 // activation bytes, so one broadcast feeds 16 features where tile_vnni's feeds 8: a vpdpbusd on
 // zmm does twice the multiply-adds of one on ymm at nearly the same rate on this CPU (measured
 // 5.6 against 4.7 G/s on an Intel Xeon), which is what a verification's rows are bound by once
-// the weights are in L2. The 32 zmm registers take tiles of up to 8 rows (kPairRows): a
+// the weights are in L2. The 32 zmm registers take tiles of up to 8 rows (chatserve::kPairRows): a
 // verification of 5-8 rows is one pass, not a tile of 4 and a second over the rest. Every lane
 // runs tile_vnni's operations in its order (integer sums in any order are the same): same outputs.
-constexpr int kPairRows = 8;
-
 template <int R>
 CHATSERVE_VNNI void tile_pair_vnni(const uint8_t* codes, const uint8_t* subs, const float* dd, const int8_t* xq,
                                    const float* xd, const int16_t* bsums, const float* bias, float* y, int64_t K,
@@ -323,7 +321,7 @@ void q4k_run(const int8_t* q, const float* d, const int16_t* bs, const uint8_t* 
     for (int64_t gb = g0; gb < g1; gb += chunk) {
       const int64_t ge = std::min(gb + chunk, g1);
       if (vnni) {
-        chatserve::for_row_tiles<kPairRows>(M, [&](auto rows, int64_t r) {
+        chatserve::for_row_tiles<chatserve::kPairRows>(M, [&](auto rows, int64_t r) {
           constexpr int R = decltype(rows)::value;
           int64_t g = gb;
           for (; g + 2 <= ge; g += 2) tile_pair_vnni<R>(c, sb, dn, q, d, bs, bias, out, K, N, r, g);

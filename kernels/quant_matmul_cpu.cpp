@@ -46,12 +46,39 @@ using chatserve::kPrefetchAhead;
 using chatserve::prefetch;
 
 constexpr int kGroup = 32;
-constexpr int kPairRows = 8;  // rows per tile of the 512-bit VNNI tiles (32 zmm registers)
 
 // int32 lanes of code . xq for one group (u8 x s8 pairs -> i16, |.| <= 2 * 15 * 127), as float.
 inline __m256 group_dot(__m256i codes, const int8_t* xq, __m256i ones) {
   const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
   return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(codes, a), ones));
+}
+
+// The end of both Q4_1 tiles for one output feature: groups [g, G) (the last G % 8; G is even: K %
+// 64 == 0) into acc (even and odd groups), then y[r * N] for the R rows from acc, macc (the m * xs
+// terms of the groups before g) and the tail's own m * xs terms.
+template <int R>
+inline void finish_rows(const uint8_t* c, const uint16_t* dh, const uint16_t* mh, const int8_t* xq, const float* xd,
+                        const float* xs, int64_t K, int64_t g, int64_t r0, __m256 (&acc)[R][2], const __m256* macc,
+                        float* y, int64_t N) {
+  const int64_t G = K / kGroup;
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  float tail[R] = {};
+  for (; g < G; g += 2) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + (g / 2) * 32));
+    const __m256i wa = _mm256_and_si256(v, low4);
+    const __m256i wb = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+    const float da = _cvtsh_ss(dh[g]), db = _cvtsh_ss(dh[g + 1]);
+    const float ma = _cvtsh_ss(mh[g]), mb = _cvtsh_ss(mh[g + 1]);
+    for (int r = 0; r < R; ++r) {
+      const int64_t row = r0 + r;
+      const int8_t* xr = xq + row * K + g * kGroup;
+      acc[r][0] = _mm256_fmadd_ps(group_dot(wa, xr, ones), _mm256_set1_ps(da * xd[row * G + g]), acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(group_dot(wb, xr + kGroup, ones), _mm256_set1_ps(db * xd[row * G + g + 1]), acc[r][1]);
+      tail[r] += ma * xs[row * G + g] + mb * xs[row * G + g + 1];
+    }
+  }
+  for (int r = 0; r < R; ++r) y[(r0 + r) * N] = hsum(_mm256_add_ps(acc[r][0], acc[r][1])) + hsum(macc[r]) + tail[r];
 }
 
 // Output rows [n0, n1) for activation rows [r0, r0 + R), R <= 4 (a register tile). Groups go
@@ -69,11 +96,7 @@ void tile(const uint8_t* codes, const at::Half* params, const int8_t* xq, const 
     const uint16_t* dh = reinterpret_cast<const uint16_t*>(params) + n * 2 * G;  // d [G], then m [G]
     const uint16_t* mh = dh + G;
     __m256 acc[R][2], macc[R];
-    float tail[R];
-    for (int r = 0; r < R; ++r) {
-      acc[r][0] = acc[r][1] = macc[r] = _mm256_setzero_ps();
-      tail[r] = 0.f;
-    }
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = macc[r] = _mm256_setzero_ps();
     prefetch(dh + 8 * 2 * G);  // this row's d and m, 8 rows on (~0.9 KiB at K = 896)
     int64_t g = 0;
     for (; g + 8 <= G; g += 8) {
@@ -99,22 +122,7 @@ void tile(const uint8_t* codes, const at::Half* params, const int8_t* xq, const 
         }
       }
     }
-    for (; g < G; g += 2) {  // the last G % 8 groups (G is even: K % 64 == 0)
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + (g / 2) * 32));
-      const __m256i wa = _mm256_and_si256(v, low4);
-      const __m256i wb = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-      const float da = _cvtsh_ss(dh[g]), db = _cvtsh_ss(dh[g + 1]);
-      const float ma = _cvtsh_ss(mh[g]), mb = _cvtsh_ss(mh[g + 1]);
-      for (int r = 0; r < R; ++r) {
-        const int64_t row = r0 + r;
-        const int8_t* xr = xq + row * K + g * kGroup;
-        acc[r][0] = _mm256_fmadd_ps(group_dot(wa, xr, ones), _mm256_set1_ps(da * xd[row * G + g]), acc[r][0]);
-        acc[r][1] = _mm256_fmadd_ps(group_dot(wb, xr + kGroup, ones), _mm256_set1_ps(db * xd[row * G + g + 1]), acc[r][1]);
-        tail[r] += ma * xs[row * G + g] + mb * xs[row * G + g + 1];
-      }
-    }
-    for (int r = 0; r < R; ++r)
-      y[(r0 + r) * N + n] = hsum(_mm256_add_ps(acc[r][0], acc[r][1])) + hsum(macc[r]) + tail[r];
+    finish_rows<R>(c, dh, mh, xq, xd, xs, K, g, r0, acc, macc, y + n, N);
   }
 }
 
@@ -123,14 +131,12 @@ void tile(const uint8_t* codes, const at::Half* params, const int8_t* xq, const 
 // group a, high nibbles group b) in one register, the codes broadcast to both halves and shifted by
 // 0 and 4, against the two groups' 64 activation bytes in one load; vpdpbusd gives each group's
 // int32 lanes (tile's vpmaddubsw + vpmaddwd, the same integers), and one multiply-add scales both
-// (low half tile's acc[r][0], high half acc[r][1]). The tail and the sums are tile's: the same
+// (low half tile's acc[r][0], high half acc[r][1]). The tail and the sums are tile's (finish_rows): the same
 // outputs bit for bit, with about half the instructions per group and row.
 template <int R>
 CHATSERVE_VNNI void tile_vnni(const uint8_t* codes, const at::Half* params, const int8_t* xq, const float* xd,
                               const float* xs, float* y, int64_t K, int64_t N, int64_t r0, int64_t n0, int64_t n1) {
   const int64_t G = K / kGroup;
-  const __m256i ones = _mm256_set1_epi16(1);
-  const __m256i low4_256 = _mm256_set1_epi8(0x0F);
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   const __m512i shifts = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);  // 0 | 4
   __m512i lanes[4];  // the scales of groups 2 q and 2 q + 1, each in its half
@@ -142,11 +148,9 @@ CHATSERVE_VNNI void tile_vnni(const uint8_t* codes, const at::Half* params, cons
     const uint16_t* mh = dh + G;
     __m512 acc[R];
     __m256 macc[R];
-    float tail[R];
     for (int r = 0; r < R; ++r) {
       acc[r] = _mm512_setzero_ps();
       macc[r] = _mm256_setzero_ps();
-      tail[r] = 0.f;
     }
     prefetch(dh + 8 * 2 * G);
     int64_t g = 0;
@@ -171,26 +175,12 @@ CHATSERVE_VNNI void tile_vnni(const uint8_t* codes, const at::Half* params, cons
         }
       }
     }
-    __m256 a0[R], a1[R];
+    __m256 split[R][2];  // tile's acc[r][0] and acc[r][1]
     for (int r = 0; r < R; ++r) {
-      a0[r] = _mm512_castps512_ps256(acc[r]);
-      a1[r] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r]), 1));
+      split[r][0] = _mm512_castps512_ps256(acc[r]);
+      split[r][1] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r]), 1));
     }
-    for (; g < G; g += 2) {  // the last G % 8 groups, as tile
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + (g / 2) * 32));
-      const __m256i wa = _mm256_and_si256(v, low4_256);
-      const __m256i wb = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4_256);
-      const float da = _cvtsh_ss(dh[g]), db = _cvtsh_ss(dh[g + 1]);
-      const float ma = _cvtsh_ss(mh[g]), mb = _cvtsh_ss(mh[g + 1]);
-      for (int r = 0; r < R; ++r) {
-        const int64_t row = r0 + r;
-        const int8_t* xr = xq + row * K + g * kGroup;
-        a0[r] = _mm256_fmadd_ps(group_dot(wa, xr, ones), _mm256_set1_ps(da * xd[row * G + g]), a0[r]);
-        a1[r] = _mm256_fmadd_ps(group_dot(wb, xr + kGroup, ones), _mm256_set1_ps(db * xd[row * G + g + 1]), a1[r]);
-        tail[r] += ma * xs[row * G + g] + mb * xs[row * G + g + 1];
-      }
-    }
-    for (int r = 0; r < R; ++r) y[(r0 + r) * N + n] = hsum(_mm256_add_ps(a0[r], a1[r])) + hsum(macc[r]) + tail[r];
+    finish_rows<R>(c, dh, mh, xq, xd, xs, K, g, r0, split, macc, y + n, N);
   }
 }
 
@@ -533,7 +523,7 @@ static torch::Tensor q8_run(torch::Tensor xq, torch::Tensor xd, torch::Tensor qw
       for (int64_t gb = g0; gb < g1; gb += chunk) {
         const int64_t ge = std::min(gb + chunk, g1);
         if (vnni) {
-          chatserve::for_row_tiles<kPairRows>(M, [&](auto rows, int64_t r) {
+          chatserve::for_row_tiles<chatserve::kPairRows>(M, [&](auto rows, int64_t r) {
             constexpr int R = decltype(rows)::value;
             int64_t g = gb;
             for (; g + 2 <= ge; g += 2) tile8x8_pair_vnni<R>(w, ws, xu, d, out, K, N, r, g);
