@@ -1,10 +1,12 @@
 """The C++ paged attention of decode and verification rows (kernels/decode_ops.paged_attention_rows)
-over float32 caches: ms per step for all layers, at several contexts, for 1 row (a decode) and
+over float32 or 16-bit (--kv-dtype) caches: ms per step for all layers, at several contexts, for 1 row (a decode) and
 k + 1 rows of one sequence (a verification). Each layer has its own cache, so the caches do
 not sit in L3 as one layer's would.
 
     .venv/bin/python benchmarks/attention_rows.py --heads 9 --kv-heads 3 --head-dim 64 --layers 30 \
         --json benchmarks/results/attention_rows_smollm2.json
+    .venv/bin/python benchmarks/attention_rows.py --heads 12 --kv-heads 2 --head-dim 128 --layers 28 \
+        --kv-dtype float32 bfloat16 float16 --json benchmarks/results/attention_rows_qwen15_kv16.json
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ def main() -> None:
     p.add_argument("--rows", type=int, nargs="+", default=[1, 5])
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--kv-dtype", nargs="+", default=["float32"], choices=["float32", "float16", "bfloat16"],
+                   help="cache dtypes, measured in turn at each context and row count")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -39,9 +43,10 @@ def main() -> None:
     for context in args.contexts:
         num_blocks = context // block_size + 2
         shape = (num_blocks, block_size, args.kv_heads, args.head_dim)
-        caches = [(torch.randn(shape), torch.randn(shape)) for _ in range(args.layers)]
         tables = torch.arange(num_blocks, dtype=torch.int32)[None]
-        for rows in args.rows:
+        for rows, kv_dtype in [(r, d) for r in args.rows for d in args.kv_dtype]:
+            dtype = getattr(torch, kv_dtype)
+            caches = [(torch.randn(shape).to(dtype), torch.randn(shape).to(dtype)) for _ in range(args.layers)]
             query = torch.randn(rows, args.heads, args.head_dim)
             contexts = list(range(context - rows + 1, context + 1))
 
@@ -55,9 +60,9 @@ def main() -> None:
                 start = time.perf_counter()
                 step()
                 times.append((time.perf_counter() - start) * 1e3)
-            kv_gb = args.layers * 2 * context * args.kv_heads * args.head_dim * 4 / 1e9
-            row = {"context": context, "rows": rows, "best_ms": min(times), "median_ms": sorted(times)[len(times) // 2],
-                   "kv_gb_per_s": kv_gb / min(times) * 1e3}
+            kv_gb = args.layers * 2 * context * args.kv_heads * args.head_dim * dtype.itemsize / 1e9
+            row = {"context": context, "rows": rows, "kv_dtype": kv_dtype, "best_ms": min(times),
+                   "median_ms": sorted(times)[len(times) // 2], "kv_gb_per_s": kv_gb / min(times) * 1e3}
             out.append(row)
             print(json.dumps(row))
     if args.json:

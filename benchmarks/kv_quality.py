@@ -21,6 +21,8 @@ Prints the numbers and writes JSON (with os.getloadavg()).
     python benchmarks/kv_quality.py --model smollm2-135m-instruct --dtype float32
     python benchmarks/kv_quality.py --model qwen2.5-coder-1.5b-instruct --dtype bfloat16 \
         --draft-model qwen2.5-coder-0.5b-instruct
+    python benchmarks/kv_quality.py --model qwen2.5-coder-1.5b-instruct --quantization int4 \
+        --formats auto fp16 bf16 --spec-methods ngram --out benchmarks/results/kv_quality_qwen15_kv16.json
 """
 
 from __future__ import annotations
@@ -186,6 +188,7 @@ def main() -> None:
     ap.add_argument("--draft-model", default=None, help="also measure draft-model acceptance")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--formats", nargs="+", default=FORMATS)
+    ap.add_argument("--quantization", default=None, help="weights, as EngineConfig.quantization (int4, int8)")
     ap.add_argument("--chunk", type=int, default=64, help="teacher-forcing chunk (tokens per forward)")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--k", type=int, default=4, help="draft tokens per step (fixed)")
@@ -202,9 +205,10 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     spec = SpecConfig(method="draft", draft_model=args.draft_model) if args.draft_model else None
     config = EngineConfig(model=args.model, dtype=args.dtype, kv_cache_memory=32 << 20, spec=spec,
-                          max_num_seqs=4, num_threads=args.threads)
+                          max_num_seqs=4, num_threads=args.threads, quantization=args.quantization)
     models = load_models(config)
-    config = EngineConfig(model=args.model, dtype=args.dtype, max_num_seqs=4, num_threads=args.threads)
+    config = EngineConfig(model=args.model, dtype=args.dtype, max_num_seqs=4, num_threads=args.threads,
+                          quantization=args.quantization)
     text = EVAL_TEXT.read_text()
     text_ids = models.tokenizer.encode(text)
     greedy_prompts, spec_prompts = build_prompts(models.tokenizer, text)

@@ -57,11 +57,13 @@ def main() -> None:
     ap.add_argument("--contexts", type=int, nargs="+", default=[48, 1024, 2048])
     ap.add_argument("--max-k", type=int, default=4)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--kv-cache-dtype", default="auto", help="as for serve (auto, fp16, bf16, int8, ...)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
 
     spec = SpecConfig(method="draft", draft_model=args.draft_model, adaptive=False) if args.draft_model else None
-    engine = Engine(EngineConfig(model=args.model, quantization=args.quantization, spec=spec))
+    engine = Engine(EngineConfig(model=args.model, quantization=args.quantization, spec=spec,
+                                 kv_cache_dtype=args.kv_cache_dtype))
     models = engine.models
     table = BlockTable()
     assert models.block_manager.allocate(table, max(args.contexts) + args.max_k + 1), "pool too small"
@@ -90,7 +92,7 @@ def main() -> None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({
             "kind": "verify-rows", "argv": sys.argv, "model": args.model, "draft_model": args.draft_model,
-            "quantization": args.quantization, "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(),
+            "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype, "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(),
                                                            "torch": torch.__version__, "loadavg": os.getloadavg()},
             "points": points}, indent=1))
 

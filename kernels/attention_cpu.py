@@ -12,8 +12,9 @@ tests/kernels/bench_attention_cpu.py in the module docstring there):
 Chunks of q_len >= PREFILL_Q_LEN use SDPA, whose tiles bound the memory the [Hkv, rows, S]
 score matrix of the bmm path would take (speed was measured on par).
 
-With a float32 query and cache and the C++ kernels built, every sequence with fewer than
-PREFILL_Q_LEN rows goes instead through kernels/decode_ops.paged_attention_rows in one call:
+With a float32 query, a float32 / float16 / bfloat16 cache and the C++ kernels built, every
+sequence with fewer than PREFILL_Q_LEN rows goes instead through
+kernels/decode_ops.paged_attention_rows in one call:
 one query row per (row, kv head), reading the blocks in place (no gather, no transposed copy).
 Each row sees exactly its causal context, so a verification row is computed as its decode step.
 """
@@ -43,7 +44,7 @@ def paged_attention_cpu(query, k_cache, v_cache, block_tables, seq_lens, cu_q_le
     whole batch no longer fits in cache, while one sequence's context does.
     """
     out = torch.empty_like(query)  # [num_tokens, num_heads, head_dim]
-    if k_scale is None and k_cache.dtype == torch.float32 and decode_ops.usable(query, query.shape[-1]):
+    if k_scale is None and decode_ops.cache_usable(k_cache) and decode_ops.usable(query, query.shape[-1]):
         return _rows_in_cpp(out, query, k_cache, v_cache, block_tables, seq_lens, cu_q_lens, scale)
     for b, seq_len in enumerate(seq_lens):
         q_start, q_end = cu_q_lens[b], cu_q_lens[b + 1]

@@ -29,6 +29,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         NoGil());
   m.def("silu_mul", &silu_mul, "silu(gate) * up", NoGil());
   m.def("rope_", &rope_, "rotate-half RoPE in place", NoGil());
-  m.def("store_kv", &store_kv, "write K/V rows into float32 paged caches", NoGil());
-  m.def("paged_attention_rows", &paged_attention_rows, "one-query-row paged attention over a float32 cache", NoGil());
+  m.def("store_kv", &store_kv, "write K/V rows into float32 / float16 / bfloat16 paged caches", NoGil());
+  m.def("paged_attention_rows", &paged_attention_rows, "one-query-row paged attention over a float32 / float16 / bfloat16 cache", NoGil());
 }

@@ -7,7 +7,8 @@ each is one call: RMSNorm (optionally adding the residual first), rotate-half Ro
 the KV store, SiLU(gate) * up, and one-query-row paged attention that reads the cache blocks in
 place instead of gathering the context into a new tensor per layer.
 
-All of them are float32 only (`usable`): other dtypes, quantized KV caches and CUDA tensors take
+All of them take float32 activations only (`usable`), and the KV store and attention a float32,
+float16 or bfloat16 cache (`cache_usable`): other dtypes, quantized KV caches and CUDA tensors take
 the torch paths in models/layers.py and kernels/attention_cpu.py, which are also the references
 the tests hold these against. Each op computes a row the same way whatever the row count, so
 verification rows equal decode rows bit for bit.
@@ -40,6 +41,16 @@ def usable(x: torch.Tensor, *dims: int) -> bool:
     and the given sizes (hidden, head dim, intermediate) multiples of 16 (whole AVX2 vectors)."""
     return (x.dtype == torch.float32 and not x.is_cuda and all(d % 16 == 0 for d in dims)
             and cpu_ext.is_available())
+
+
+# Unquantized KV cache dtypes the C++ store and attention read and write (16 bits: half the
+# bytes a long context's attention reads; widened to float32 exactly before any arithmetic).
+CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def cache_usable(cache: torch.Tensor) -> bool:
+    """Whether the C++ KV store and attention take this (unquantized) cache."""
+    return cache.dtype in CACHE_DTYPES and not cache.is_cuda and cache.is_contiguous()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -82,8 +93,9 @@ def rope_ref(x: torch.Tensor, heads: int, positions: torch.Tensor, cos: torch.Te
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """key, value [T, Hkv, D] into float32 caches [num_blocks, block_size, Hkv, D] at slots
-    (block * block_size + offset; < 0 skipped). kernels/kv_store.kv_store_ref is the reference."""
+    """key, value [T, Hkv, D] float32 into caches [num_blocks, block_size, Hkv, D] (CACHE_DTYPES,
+    rounded as .to(dtype) rounds) at slots (block * block_size + offset; < 0 skipped).
+    kernels/kv_store.kv_store_ref is the reference."""
     cpu_ext.extension().store_kv(key, value, k_cache, v_cache, slot_mapping)
 
 
@@ -91,7 +103,7 @@ def paged_attention_rows(query: torch.Tensor, k_cache: torch.Tensor, v_cache: to
                          block_tables: torch.Tensor, seqs: list[int], contexts: list[int], scale: float,
                          out: torch.Tensor | None = None) -> torch.Tensor:
     """out[t] = attention of query row t [H, D] over the first contexts[t] tokens of sequence
-    seqs[t]'s blocks (block_tables row) in float32 caches; query, out [T, H, D].
+    seqs[t]'s blocks (block_tables row) in caches of one of CACHE_DTYPES; query, out [T, H, D].
     kernels/attention.paged_attention_ref is the reference (with one row per causal position)."""
     if out is None:
         out = torch.empty_like(query)

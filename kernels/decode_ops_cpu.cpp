@@ -22,6 +22,36 @@ void check_f32(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.scalar_type() == torch::kFloat32 && t.is_contiguous(), name, ": float32, contiguous");
 }
 
+// A KV cache's element type: float32 (the model's), or 16 bits (half the bytes a long context's
+// attention reads: kv_cache_dtype "fp16" / "bf16"). The attention widens 16-bit keys and values
+// to float32 (exactly) before any arithmetic, so a 16-bit cache gives the numbers of a float32
+// cache holding the same rounded values.
+enum class KvType { kF32, kF16, kBF16 };
+
+KvType check_cache(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.is_contiguous(), name, ": contiguous");
+  switch (t.scalar_type()) {
+    case torch::kFloat32: return KvType::kF32;
+    case torch::kFloat16: return KvType::kF16;
+    case torch::kBFloat16: return KvType::kBF16;
+    default: TORCH_CHECK(false, name, ": float32, float16 or bfloat16");
+  }
+  return KvType::kF32;
+}
+
+// n (a multiple of 8) 16-bit values at src -> float32 at dst, exactly.
+void widen(KvType type, const uint16_t* src, int64_t n, float* dst) {
+  if (type == KvType::kF16) {
+    for (int64_t i = 0; i < n; i += 8)
+      _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+  } else {  // bfloat16: the high half of a float32
+    for (int64_t i = 0; i < n; i += 8) {
+      const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
+      _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
+    }
+  }
+}
+
 }  // namespace
 
 // out [T, D] = x * rsqrt(mean(x^2) + eps) * w, as F.rms_norm in float32. With `residual`
@@ -114,13 +144,14 @@ void rope_(torch::Tensor x, int64_t heads, torch::Tensor positions, torch::Tenso
   });
 }
 
-// Write key, value [T, Hkv, D] (row-strided views allowed) into the float32 paged caches
-// [NB, BS, Hkv, D] at slots [T] (block * BS + offset); a slot < 0 is skipped.
+// Write key, value [T, Hkv, D] (row-strided views allowed) into the paged caches [NB, BS, Hkv, D]
+// (float32, float16 or bfloat16) at slots [T] (block * BS + offset); a slot < 0 is skipped. A 16-bit
+// cache gets each value rounded as torch's .to(dtype) rounds it (to nearest, ties to even).
 void store_kv(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots) {
   TORCH_CHECK(key.scalar_type() == torch::kFloat32 && value.scalar_type() == torch::kFloat32);
   TORCH_CHECK(key.stride(2) == 1 && key.stride(1) == key.size(2) && value.stride(2) == 1 && value.stride(1) == value.size(2));
-  check_f32(k_cache, "store_kv k_cache");
-  check_f32(v_cache, "store_kv v_cache");
+  const KvType kt = check_cache(k_cache, "store_kv k_cache");
+  TORCH_CHECK(check_cache(v_cache, "store_kv v_cache") == kt, "store_kv: k_cache and v_cache of one dtype");
   TORCH_CHECK(slots.scalar_type() == torch::kInt64 && slots.numel() == key.size(0));
   const int64_t T = key.size(0), row = key.size(1) * key.size(2);
   TORCH_CHECK(k_cache.size(2) * k_cache.size(3) == row);
@@ -129,12 +160,27 @@ void store_kv(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, tor
   for (int64_t t = 0; t < T; ++t) {
     if (sl[t] < 0) continue;
     TORCH_CHECK(sl[t] < num_slots, "store_kv: slot out of range");
-    std::copy_n(key.data_ptr<float>() + t * key.stride(0), row, k_cache.data_ptr<float>() + sl[t] * row);
-    std::copy_n(value.data_ptr<float>() + t * value.stride(0), row, v_cache.data_ptr<float>() + sl[t] * row);
+    const float* ks = key.data_ptr<float>() + t * key.stride(0);
+    const float* vs = value.data_ptr<float>() + t * value.stride(0);
+    const int64_t at = sl[t] * row;
+    switch (kt) {
+      case KvType::kF32:
+        std::copy_n(ks, row, k_cache.data_ptr<float>() + at);
+        std::copy_n(vs, row, v_cache.data_ptr<float>() + at);
+        break;
+      case KvType::kF16:
+        std::copy_n(ks, row, k_cache.data_ptr<at::Half>() + at);  // c10::Half(float): torch's rounding
+        std::copy_n(vs, row, v_cache.data_ptr<at::Half>() + at);
+        break;
+      case KvType::kBF16:
+        std::copy_n(ks, row, k_cache.data_ptr<at::BFloat16>() + at);
+        std::copy_n(vs, row, v_cache.data_ptr<at::BFloat16>() + at);
+        break;
+    }
   }
 }
 
-// Paged attention of query rows over a float32 cache, no gather:
+// Paged attention of query rows over a float32 or 16-bit cache (KvType), no gather:
 //   out[t, h] = softmax_j(scale * q[t, h] . K[j, h / G]) . V[j, h / G],  j < ctx[t]
 // for the G = H / Hkv query heads that share kv head h / G. Row t belongs to sequence seq[t]
 // (its block table) and sees its first ctx[t] tokens. q, out [T, H, D]; caches [NB, BS, Hkv, D];
@@ -220,8 +266,9 @@ inline __m256 dots8(const __m256* acc, __m256 scale) {
 // half of each register is qa's 8 partial sums, the high half qb's, against the key broadcast to
 // both halves; the same multiply-adds per lane in the same order as the 256-bit loop, then the
 // same reduction per head: the same scores bit for bit.
-CHATSERVE_VNNI void score8_two_heads(const float* qa, const float* qb, const float* const* kr, int64_t D, float scale,
-                                     float* out_a, float* out_b) {
+CHATSERVE_VNNI inline __attribute__((always_inline)) void score8_two_heads(const float* qa, const float* qb,
+                                                                           const float* const* kr, int64_t D,
+                                                                           float scale, float* out_a, float* out_b) {
   __m512 acc[8];
   for (int i = 0; i < 8; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t d = 0; d < D; d += 8) {
@@ -240,6 +287,45 @@ CHATSERVE_VNNI void score8_two_heads(const float* qa, const float* qb, const flo
   _mm256_storeu_ps(out_b, dots8(hi, _mm256_set1_ps(scale)));
 }
 
+// Scores of 8 keys (rows kr) for one query head qh on 256-bit registers: 8 partial sums per key,
+// then the transposing reduction.
+inline void score8_one_head(const float* qh, const float* const* kr, int64_t D, __m256 vscale, float* out) {
+  __m256 acc[8];
+  for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; d += 8) {
+    const __m256 qv = _mm256_loadu_ps(qh + d);
+    for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[i] + d), acc[i]);
+  }
+  _mm256_storeu_ps(out, dots8(acc, vscale));
+}
+
+// The scores of 8 keys kr for the G query heads of rows [t0, t1) (row t's heads at q + t * H * D,
+// D apart) into score rows npad apart from out: heads in pairs on 512-bit registers, an odd head
+// as score_group_avx2 does it (8 partial sums per key on 256-bit registers, reduced the same way):
+// the same scores either way. One call per group of keys: called per head pair (a function of
+// another target is not inlined), the loop was prologue, zeroing and spills as much as
+// multiply-adds (Qwen 1.5B's shape, 2k keys, float32: 1 row 10.0 -> 7.8 ms, 8 rows 26.2 -> 24.7).
+CHATSERVE_VNNI void score_group_f32(const float* q, int64_t t0, int64_t t1, int64_t H, int64_t G,
+                                    const float* const* kr, int64_t D, float scale, float* out, int64_t npad) {
+  const __m256 vscale = _mm256_set1_ps(scale);
+  for (int64_t t = t0; t < t1; ++t) {
+    int64_t g = 0;
+    float* row_out = out + (t - t0) * G * npad;
+    for (; g + 2 <= G; g += 2)
+      score8_two_heads(q + (t * H + g) * D, q + (t * H + g + 1) * D, kr, D, scale, row_out + g * npad,
+                       row_out + (g + 1) * npad);
+    for (; g < G; ++g) score8_one_head(q + (t * H + g) * D, kr, D, vscale, row_out + g * npad);
+  }
+}
+
+// The same for a CPU without AVX-512 (score_group_f32 may not run there): the 256-bit loop only.
+void score_group_avx2(const float* q, int64_t t0, int64_t t1, int64_t H, int64_t G, const float* const* kr,
+                      int64_t D, float scale, float* out, int64_t npad) {
+  const __m256 vscale = _mm256_set1_ps(scale);
+  for (int64_t t = t0; t < t1; ++t)
+    for (int64_t g = 0; g < G; ++g) score8_one_head(q + (t * H + g) * D, kr, D, vscale, out + ((t - t0) * G + g) * npad);
+}
+
 // Item (rows [t0, t1) of one sequence, kv head kh, partition p of keys [j0, j0 + kPart)): for each
 // of those rows that sees keys of the partition, m[g], l[g] and o[g * D ..] of its G heads at
 // item index (t * Hkv + kh) * P + p. The rows share every load of K: a group of 8 keys is read
@@ -247,10 +333,20 @@ CHATSERVE_VNNI void score8_two_heads(const float* qa, const float* qb, const flo
 // row read the partition's K again: 5 rows cost 2.5-2.8x one at 1-4k tokens on Qwen's shape).
 // Every key is scored in a group of 8 (the last group padded with a copy of the last key) and a
 // score depends on its own key only, so a row's numbers do not depend on the rows beside it.
-void attend_partition(const AttnShape& s, const float* qp, const float* kp, const float* vp, const int32_t* table,
-                      const int64_t* cx, int64_t t0, int64_t t1, int64_t kh, int64_t p, int64_t P, float fscale,
-                      float* part_m, float* part_l, float* part_o, std::vector<float>& scores,
-                      std::vector<int64_t>& kv_rows, bool wide) {
+// A 16-bit cache's keys are widened a group of 8 at a time, and its values a block of 32 at a
+// time, into float32 scratch in L1 that every row and head then reads: the loops below are the
+// float32 cache's, on the same values.
+struct Scratch {
+  std::vector<float> scores, keys, values;
+  std::vector<int64_t> kv_rows, block_rows;
+};
+
+void attend_partition(const AttnShape& s, const float* qp, const void* kbase, const void* vbase, KvType kt,
+                      const int32_t* table, const int64_t* cx, int64_t t0, int64_t t1, int64_t kh, int64_t p,
+                      int64_t P, float fscale, float* part_m, float* part_l, float* part_o, Scratch& scratch,
+                      bool wide) {
+  std::vector<float>& scores = scratch.scores;
+  std::vector<int64_t>& kv_rows = scratch.kv_rows;
   const int64_t G = s.G, D = s.D, BS = s.BS, Hkv = s.Hkv, j0 = p * kPart;
   const auto keys_of = [&](int64_t t) { return std::max<int64_t>(0, std::min(j0 + kPart, cx[t]) - j0); };  // row t's
   int64_t n = 0;
@@ -263,33 +359,52 @@ void attend_partition(const AttnShape& s, const float* qp, const float* kp, cons
     const int64_t key = j0 + std::min(j, n - 1);
     kv_rows[j] = ((static_cast<int64_t>(table[key / BS]) * BS + key % BS) * Hkv + kh) * D;
   }
+  const bool f32 = kt == KvType::kF32;
+  const float* kp = f32 ? static_cast<const float*>(kbase) : nullptr;
+  const uint16_t* k16 = static_cast<const uint16_t*>(kbase);
+  const float* vp = f32 ? static_cast<const float*>(vbase) : nullptr;
+  const int64_t* v_rows = kv_rows.data();  // V row offsets from vp
+  if (!f32) {
+    scratch.keys.resize(8 * D);
+    scratch.values.resize(32 * D);
+    vp = scratch.values.data();
+    scratch.block_rows.resize(npad);  // key j's row in the widened block of 32 that holds it
+    for (int64_t j = 0; j < npad; ++j) scratch.block_rows[j] = (j % 32) * D;
+    v_rows = scratch.block_rows.data();
+  }
   // Scores, 8 keys at a time per head: 8 accumulators share each q load, and one transposing
   // reduction (6 hadds) gives the 8 dot products in one vector instead of 8 horizontal sums.
-  const __m256 vscale = _mm256_set1_ps(fscale);
+  const int64_t row_bytes = D * (f32 ? 4 : 2);
+  const char* kbytes = static_cast<const char*>(kbase);
+  const char* vbytes = static_cast<const char*>(vbase);
+  const int64_t elem = f32 ? 4 : 2;
+  // The next group's keys to L1 and this group's values to L2 (read after the scores), for a
+  // decode step (Qwen 1.5B's shape, 2k keys, 1 row: 11.1 -> 10.0 ms float32, 6.2 -> 5.8 ms
+  // float16): the rows lie block by block across the pool. Not for more rows, whose scoring
+  // outlasts the loads, and where the burst of prefetches stalled (8 rows: 24.8 -> 26.2 ms).
+  const bool prefetch = R <= 2;
   for (int64_t j8 = 0; j8 < npad; j8 += 8) {
+    if (prefetch) {
+      for (int64_t j = j8 + 8; j < std::min(j8 + 16, npad); ++j)
+        for (int64_t c = 0; c < row_bytes; c += 64) _mm_prefetch(kbytes + kv_rows[j] * elem + c, _MM_HINT_T0);
+      for (int64_t j = j8; j < j8 + 8; ++j)
+        for (int64_t c = 0; c < row_bytes; c += 64) _mm_prefetch(vbytes + kv_rows[j] * elem + c, _MM_HINT_T1);
+    }
     const float* kr[8];
-    for (int i = 0; i < 8; ++i) kr[i] = kp + kv_rows[j8 + i];
-    for (int64_t t = t0; t < t1; ++t) {
-      if (keys_of(t) == 0) continue;
-      int64_t g = 0;
-      if (wide) {  // heads in pairs on 512-bit registers, the same scores
-        for (; g + 2 <= G; g += 2) {
-          const float* qh = qp + (t * s.H + kh * G + g) * D;
-          float* out = scores.data() + ((t - t0) * G + g) * npad + j8;
-          score8_two_heads(qh, qh + D, kr, D, fscale, out, out + npad);
-        }
-      }
-      for (; g < G; ++g) {
-        const float* qh = qp + (t * s.H + kh * G + g) * D;
-        __m256 acc[8];
-        for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
-        for (int64_t d = 0; d < D; d += 8) {
-          const __m256 qv = _mm256_loadu_ps(qh + d);
-          for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[i] + d), acc[i]);
-        }
-        _mm256_storeu_ps(scores.data() + ((t - t0) * G + g) * npad + j8, dots8(acc, vscale));
+    for (int i = 0; i < 8; ++i) {
+      if (f32) {
+        kr[i] = kp + kv_rows[j8 + i];
+      } else {
+        widen(kt, k16 + kv_rows[j8 + i], D, scratch.keys.data() + i * D);
+        kr[i] = scratch.keys.data() + i * D;
       }
     }
+    // Every row's scores, also a row that sees none of these keys (its scores go unread): the
+    // keys exist, another row of the sequence sees them.
+    if (wide)
+      score_group_f32(qp + kh * G * D, t0, t1, s.H, G, kr, D, fscale, scores.data() + j8, npad);
+    else
+      score_group_avx2(qp + kh * G * D, t0, t1, s.H, G, kr, D, fscale, scores.data() + j8, npad);
   }
   for (int64_t t = t0; t < t1; ++t) {
     const int64_t nt = keys_of(t), item = (t * Hkv + kh) * P + p;
@@ -332,7 +447,11 @@ void attend_partition(const AttnShape& s, const float* qp, const float* kp, cons
   // Output: keys in blocks of 32, whose V rows stay in L1 across the passes of every row and
   // head group over them: 16 columns at a time for up to 4 heads in registers, carried from
   // block to block in o.
+  const uint16_t* v16 = static_cast<const uint16_t*>(vbase);
   for (int64_t jb = 0; jb < n; jb += 32) {
+    if (!f32)
+      for (int64_t j = jb; j < std::min<int64_t>(jb + 32, n); ++j)
+        widen(kt, v16 + kv_rows[j], D, scratch.values.data() + (j - jb) * D);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t nt = keys_of(t);
       if (jb >= nt) continue;
@@ -344,9 +463,9 @@ void attend_partition(const AttnShape& s, const float* qp, const float* kp, cons
         auto run = [&](auto heads, int64_t) {  // a head count known to the compiler: the sums stay in registers
           constexpr int GN = decltype(heads)::value;
           if (wide) {
-            weigh_values_wide<GN>(vp, kv_rows.data(), w, npad, jb, je, D, o);
+            weigh_values_wide<GN>(vp, v_rows, w, npad, jb, je, D, o);
           } else if constexpr (GN <= 4) {
-            weigh_values<GN>(vp, kv_rows.data(), w, npad, jb, je, D, o);
+            weigh_values<GN>(vp, v_rows, w, npad, jb, je, D, o);
           }
         };
         chatserve::rest_tile<8>(std::min<int64_t>(step, G - g0), 0, run);
@@ -361,8 +480,8 @@ void paged_attention_rows(torch::Tensor out, torch::Tensor q, torch::Tensor k_ca
                           torch::Tensor block_tables, torch::Tensor seq, torch::Tensor ctx, double scale) {
   check_f32(out, "attention out");
   check_f32(q, "attention q");
-  check_f32(k_cache, "attention k_cache");
-  check_f32(v_cache, "attention v_cache");
+  const KvType kt = check_cache(k_cache, "attention k_cache");
+  TORCH_CHECK(check_cache(v_cache, "attention v_cache") == kt, "attention: k_cache and v_cache of one dtype");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && block_tables.is_contiguous());
   TORCH_CHECK(seq.scalar_type() == torch::kInt64 && ctx.scalar_type() == torch::kInt64);
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
@@ -396,17 +515,16 @@ void paged_attention_rows(torch::Tensor out, torch::Tensor q, torch::Tensor k_ca
   }
   std::vector<float> part_m(T * Hkv * P * G), part_l(T * Hkv * P * G), part_o(T * Hkv * P * G * D);
   const float* qp = q.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
+  const void* kp = k_cache.data_ptr();
+  const void* vp = v_cache.data_ptr();
   const float fscale = static_cast<float>(scale);
   const bool wide = chatserve::vnni_enabled();  // the 512-bit loops (same numbers), where AVX-512 is
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> scores;
-    std::vector<int64_t> kv_rows;
+    Scratch scratch;
     for (int64_t i = i0; i < i1; ++i) {
       const Item& it = items[i];
-      attend_partition(s, qp, kp, vp, bt + sq[it.t0] * MB, cx, it.t0, it.t1, it.kh, it.p, P, fscale, part_m.data(),
-                       part_l.data(), part_o.data(), scores, kv_rows, wide);
+      attend_partition(s, qp, kp, vp, kt, bt + sq[it.t0] * MB, cx, it.t0, it.t1, it.kh, it.p, P, fscale,
+                       part_m.data(), part_l.data(), part_o.data(), scratch, wide);
     }
   });
   // Merge each row's partitions in order: out = sum_p e^(m_p - M) o_p / sum_p e^(m_p - M) l_p.

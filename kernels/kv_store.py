@@ -6,7 +6,8 @@ bfloat16 (quant.kv.SCALE_DTYPE: one scale per token per head, see quant/kv.py).
 slot = block_id * block_size + offset; a slot of -1 is skipped.
 Dispatch: CUDA, or kernels="triton" -> kernels/triton_kv_store.py (imported lazily, see
 kernels/attention.py);
-a float32 cache and key on a CPU with the C++ kernels -> kernels/decode_ops.store_kv; otherwise
+a float32 key into a float32 / float16 / bfloat16 cache on a CPU with the C++ kernels ->
+kernels/decode_ops.store_kv; otherwise
 torch `index_copy_`.
 """
 
@@ -38,7 +39,8 @@ def kv_store(
     assert slot_mapping.shape == (key.shape[0],)
     fmt = kv_format_of(k_cache.dtype)
     assert (fmt == "auto") == (k_scale is None), "k_scale/v_scale go with (only) a quantized cache"
-    if k_cache.dtype == torch.float32 and decode_ops.usable(key, key.shape[-1]) and value.dtype == torch.float32:
+    if (fmt == "auto" and decode_ops.cache_usable(k_cache) and decode_ops.usable(key, key.shape[-1])
+            and value.dtype == torch.float32):
         return decode_ops.store_kv(key, value, k_cache, v_cache, slot_mapping)  # skips slots < 0 itself
     if slot_mapping.numel() and int(slot_mapping.min()) < 0:
         keep = slot_mapping >= 0

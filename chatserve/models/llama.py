@@ -119,7 +119,7 @@ class LayerStack:
             linears = [getattr(m, "stack_weights", lambda: None)()
                        for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
             if (None in linears or cache.k_scale is not None or cache.k_mean is not None
-                    or cache.k_cache.dtype != torch.float32 or any(n.dtype != torch.float32 for n in norms)):
+                    or not decode_ops.cache_usable(cache.k_cache) or any(n.dtype != torch.float32 for n in norms)):
                 return None
             stack.add_layer(*norms, cache.k_cache, cache.v_cache, linears)
         return stack

@@ -47,7 +47,7 @@ def auto_outputs(tiny_llama_dir):
 # -- layout and budget --------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("fmt", ["auto", *QUANTIZED])
+@pytest.mark.parametrize("fmt", ["auto", "fp16", "bf16", *QUANTIZED])
 def test_pool_layout_and_views(fmt):
     shape = CacheShape(num_layers=3, num_kv_heads=2, head_dim=16, dtype=torch.float32, kv_format=fmt)
     cache = KVCache(shape, num_blocks=5, block_size=8)
@@ -56,9 +56,9 @@ def test_pool_layout_and_views(fmt):
     assert layer.k_cache.shape == (5, 8, 2, 16) and layer.v_cache.shape == (5, 8, 2, 16)
     # views into the one pool, not copies
     assert layer.k_cache.data_ptr() == cache.pool[1, 0].data_ptr()
-    if fmt == "auto":
+    if fmt in ("auto", "fp16", "bf16"):
         assert layer.k_scale is None and layer.v_scale is None and cache.scales is None
-        assert cache.pool.dtype == torch.float32
+        assert cache.pool.dtype == {"auto": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[fmt]
     else:
         assert cache.pool.dtype in (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)
         assert layer.k_scale.shape == (5, 8, 2) and layer.k_scale.dtype == SCALE_DTYPE
@@ -133,6 +133,15 @@ def test_engine_pool_fits_budget(tiny_llama_dir):
         assert cache.num_bytes > budget - cache.shape.bytes_per_block(engine.block_manager.block_size)
 
 
+def test_a_16_bit_pool_holds_twice_the_tokens_of_a_float32_one():
+    shapes = {fmt: CacheShape(num_layers=3, num_kv_heads=2, head_dim=16, dtype=torch.float32, kv_format=fmt)
+              for fmt in ("auto", "fp16", "bf16")}
+    assert shapes["fp16"].bytes_per_block(16) == shapes["bf16"].bytes_per_block(16) == shapes["auto"].bytes_per_block(16) // 2
+    for fmt, dtype in (("fp16", torch.float16), ("bf16", torch.bfloat16)):
+        cache = KVCache(shapes[fmt], num_blocks=5, block_size=8)
+        assert cache.pool.dtype == dtype and cache.scales is None and cache.layers[0].k_scale is None
+
+
 # -- engine end to end --------------------------------------------------------------------
 
 
@@ -148,6 +157,13 @@ def test_quantized_engine_close_to_auto(tiny_llama_dir, auto_outputs, fmt):
         assert outs[0] == auto_outputs[0]
 
 
+@pytest.mark.parametrize("fmt", ["fp16", "bf16"])
+def test_a_16_bit_cache_engine_follows_auto(tiny_llama_dir, auto_outputs, fmt):
+    outs, _ = run(make_engine(tiny_llama_dir, kv_cache_dtype=fmt))
+    same = sum(a == b for out, ref in zip(outs, auto_outputs) for a, b in zip(out, ref))
+    assert same / sum(len(o) for o in auto_outputs) >= 0.9 and outs[0] == auto_outputs[0]
+
+
 def test_quantized_engine_batched_equals_alone(tiny_llama_dir):
     engine = make_engine(tiny_llama_dir, kv_cache_dtype="int8", max_num_batched_tokens=32)
     batched, _ = run(engine)
@@ -156,7 +172,7 @@ def test_quantized_engine_batched_equals_alone(tiny_llama_dir):
 
 
 @pytest.mark.parametrize("target_fmt,draft_fmt", [("int8", "int8"), ("int8", "fp8_e5m2"), ("auto", "int8"),
-                                                  ("fp8_e4m3", None)])
+                                                  ("fp8_e4m3", None), ("bf16", None), ("fp16", "auto")])
 def test_spec_lossless_on_quantized_caches(tiny_llama_dir, tiny_draft_dir, target_fmt, draft_fmt):
     """The target verifies every token, so spec output equals spec off on the same target cache,
     whatever the draft's cache holds."""

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.kv_store import kv_store_ref
-from quant.kv import SCALE_DTYPE, kv_storage_dtype
+from quant.kv import SCALE_DTYPE, is_quantized, kv_storage_dtype
 
 
 @dataclass
@@ -51,7 +51,7 @@ def make_paged_case(seq_lens, q_lens, num_heads, num_kv_heads, head_dim, block_s
                   for p in range(seq_lens[b])]
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     cache_dtype = kv_storage_dtype(fmt, dtype)
-    if fmt == "auto":
+    if not is_quantized(fmt):
         k_cache = torch.full(shape, float("nan"), dtype=cache_dtype)
         k_scale = v_scale = None
     else:

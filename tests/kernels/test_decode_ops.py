@@ -65,6 +65,56 @@ def test_store_kv_matches_the_reference_and_skips_negative_slots(generator):
         decode_ops.store_kv(key, value, k_cache, v_cache, torch.tensor([0, 1, 2, 3, 24]))
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_store_kv_rounds_into_a_16_bit_cache_as_torch_does(dtype, generator):
+    k_cache = torch.zeros(6, 4, 2, 64, dtype=dtype)
+    v_cache = torch.zeros(6, 4, 2, 64, dtype=dtype)
+    fused = torch.randn(5, 6, 64, generator=generator) * torch.logspace(-6, 4, 64)  # tiny to large values
+    key, value = fused[:, 2:4], fused[:, 4:6]
+    slots = torch.tensor([3, 21, -1, 0, 17])
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    kv_store_ref(key, value, k_ref, v_ref, slots)  # torch's .to(dtype)
+    decode_ops.store_kv(key, value, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+    assert k_cache.abs().sum() > 0
+
+
+@pytest.mark.parametrize("wide", [True, False])
+@pytest.mark.parametrize("fmt", ["fp16", "bf16"])
+@pytest.mark.parametrize("seq_lens,q_lens,heads", [([1, 17, 40], [1, 1, 5], (6, 2, 128)),
+                                                   ([600, 70], [5, 1], (9, 3, 64)), ([300], [1], (14, 2, 64))])
+def test_a_16_bit_cache_gives_the_numbers_of_a_float32_cache_holding_its_values(fmt, wide, seq_lens, q_lens, heads,
+                                                                               generator):
+    """The attention widens 16-bit keys and values exactly, then runs the float32 loops: the same
+    numbers bit for bit as a float32 cache of the same (rounded) values, and close to the reference."""
+    case = make_paged_case(seq_lens, q_lens, *heads, 16, torch.float32, fmt, generator)
+    assert case.k_cache.dtype == {"fp16": torch.float16, "bf16": torch.bfloat16}[fmt]
+    seqs = [b for b, q in enumerate(q_lens) for _ in range(q)]
+    contexts = [c for s, q in zip(seq_lens, q_lens) for c in range(s - q + 1, s + 1)]
+    old = cpu_ext.extension().set_vnni(wide)
+    try:
+        out = decode_ops.paged_attention_rows(case.query, case.k_cache, case.v_cache, case.block_tables, seqs,
+                                              contexts, case.scale)
+        wide32 = decode_ops.paged_attention_rows(case.query, case.k_cache.float(), case.v_cache.float(),
+                                                 case.block_tables, seqs, contexts, case.scale)
+    finally:
+        cpu_ext.extension().set_vnni(old)
+    assert torch.equal(out, wide32)
+    torch.testing.assert_close(out, paged_attention_ref(*case.args()), rtol=1e-4, atol=2e-5)
+
+
+def test_a_verification_row_on_a_bf16_cache_equals_its_decode_step(generator):
+    """A row's numbers do not depend on the rows beside it on a 16-bit cache either (the prefetch
+    and the widening differ with the row count)."""
+    case = make_paged_case([260], [9], 6, 2, 128, 8, torch.float32, "bf16", generator)
+    together = decode_ops.paged_attention_rows(case.query, case.k_cache, case.v_cache, case.block_tables,
+                                               [0] * 9, list(range(252, 261)), case.scale)
+    for i in range(9):
+        alone = decode_ops.paged_attention_rows(case.query[i : i + 1].contiguous(), case.k_cache, case.v_cache,
+                                                case.block_tables, [0], [252 + i], case.scale)
+        assert torch.equal(together[i : i + 1], alone), i
+
+
 # (seq_lens, q_lens, block_size), (num_heads, num_kv_heads, head_dim)
 CASES = [
     (([1, 17, 40], [1, 1, 1], 8), (6, 2, 128)),  # decodes; a partial block; four blocks

@@ -61,6 +61,14 @@ def test_the_stack_takes_q4k_layers(tiny_q4k_dir):
         assert torch.equal(s, m)
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["fp16", "bf16"])
+def test_the_stack_runs_on_a_16_bit_kv_cache(kv_cache_dtype, tiny_qwen_dir):
+    stack, modules, model = steps_both_ways(tiny_qwen_dir, kv_cache_dtype=kv_cache_dtype)
+    assert model.stack.built is not None, "the stack did not run"
+    for s, m in zip(stack, modules):
+        assert torch.equal(s, m)
+
+
 def test_a_quantized_kv_cache_keeps_the_modules(tiny_qwen_dir):
     stack, modules, model = steps_both_ways(tiny_qwen_dir, kv_cache_dtype="int8")
     assert model.stack.built is None
