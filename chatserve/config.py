@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from kernels.backend import DEVICES, KERNELS
 
-KV_CACHE_DTYPES = ("auto", "fp16", "bf16", "int8", "fp8_e4m3", "fp8_e5m2")
+KV_CACHE_DTYPES = ("auto", "fp32", "fp16", "bf16", "int8", "fp8_e4m3", "fp8_e5m2")
 DRAFT_CATCH_UPS = ("decode", "prefill", "whole")
 
 

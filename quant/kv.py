@@ -1,7 +1,7 @@
 """KV-cache formats: storage dtype, per-token-per-head quantization, bytes per token.
 
-Formats: "auto" (the model dtype, no scales), "fp16" / "bf16" (16-bit floats whatever the model
-dtype, no scales: half a float32 model's cache), "int8" (symmetric, scale = amax / 127),
+Formats: "auto" (the model dtype, no scales), "fp32" / "fp16" / "bf16" (that float whatever the
+model dtype, no scales: 16 bits are half a float32 model's cache), "int8" (symmetric, scale = amax / 127),
 "fp8_e4m3" / "fp8_e5m2" (scale = amax / fmax, saturating). A quantized pool keeps, per layer,
   k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]  kv_storage_dtype(fmt)
   k_scale, v_scale: [num_blocks, block_size, num_kv_heads]            bfloat16 (SCALE_DTYPE)
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-KV_FORMATS = ("auto", "fp16", "bf16", "int8", "fp8_e4m3", "fp8_e5m2")
+KV_FORMATS = ("auto", "fp32", "fp16", "bf16", "int8", "fp8_e4m3", "fp8_e5m2")
 SCALE_DTYPE = torch.bfloat16
 # amax is clamped to this before dividing, so an all-zero row gets a tiny scale instead of 0/0.
 MIN_AMAX = 1e-20
@@ -27,11 +27,11 @@ _STORAGE = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": tor
 QMAX = {"int8": 127.0, "fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}
 _FORMAT_OF_DTYPE = {dtype: fmt for fmt, dtype in _STORAGE.items()}
 # Unquantized formats of a fixed dtype (a cache of them is "auto" to kv_format_of: no scales).
-_PLAIN = {"fp16": torch.float16, "bf16": torch.bfloat16}
+_PLAIN = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def kv_storage_dtype(fmt: str, model_dtype: torch.dtype = torch.float32) -> torch.dtype:
-    """The cache tensor's dtype: the model dtype for "auto", float16 / bfloat16, else int8 / float8."""
+    """The cache tensor's dtype: the model dtype for "auto", the named float, else int8 / float8."""
     _check(fmt)
     return model_dtype if fmt == "auto" else _PLAIN[fmt] if fmt in _PLAIN else _STORAGE[fmt]
 

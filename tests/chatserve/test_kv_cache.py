@@ -210,6 +210,21 @@ def test_cli_flags_reach_the_engine_config():
     assert engine_config(args).kv_cache_unquantized_layers == 1
 
 
+def test_cli_auto_kv_cache_is_fp16_for_a_float32_model_on_the_cpu():
+    parse = build_parser().parse_args
+    assert engine_config(parse(["serve"])).kv_cache_dtype == "fp16"  # int4 weights, float32 activations
+    assert engine_config(parse(["serve", "--quantization", "none", "--dtype", "float32"])).kv_cache_dtype == "fp16"
+    assert engine_config(parse(["serve", "--dtype", "bfloat16"])).kv_cache_dtype == "auto"  # the model dtype
+    assert engine_config(parse(["serve", "--kv-cache-dtype", "fp32"])).kv_cache_dtype == "fp32"
+    assert engine_config(parse(["serve", "--kv-cache-dtype", "int8"])).kv_cache_dtype == "int8"
+
+
+def test_an_fp32_format_is_a_float32_pool_whatever_the_model_dtype():
+    shape = CacheShape(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.bfloat16, kv_format="fp32")
+    cache = KVCache(shape, num_blocks=3, block_size=8)
+    assert cache.pool.dtype == torch.float32 and cache.scales is None
+
+
 def test_cli_generate_int8(tiny_llama_dir, capsys):
     code = cli_main(["generate", "Hello there", "--model", str(tiny_llama_dir), "--kv-cache-dtype", "int8",
                      "--kv-cache-memory", "4M", "--max-tokens", "8", "--ignore-eos", "--json"])
