@@ -103,6 +103,16 @@ def test_a_16_bit_cache_gives_the_numbers_of_a_float32_cache_holding_its_values(
     torch.testing.assert_close(out, paged_attention_ref(*case.args()), rtol=1e-4, atol=2e-5)
 
 
+@pytest.mark.parametrize("fmt", ["fp16", "bf16"])
+def test_a_prefill_chunk_beside_decode_rows_on_a_16_bit_cache_matches_the_reference(fmt, generator):
+    """A long chunk takes SDPA over the gathered (widened) context, the short rows the C++ kernel."""
+    case = make_paged_case([100, 80], [PREFILL_Q_LEN + 6, 3], 6, 2, 64, 16, torch.float32, fmt, generator)
+    from kernels.attention import paged_attention
+
+    out = paged_attention(*case.args())
+    torch.testing.assert_close(out, paged_attention_ref(*case.args()), rtol=1e-4, atol=2e-5)
+
+
 def test_a_verification_row_on_a_bf16_cache_equals_its_decode_step(generator):
     """A row's numbers do not depend on the rows beside it on a 16-bit cache either (the prefetch
     and the widening differ with the row count)."""
