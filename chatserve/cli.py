@@ -130,12 +130,13 @@ def engine_config(args) -> EngineConfig:
 
     device = resolve_device(args.device)  # a missing GPU fails here, before anything loads
     quantization = _quantization(args.quantization, device)
+    dtype = _dtype(args.dtype, device, quantization)
     return EngineConfig(
         model=args.model,
         device=device,
         kernels=args.kernels,
-        dtype=_dtype(args.dtype, device, quantization),
-        kv_cache_dtype=_kv_cache_dtype(args.kv_cache_dtype, device, _dtype(args.dtype, device, quantization)),
+        dtype=dtype,
+        kv_cache_dtype=_kv_cache_dtype(args.kv_cache_dtype, device, dtype),
         kv_cache_unquantized_layers=args.kv_cache_unquantized_layers,
         kv_smooth_keys=not args.no_kv_smooth_keys,
         kv_cache_memory=args.kv_cache_memory,

@@ -39,8 +39,7 @@ def kv_store(
     assert slot_mapping.shape == (key.shape[0],)
     fmt = kv_format_of(k_cache.dtype)
     assert (fmt == "auto") == (k_scale is None), "k_scale/v_scale go with (only) a quantized cache"
-    if (fmt == "auto" and decode_ops.cache_usable(k_cache) and decode_ops.usable(key, key.shape[-1])
-            and value.dtype == torch.float32):
+    if decode_ops.cache_usable(k_cache) and decode_ops.usable(key, key.shape[-1]) and value.dtype == torch.float32:
         return decode_ops.store_kv(key, value, k_cache, v_cache, slot_mapping)  # skips slots < 0 itself
     if slot_mapping.numel() and int(slot_mapping.min()) < 0:
         keep = slot_mapping >= 0
