@@ -29,4 +29,6 @@ void bind_decode_stack(pybind11::module& m);
 namespace chatserve {
 bool vnni_enabled();
 bool set_vnni(bool on);
+bool amx_enabled();
+bool set_amx(bool on);
 }  // namespace chatserve

@@ -12,7 +12,22 @@
 // marked CHATSERVE_VNNI are compiled for VNNI as well and run only where vnni_enabled().
 #define CHATSERVE_VNNI __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
 
+// AMX (Intel from Sapphire Rapids): eight 1 KiB tile registers and a unit that multiplies tiles of
+// bfloat16 pairs into float32 (tdpbf16ps: a 16 x 32 by 32 x 16 product in one instruction), with
+// AVX-512 BF16 for the roundings to bfloat16 around it. Functions marked CHATSERVE_AMX run only
+// where amx_enabled().
+#define CHATSERVE_AMX \
+  __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,amx-bf16")))
+
 namespace chatserve {
+
+// Whether the paged attention over a bfloat16 cache takes its AMX path: the CPU has AMX-BF16 and
+// AVX-512 BF16, the kernel let this process use the tiles, and CHATSERVE_NO_AMX is unset, unless
+// set_amx changed it. Unlike VNNI, AMX changes the numbers (queries and attention weights are
+// rounded to bfloat16), so decode and verification rows must agree on it: it is read once per call.
+bool amx_enabled();
+// Turns the AMX attention on (where the CPU has it) or off; returns whether it was on.
+bool set_amx(bool on);
 
 // Whether the matmul kernels take their VNNI tiles: the CPU has AVX-512 VNNI + VL and
 // CHATSERVE_NO_VNNI is unset, unless set_vnni changed it (tests compare both paths; a VNNI tile

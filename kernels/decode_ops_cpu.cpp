@@ -473,6 +473,292 @@ void attend_partition(const AttnShape& s, const float* qp, const void* kbase, co
   }
 }
 
+
+// ---- The AMX path (a bfloat16 cache on a CPU with AMX-BF16) ----
+//
+// The same items, partitions and merge as attend_partition, but the two products run on the tile
+// unit: scores^T [16 keys x 16 queries] = K [16 keys x 32 dims] . Q^T, straight from the cache (16
+// keys of one block are 16 rows Hkv * D apart), and out [16 queries x 16 dims] = P [16 queries x
+// 32 keys] . V. The queries (a row's G heads, then the next row's) and the attention weights P are
+// rounded to bfloat16 (round to nearest even), and each product sums in float32. Every element of
+// a tile product depends on its own row and column only, and the softmax runs per query lane, so
+// a row's numbers still do not depend on the rows beside it. The operands the tile unit wants in
+// pairs (Q^T and V: two consecutive dims or keys in each 32-bit word) are rearranged once per item
+// in L1/L2 scratch and shared by every row.
+struct TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0-3: float32 accumulators, 4: the A operand, 5: the B operand; each 16 rows of 64 bytes.
+CHATSERVE_AMX void amx_configure() {
+  alignas(64) TileConfig c;
+  for (int i = 0; i < 6; ++i) {
+    c.rows[i] = 16;
+    c.colsb[i] = 64;
+  }
+  _tile_loadconfig(&c);
+}
+
+// _tile_dpbf16ps takes tile numbers as immediates.
+CHATSERVE_AMX inline void dp_into(int c) {
+  switch (c) {
+    case 0: _tile_dpbf16ps(0, 4, 5); break;
+    case 1: _tile_dpbf16ps(1, 4, 5); break;
+    case 2: _tile_dpbf16ps(2, 4, 5); break;
+    default: _tile_dpbf16ps(3, 4, 5); break;
+  }
+}
+CHATSERVE_AMX inline void zero_tile(int c) {
+  switch (c) {
+    case 0: _tile_zero(0); break;
+    case 1: _tile_zero(1); break;
+    case 2: _tile_zero(2); break;
+    default: _tile_zero(3); break;
+  }
+}
+CHATSERVE_AMX inline void store_tile(int c, void* dst, int64_t stride) {
+  switch (c) {
+    case 0: _tile_stored(0, dst, stride); break;
+    case 1: _tile_stored(1, dst, stride); break;
+    case 2: _tile_stored(2, dst, stride); break;
+    default: _tile_stored(3, dst, stride); break;
+  }
+}
+
+// r[i] (16 vectors of 16 32-bit words) transposed in place: r[i] word j <- r[j] word i.
+CHATSERVE_AMX inline void transpose16(__m512i* r) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  // u[4a + b], in its 128-bit lane L: word b + 4L of rows 4a .. 4a + 3.
+  for (int a = 0; a < 16; a += 4) {
+    u[a] = _mm512_unpacklo_epi64(t[a], t[a + 2]);
+    u[a + 1] = _mm512_unpackhi_epi64(t[a], t[a + 2]);
+    u[a + 2] = _mm512_unpacklo_epi64(t[a + 1], t[a + 3]);
+    u[a + 3] = _mm512_unpackhi_epi64(t[a + 1], t[a + 3]);
+  }
+  for (int b = 0; b < 4; ++b) {
+    const __m512i v0 = _mm512_shuffle_i32x4(u[b], u[4 + b], 0x44), v1 = _mm512_shuffle_i32x4(u[b], u[4 + b], 0xee);
+    const __m512i v2 = _mm512_shuffle_i32x4(u[8 + b], u[12 + b], 0x44);
+    const __m512i v3 = _mm512_shuffle_i32x4(u[8 + b], u[12 + b], 0xee);
+    r[b] = _mm512_shuffle_i32x4(v0, v2, 0x88);
+    r[b + 4] = _mm512_shuffle_i32x4(v0, v2, 0xdd);
+    r[b + 8] = _mm512_shuffle_i32x4(v1, v3, 0x88);
+    r[b + 12] = _mm512_shuffle_i32x4(v1, v3, 0xdd);
+  }
+}
+
+// exp512: exp256's polynomial on 16 lanes.
+CHATSERVE_AMX inline __m512 exp512(__m512 x) {
+  x = _mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f));
+  x = _mm512_max_ps(x, _mm512_set1_ps(-88.3762626647949f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.f)));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+
+// Word 2i <- word i, word 2i + 1 <- word 16 + i: two rows of 16 bfloat16 (low and high half) into
+// the 32-bit pairs the tile unit multiplies.
+CHATSERVE_AMX inline __m512i pair_index() {
+  alignas(64) int16_t idx[32];
+  for (int i = 0; i < 16; ++i) {
+    idx[2 * i] = static_cast<int16_t>(i);
+    idx[2 * i + 1] = static_cast<int16_t>(16 + i);
+  }
+  return _mm512_load_si512(idx);
+}
+
+// Key j's weight for 16 query lanes: exp(scale * s - m) for the lanes that see key j (nt > j), else 0
+// (also for a key past the partition's n, whose score is not computed).
+CHATSERVE_AMX inline __m512 attention_weight(const float* score, int64_t j, int64_t n, __m512i nt, __m512 vscale,
+                                            __m512 msc) {
+  if (j >= n) return _mm512_setzero_ps();
+  const __mmask16 live = _mm512_cmpgt_epi32_mask(nt, _mm512_set1_epi32(static_cast<int>(j)));
+  return _mm512_maskz_mov_ps(live, exp512(_mm512_fmsub_ps(_mm512_loadu_ps(score), vscale, msc)));
+}
+
+struct AmxScratch {
+  std::vector<uint16_t> qb;     // Q^T in pairs: [query tile][D / 32][16 dim pairs][16 queries x 2]
+  std::vector<float> scores;    // raw q . k: [n16 keys][64 queries] (a chunk of up to 4 query tiles)
+  std::vector<uint16_t> p;      // attention weights in bfloat16: [64 queries][n32 keys]
+  std::vector<uint16_t> vb;     // V in pairs: [n32 / 32][D / 16][16 key pairs][16 dims x 2]
+  std::vector<int64_t> rows;    // key j's offset in the caches
+  std::vector<int32_t> keys;    // keys each query sees in this partition
+  alignas(64) float out[16 * 64];
+};
+
+CHATSERVE_AMX void attend_partition_amx(const AttnShape& s, const float* qp, const uint16_t* kc, const uint16_t* vc,
+                                        const int32_t* table, const int64_t* cx, int64_t t0, int64_t t1, int64_t kh,
+                                        int64_t p, int64_t P, float fscale, float* part_m, float* part_l,
+                                        float* part_o, AmxScratch& sc) {
+  const int64_t G = s.G, D = s.D, BS = s.BS, Hkv = s.Hkv, j0 = p * kPart, KS = D / 32, DC = D / 16;
+  const auto keys_of = [&](int64_t t) { return std::max<int64_t>(0, std::min(j0 + kPart, cx[t]) - j0); };
+  int64_t n = 0;
+  for (int64_t t = t0; t < t1; ++t) n = std::max(n, keys_of(t));
+  if (n <= 0) return;
+  const int64_t n16 = (n + 15) / 16 * 16, n32 = (n + 31) / 32 * 32, Q = (t1 - t0) * G, QT = (Q + 15) / 16;
+  sc.rows.resize(n);
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t key = j0 + j;
+    sc.rows[j] = ((static_cast<int64_t>(table[key / BS]) * BS + key % BS) * Hkv + kh) * D;
+  }
+  sc.keys.resize(QT * 16);
+  for (int64_t q = 0; q < QT * 16; ++q) sc.keys[q] = q < Q ? static_cast<int32_t>(keys_of(t0 + q / G)) : 0;
+  const auto query = [&](int64_t q) { return qp + ((t0 + q / G) * s.H + kh * G + q % G) * D; };
+  // Q^T in pairs: a query's 32 dims of one step, rounded, are 16 pairs; transposed, row i holds
+  // pair i of the tile's 16 queries.
+  sc.qb.resize(QT * KS * 512);
+  for (int64_t qt = 0; qt < QT; ++qt)
+    for (int64_t ks = 0; ks < KS; ++ks) {
+      __m512i r[16];
+      for (int c = 0; c < 16; ++c) {
+        const int64_t q = qt * 16 + c;
+        if (q < Q) {
+          const float* x = query(q) + ks * 32;
+          r[c] = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + 16), _mm512_loadu_ps(x)));
+        } else {
+          r[c] = _mm512_setzero_si512();
+        }
+      }
+      transpose16(r);
+      for (int i = 0; i < 16; ++i) _mm512_storeu_si512(sc.qb.data() + ((qt * KS + ks) * 16 + i) * 32, r[i]);
+    }
+  const __m512i pairs = pair_index();
+  const int64_t kstride = Hkv * D * 2;  // bytes from one key's row to the next within a block
+  sc.scores.resize(n16 * 64);
+  sc.p.resize(64 * n32);
+  float* scores = sc.scores.data();
+  uint16_t* pw = sc.p.data();
+  for (int64_t qc = 0; qc < QT; qc += 4) {  // up to 4 query tiles share each load of K
+    const int nq = static_cast<int>(std::min<int64_t>(4, QT - qc));
+    for (int64_t j = 0; j < n16; j += 16) {  // 16 keys of one block (BS a multiple of 16)
+      // The next tile's keys to L1, and (the first pass) this tile's values to L2 for the
+      // rearranging below: the caches of a long context come from L3 or memory, and without these
+      // the loads' misses were most of the time (Qwen 1.5B's shape, 2k keys, 1 row: ...).
+      if (j + 16 < n16)
+        for (int64_t i = j + 16; i < std::min(j + 32, n); ++i)
+          for (int64_t b = 0; b < D * 2; b += 64) _mm_prefetch(reinterpret_cast<const char*>(kc + sc.rows[i]) + b, _MM_HINT_T0);
+      if (qc == 0)
+        for (int64_t i = j; i < std::min(j + 16, n); ++i)
+          for (int64_t b = 0; b < D * 2; b += 64) _mm_prefetch(reinterpret_cast<const char*>(vc + sc.rows[i]) + b, _MM_HINT_T1);
+      for (int c = 0; c < nq; ++c) zero_tile(c);
+      const uint16_t* k = kc + sc.rows[j];
+      for (int64_t ks = 0; ks < KS; ++ks) {
+        _tile_loadd(4, k + ks * 32, kstride);
+        for (int c = 0; c < nq; ++c) {
+          _tile_loadd(5, sc.qb.data() + ((qc + c) * KS + ks) * 512, 64);
+          dp_into(c);
+        }
+      }
+      for (int c = 0; c < nq; ++c) store_tile(c, scores + j * 64 + c * 16, 64 * 4);
+    }
+    if (qc == 0) {
+    // V in pairs: keys 2i and 2i + 1 of a step of 32, 16 dims at a time; keys past n are zeros (their
+    // weights are 0, and 0 times a stale NaN would not be).
+    sc.vb.resize(n32 / 32 * DC * 512);
+    for (int64_t j2 = 0; j2 < n32; j2 += 32)
+      for (int64_t i = 0; i < 16; ++i) {
+        const int64_t ka = j2 + 2 * i, kb = ka + 1;
+        for (int64_t c = 0; c < DC; ++c) {
+          const __m256i a = ka < n ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vc + sc.rows[ka] + c * 16))
+                                   : _mm256_setzero_si256();
+          const __m256i b = kb < n ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vc + sc.rows[kb] + c * 16))
+                                   : _mm256_setzero_si256();
+          _mm512_storeu_si512(sc.vb.data() + (((j2 / 32) * DC + c) * 16 + i) * 32,
+                              _mm512_permutexvar_epi16(pairs, _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1)));
+        }
+      }
+    }
+    for (int c = 0; c < nq; ++c) {
+      // Softmax per query lane over its own keys: the max, then exp(scale * (s - max)) (0 past the
+      // query's keys) rounded to bfloat16 and transposed 32 keys at a time into P's rows.
+      const __m512i nt = _mm512_loadu_si512(sc.keys.data() + (qc + c) * 16);
+      __m512 mx = _mm512_set1_ps(-INFINITY);
+      for (int64_t j = 0; j < n; ++j)
+        mx = _mm512_mask_max_ps(mx, _mm512_cmpgt_epi32_mask(nt, _mm512_set1_epi32(static_cast<int>(j))), mx,
+                                _mm512_loadu_ps(scores + j * 64 + c * 16));
+      const __mmask16 seen = _mm512_cmpgt_epi32_mask(nt, _mm512_setzero_si512());
+      const __m512 vscale = _mm512_set1_ps(fscale), msc = _mm512_maskz_mul_ps(seen, mx, vscale);
+      __m512 sum = _mm512_setzero_ps();
+      for (int64_t j2 = 0; j2 < n32; j2 += 32) {
+        __m512i w[16];
+        for (int i = 0; i < 16; ++i) {
+          const int64_t ja = j2 + 2 * i;
+          const __m512 e0 = attention_weight(scores + ja * 64 + c * 16, ja, n, nt, vscale, msc);
+          const __m512 e1 = attention_weight(scores + (ja + 1) * 64 + c * 16, ja + 1, n, nt, vscale, msc);
+          sum = _mm512_add_ps(_mm512_add_ps(sum, e0), e1);
+          w[i] = _mm512_permutexvar_epi16(pairs, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(e1, e0)));
+        }
+        transpose16(w);
+        for (int q = 0; q < 16; ++q) _mm512_storeu_si512(pw + (c * 16 + q) * n32 + j2, w[q]);
+      }
+      alignas(64) float m_lane[16], l_lane[16];
+      _mm512_store_ps(m_lane, msc);
+      _mm512_store_ps(l_lane, sum);
+      for (int lane = 0; lane < 16; ++lane) {
+        const int64_t q = (qc + c) * 16 + lane;
+        if (q >= Q || sc.keys[q] == 0) continue;
+        const int64_t item = ((t0 + q / G) * Hkv + kh) * P + p;
+        part_m[item * G + q % G] = m_lane[lane];
+        part_l[item * G + q % G] = l_lane[lane];
+      }
+      // out = P . V, 4 tiles of 16 dims at a time.
+      for (int64_t dg = 0; dg < DC; dg += 4) {
+        const int nd = static_cast<int>(std::min<int64_t>(4, DC - dg));
+        for (int d = 0; d < nd; ++d) zero_tile(d);
+        for (int64_t j2 = 0; j2 < n32; j2 += 32) {
+          _tile_loadd(4, pw + c * 16 * n32 + j2, n32 * 2);
+          for (int d = 0; d < nd; ++d) {
+            _tile_loadd(5, sc.vb.data() + ((j2 / 32) * DC + dg + d) * 512, 64);
+            dp_into(d);
+          }
+        }
+        for (int d = 0; d < nd; ++d) store_tile(d, sc.out + d * 16, 64 * 4);
+        for (int lane = 0; lane < 16; ++lane) {
+          const int64_t q = (qc + c) * 16 + lane;
+          if (q >= Q || sc.keys[q] == 0) continue;
+          const int64_t item = ((t0 + q / G) * Hkv + kh) * P + p;
+          std::copy_n(sc.out + lane * 64, nd * 16, part_o + (item * G + q % G) * D + dg * 16);
+        }
+      }
+    }
+  }
+}
+
+// Work items [i0, i1) on the AMX path: this thread's tiles configured once, released after.
+struct Item {
+  int64_t t0, t1, kh, p;  // rows [t0, t1) of one sequence, kv head, partition
+};
+
+CHATSERVE_AMX void attend_items_amx(const AttnShape& s, const Item* items, int64_t i0, int64_t i1, const float* qp,
+                                    const uint16_t* kc, const uint16_t* vc, const int32_t* bt, const int64_t* sq,
+                                    const int64_t* cx, int64_t P, float fscale, float* part_m, float* part_l,
+                                    float* part_o) {
+  AmxScratch scratch;
+  amx_configure();
+  for (int64_t i = i0; i < i1; ++i) {
+    const Item& it = items[i];
+    attend_partition_amx(s, qp, kc, vc, bt + sq[it.t0] * s.MB, cx, it.t0, it.t1, it.kh, it.p, P, fscale, part_m,
+                         part_l, part_o, scratch);
+  }
+  _tile_release();
+}
+
 }  // namespace
 
 void paged_attention_rows(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
@@ -501,9 +787,6 @@ void paged_attention_rows(torch::Tensor out, torch::Tensor q, torch::Tensor k_ca
   }
   // Items (a run of rows of one sequence, kv head, partition): the rows of a verification read
   // each partition's keys together.
-  struct Item {
-    int64_t t0, t1, kh, p;
-  };
   std::vector<Item> items;
   for (int64_t r0 = 0; r0 < T;) {
     int64_t r1 = r0 + 1, parts = (cx[r0] + kPart - 1) / kPart;
@@ -518,7 +801,14 @@ void paged_attention_rows(torch::Tensor out, torch::Tensor q, torch::Tensor k_ca
   const void* vp = v_cache.data_ptr();
   const float fscale = static_cast<float>(scale);
   const bool wide = chatserve::vnni_enabled();  // the 512-bit loops (same numbers), where AVX-512 is
+  // The tile unit, for a bfloat16 cache whose blocks hold whole tiles of 16 keys.
+  const bool amx = kt == KvType::kBF16 && BS % 16 == 0 && D % 32 == 0 && chatserve::amx_enabled();
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t i0, int64_t i1) {
+    if (amx) {
+      attend_items_amx(s, items.data(), i0, i1, qp, static_cast<const uint16_t*>(kp), static_cast<const uint16_t*>(vp),
+                       bt, sq, cx, P, fscale, part_m.data(), part_l.data(), part_o.data());
+      return;
+    }
     Scratch scratch;
     for (int64_t i = i0; i < i1; ++i) {
       const Item& it = items[i];

@@ -21,6 +21,9 @@
 #include <cstdlib>
 #include <cstring>
 #include <vector>
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 namespace chatserve {
 
@@ -35,6 +38,29 @@ std::atomic<bool> vnni_on{cpu_has_vnni() && std::getenv("CHATSERVE_NO_VNNI") == 
 bool vnni_enabled() { return vnni_on.load(std::memory_order_relaxed); }
 
 bool set_vnni(bool on) { return vnni_on.exchange(on && cpu_has_vnni()); }
+
+namespace {
+// AMX-TILE, AMX-BF16 (CPUID leaf 7: EDX bits 24, 22), AVX512-BF16 (leaf 7 subleaf 1: EAX bit 5),
+// the OS saving the tile state (XCR0 bits 17, 18), and Linux's per-process permission for it
+// (arch_prctl ARCH_REQ_XCOMP_PERM; without it the first tile instruction kills the process).
+bool cpu_has_amx() {
+  unsigned a, b, c, d;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 22))) return false;
+  if (!__get_cpuid_count(7, 1, &a, &b, &c, &d) || !(a & (1u << 5))) return false;
+  if (!cpu_has_vnni()) return false;
+  unsigned lo, hi;
+  __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+  if ((lo & (3u << 17)) != (3u << 17)) return false;
+  constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+}
+const bool amx_present = cpu_has_amx();
+std::atomic<bool> amx_on{amx_present && std::getenv("CHATSERVE_NO_AMX") == nullptr};
+}  // namespace
+
+bool amx_enabled() { return amx_on.load(std::memory_order_relaxed); }
+
+bool set_amx(bool on) { return amx_on.exchange(on && amx_present); }
 
 }  // namespace chatserve
 

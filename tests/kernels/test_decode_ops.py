@@ -86,12 +86,15 @@ def test_store_kv_rounds_into_a_16_bit_cache_as_torch_does(dtype, generator):
 def test_a_16_bit_cache_gives_the_numbers_of_a_float32_cache_holding_its_values(fmt, wide, seq_lens, q_lens, heads,
                                                                                generator):
     """The attention widens 16-bit keys and values exactly, then runs the float32 loops: the same
-    numbers bit for bit as a float32 cache of the same (rounded) values, and close to the reference."""
+    numbers bit for bit as a float32 cache of the same (rounded) values, and close to the reference.
+    (A bfloat16 cache on a CPU with AMX takes the tile path unless it is switched off:
+    tests/kernels/test_amx_attention.py.)"""
     case = make_paged_case(seq_lens, q_lens, *heads, 16, torch.float32, fmt, generator)
     assert case.k_cache.dtype == {"fp16": torch.float16, "bf16": torch.bfloat16}[fmt]
     seqs = [b for b, q in enumerate(q_lens) for _ in range(q)]
     contexts = [c for s, q in zip(seq_lens, q_lens) for c in range(s - q + 1, s + 1)]
     old = cpu_ext.extension().set_vnni(wide)
+    old_amx = cpu_ext.extension().set_amx(False)
     try:
         out = decode_ops.paged_attention_rows(case.query, case.k_cache, case.v_cache, case.block_tables, seqs,
                                               contexts, case.scale)
@@ -99,17 +102,23 @@ def test_a_16_bit_cache_gives_the_numbers_of_a_float32_cache_holding_its_values(
                                                  case.block_tables, seqs, contexts, case.scale)
     finally:
         cpu_ext.extension().set_vnni(old)
+        cpu_ext.extension().set_amx(old_amx)
     assert torch.equal(out, wide32)
     torch.testing.assert_close(out, paged_attention_ref(*case.args()), rtol=1e-4, atol=2e-5)
 
 
 @pytest.mark.parametrize("fmt", ["fp16", "bf16"])
 def test_a_prefill_chunk_beside_decode_rows_on_a_16_bit_cache_matches_the_reference(fmt, generator):
-    """A long chunk takes SDPA over the gathered (widened) context, the short rows the C++ kernel."""
+    """A long chunk takes SDPA over the gathered (widened) context, the short rows the C++ kernel
+    (its widened loops; with AMX, bfloat16 rows round: tests/kernels/test_amx_attention.py)."""
     case = make_paged_case([100, 80], [PREFILL_Q_LEN + 6, 3], 6, 2, 64, 16, torch.float32, fmt, generator)
     from kernels.attention import paged_attention
 
-    out = paged_attention(*case.args())
+    old = cpu_ext.extension().set_amx(False)
+    try:
+        out = paged_attention(*case.args())
+    finally:
+        cpu_ext.extension().set_amx(old)
     torch.testing.assert_close(out, paged_attention_ref(*case.args()), rtol=1e-4, atol=2e-5)
 
 
