@@ -163,14 +163,19 @@ def _dtype(choice: str, device: str, quantization: str | None) -> str:
 
 
 def _kv_cache_dtype(choice: str, device: str, dtype: str) -> str:
-    """auto: a float32 model on the CPU keeps its KV in fp16 where the C++ kernels read it (half
+    """auto: a float32 model on the CPU keeps its KV in 16 bits where the C++ kernels read it (half
     the bytes per token; at 2k tokens SmolLM2's decode step 14.6 -> 10.6 ms, Qwen 1.5B's 48 -> 46:
-    docs/benchmarks.md, session 27), else the model dtype."""
+    docs/benchmarks.md, session 27): bf16 where the attention multiplies it on AMX tiles (a
+    verification row at 2k tokens then costs a fraction of the widened loops': session 28), else
+    fp16 (closer to float32 than bf16); else the model dtype."""
     if choice != "auto" or device == "cuda" or dtype != "float32":
         return choice
     from kernels import cpu_ext
 
-    return "fp16" if cpu_ext.is_available() else "auto"
+    ext = cpu_ext.extension()
+    if ext is None:
+        return "auto"
+    return "bf16" if ext.amx_enabled() else "fp16"
 
 
 def _quantization(choice: str, device: str = "cpu") -> str | None:

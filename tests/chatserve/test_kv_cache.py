@@ -210,10 +210,21 @@ def test_cli_flags_reach_the_engine_config():
     assert engine_config(args).kv_cache_unquantized_layers == 1
 
 
-def test_cli_auto_kv_cache_is_fp16_for_a_float32_model_on_the_cpu():
+@pytest.mark.parametrize("amx", [True, False])
+def test_cli_auto_kv_cache_is_16_bit_for_a_float32_model_on_the_cpu(amx):
+    """bf16 where the attention takes the AMX tiles (set_amx(True) holds only where the CPU has
+    them), else fp16."""
+    from kernels import cpu_ext
+
     parse = build_parser().parse_args
-    assert engine_config(parse(["serve"])).kv_cache_dtype == "fp16"  # int4 weights, float32 activations
-    assert engine_config(parse(["serve", "--quantization", "none", "--dtype", "float32"])).kv_cache_dtype == "fp16"
+    before = cpu_ext.extension().set_amx(amx)
+    try:
+        expected = "bf16" if cpu_ext.extension().amx_enabled() else "fp16"
+        assert amx or expected == "fp16"
+        assert engine_config(parse(["serve"])).kv_cache_dtype == expected  # int4 weights, float32 activations
+        assert engine_config(parse(["serve", "--quantization", "none", "--dtype", "float32"])).kv_cache_dtype == expected
+    finally:
+        cpu_ext.extension().set_amx(before)
     assert engine_config(parse(["serve", "--dtype", "bfloat16"])).kv_cache_dtype == "auto"  # the model dtype
     assert engine_config(parse(["serve", "--kv-cache-dtype", "fp32"])).kv_cache_dtype == "fp32"
     assert engine_config(parse(["serve", "--kv-cache-dtype", "int8"])).kv_cache_dtype == "int8"
