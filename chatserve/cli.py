@@ -296,7 +296,8 @@ def cmd_train_head(args) -> int:
 
     cfg = TrainConfig(minutes=args.minutes, max_steps=args.max_steps, max_data_tokens=args.max_data_tokens,
                       reply_tokens=args.reply_tokens, head_vocab_size=args.head_vocab_size, fresh=args.fresh,
-                      seed=args.seed, unroll=args.unroll, data_share=args.data_share, init=args.init)
+                      seed=args.seed, unroll=args.unroll, data_share=args.data_share, init=args.init,
+                      train_dtype=args.train_dtype)
     quantization = _quantization(args.quantization)
     engine = Engine(EngineConfig(
         model=args.model,
@@ -407,6 +408,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "embedding); ignored when resuming")
     t.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="as for serve: features come from the model as it will be served")
+    t.add_argument("--train-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="the training step's compute dtype (weights and the saved head stay float32); auto: "
+                        "bfloat16 where the CPU has AMX (amx_bf16), else float32")
     t.add_argument("--quantization", "-q", default="auto",
                    choices=["auto", "int4", "int8", "none", "bnb-int8", "bnb-nf4"], help="as for serve")
     t.add_argument("--max-model-len", type=int, default=4096)

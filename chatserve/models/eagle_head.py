@@ -146,4 +146,6 @@ def _chain_attention(q, keys, values, scale: float) -> torch.Tensor:
 
 
 def _rms_norm(x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
-    return F.rms_norm(x, norm.weight.shape, norm.weight, norm.eps)
+    """In float32, back in x's dtype: under bf16 autocast (train_head) x is bf16 and the weight
+    float32, a pair F.rms_norm has no fused kernel for; a no-op cast for a float32 head."""
+    return F.rms_norm(x.float(), norm.weight.shape, norm.weight.float(), norm.eps).to(x.dtype)
