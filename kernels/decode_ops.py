@@ -104,7 +104,9 @@ def paged_attention_rows(query: torch.Tensor, k_cache: torch.Tensor, v_cache: to
                          out: torch.Tensor | None = None) -> torch.Tensor:
     """out[t] = attention of query row t [H, D] over the first contexts[t] tokens of sequence
     seqs[t]'s blocks (block_tables row) in caches of one of CACHE_DTYPES; query, out [T, H, D].
-    kernels/attention.paged_attention_ref is the reference (with one row per causal position)."""
+    kernels/attention.paged_attention_ref is the reference (with one row per causal position).
+    A bfloat16 cache on a CPU with AMX multiplies on the tile unit, the query and the attention
+    weights rounded to bfloat16 (cpu_ext.extension().set_amx(False) keeps the float32 loops)."""
     if out is None:
         out = torch.empty_like(query)
     cpu_ext.extension().paged_attention_rows(out, query, k_cache, v_cache, block_tables,
