@@ -4,12 +4,19 @@ longest context costs most).
 
     .venv/bin/python benchmarks/prefill_chunks.py --model smollm2-135m-instruct --tokens 2048 --chunk 512 \
         --json benchmarks/results/prefill_chunks_smollm2.json
+
+`--amx-int8 both` alternates the Q4_K matmul's AMX-INT8 path and the VNNI tiles round by round,
+reports each, the ratio, and whether the last chunk's logits are equal bit for bit (they must be):
+
+    .venv/bin/python benchmarks/prefill_chunks.py --model qwen2.5-coder-1.5b-instruct --tokens 2048 \
+        --chunk 256 --amx-int8 both --json benchmarks/results/prefill_amx_int8_qwen.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -33,6 +40,9 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--amx-int8", choices=["on", "off", "both"], default="on",
+                   help="the Q4_K matmul's AMX-INT8 path for chunks of 64+ rows; both: alternate, check the "
+                        "logits are equal bit for bit, report each and the ratio")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
     engine = Engine(EngineConfig(model=args.model, quantization=None if args.quantization == "none" else args.quantization,
@@ -41,16 +51,36 @@ def main() -> None:
     blocks = list(range(args.tokens // runner.block_size + 4))
     tokens = list(range(100, 100 + args.tokens))
 
-    def prefill() -> float:
+    from kernels import cpu_ext
+
+    ext = cpu_ext.extension()
+
+    def prefill() -> tuple[float, torch.Tensor]:
         start = time.perf_counter()
         for s in range(0, args.tokens, args.chunk):
-            runner.run([BatchItem(tokens[s : s + args.chunk], s, blocks, 1)])
-        return time.perf_counter() - start
+            out = runner.run([BatchItem(tokens[s : s + args.chunk], s, blocks, 1)])
+        return time.perf_counter() - start, out
 
+    modes = {"on": [True], "off": [False], "both": [True, False]}[args.amx_int8]
+    seconds: dict[bool, list[float]] = {m: [] for m in modes}
+    last: dict[bool, torch.Tensor] = {}
     prefill()  # warm-up
-    seconds = [prefill() for _ in range(args.repeats)]
-    result = {"model": args.model, "tokens": args.tokens, "chunk": args.chunk, "best_s": min(seconds),
-              "tokens_per_s": args.tokens / min(seconds)}
+    for _ in range(args.repeats):
+        for mode in modes:
+            if ext is not None:
+                ext.set_amx_int8(mode)
+            t, last[mode] = prefill()
+            seconds[mode].append(t)
+    if ext is not None:
+        ext.set_amx_int8(True)
+    best = {m: min(v) for m, v in seconds.items()}
+    result = {"model": args.model, "tokens": args.tokens, "chunk": args.chunk, "best_s": best[modes[0]],
+              "tokens_per_s": args.tokens / best[modes[0]], "amx_int8_available": bool(ext and ext.amx_int8_enabled()),
+              "load": os.getloadavg()[0]}
+    if len(modes) == 2:
+        result.update(off_best_s=best[False], off_tokens_per_s=args.tokens / best[False],
+                      speedup=best[False] / best[True], seconds=seconds,
+                      logits_equal=bool(torch.equal(last[True][0], last[False][0])))
     print(json.dumps(result))
     if args.profile:
         last = args.tokens - args.chunk

@@ -31,4 +31,6 @@ bool vnni_enabled();
 bool set_vnni(bool on);
 bool amx_enabled();
 bool set_amx(bool on);
+bool amx_int8_enabled();
+bool set_amx_int8(bool on);
 }  // namespace chatserve

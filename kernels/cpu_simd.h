@@ -19,6 +19,12 @@
 #define CHATSERVE_AMX \
   __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,amx-bf16")))
 
+// AMX-INT8 (Intel from Sapphire Rapids): tdpbusd multiplies a tile of unsigned bytes by a tile of
+// signed bytes, four products summed into each int32 of a 16 x 16 accumulator tile, exactly as
+// vpdpbusd does. Functions marked CHATSERVE_AMX_INT8 run only where amx_int8_enabled().
+#define CHATSERVE_AMX_INT8 \
+  __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,amx-tile,amx-int8")))
+
 namespace chatserve {
 
 // Whether the paged attention over a bfloat16 cache takes its AMX path: the CPU has AMX-BF16 and
@@ -28,6 +34,14 @@ namespace chatserve {
 bool amx_enabled();
 // Turns the AMX attention on (where the CPU has it) or off; returns whether it was on.
 bool set_amx(bool on);
+
+// Whether the Q4_K matmul takes its AMX-INT8 path for chunks of many rows (prefill): the CPU has
+// AMX-INT8 and AVX-512 VNNI, the kernel let this process use the tiles, and CHATSERVE_NO_AMX is
+// unset, unless set_amx_int8 changed it. The tiles give the same integers as the VNNI path, so
+// the same outputs bit for bit (a prefill's rows equal its decode rows' numbers).
+bool amx_int8_enabled();
+// Turns the AMX-INT8 matmul on (where the CPU has it) or off; returns whether it was on.
+bool set_amx_int8(bool on);
 
 // Whether the matmul kernels take their VNNI tiles: the CPU has AVX-512 VNNI + VL and
 // CHATSERVE_NO_VNNI is unset, unless set_vnni changed it (tests compare both paths; a VNNI tile
@@ -110,6 +124,40 @@ inline __m256 exp256(__m256 x) {
   y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+// The tile unit's configuration (ldtilecfg's 64-byte operand): palette 1, then per tile register
+// its bytes per row and its rows.
+struct TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// r[i] (16 vectors of 16 32-bit words) transposed in place: r[i] word j <- r[j] word i.
+__attribute__((target("avx512f"))) inline void transpose16(__m512i* r) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  // u[4a + b], in its 128-bit lane L: word b + 4L of rows 4a .. 4a + 3.
+  for (int a = 0; a < 16; a += 4) {
+    u[a] = _mm512_unpacklo_epi64(t[a], t[a + 2]);
+    u[a + 1] = _mm512_unpackhi_epi64(t[a], t[a + 2]);
+    u[a + 2] = _mm512_unpacklo_epi64(t[a + 1], t[a + 3]);
+    u[a + 3] = _mm512_unpackhi_epi64(t[a + 1], t[a + 3]);
+  }
+  for (int b = 0; b < 4; ++b) {
+    const __m512i v0 = _mm512_shuffle_i32x4(u[b], u[4 + b], 0x44), v1 = _mm512_shuffle_i32x4(u[b], u[4 + b], 0xee);
+    const __m512i v2 = _mm512_shuffle_i32x4(u[8 + b], u[12 + b], 0x44);
+    const __m512i v3 = _mm512_shuffle_i32x4(u[8 + b], u[12 + b], 0xee);
+    r[b] = _mm512_shuffle_i32x4(v0, v2, 0x88);
+    r[b + 4] = _mm512_shuffle_i32x4(v0, v2, 0xdd);
+    r[b + 8] = _mm512_shuffle_i32x4(v1, v3, 0x88);
+    r[b + 12] = _mm512_shuffle_i32x4(v1, v3, 0xdd);
+  }
 }
 
 // The remaining `left` (< R + 1) rows from r0 in one tile of their own.

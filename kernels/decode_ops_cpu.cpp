@@ -13,6 +13,8 @@
 #include "cpu_simd.h"
 
 using chatserve::exp256;
+using chatserve::TileConfig;
+using chatserve::transpose16;
 using chatserve::hmax;
 using chatserve::hsum;
 
@@ -485,12 +487,6 @@ void attend_partition(const AttnShape& s, const float* qp, const void* kbase, co
 // a row's numbers still do not depend on the rows beside it. The operands the tile unit wants in
 // pairs (Q^T and V: two consecutive dims or keys in each 32-bit word) are rearranged once per item
 // in L1/L2 scratch and shared by every row.
-struct TileConfig {
-  uint8_t palette = 1, start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
 
 // Tiles 0-3: float32 accumulators, 4: the A operand, 5: the B operand; each 16 rows of 64 bytes.
 CHATSERVE_AMX void amx_configure() {
@@ -525,31 +521,6 @@ CHATSERVE_AMX inline void store_tile(int c, void* dst, int64_t stride) {
     case 1: _tile_stored(1, dst, stride); break;
     case 2: _tile_stored(2, dst, stride); break;
     default: _tile_stored(3, dst, stride); break;
-  }
-}
-
-// r[i] (16 vectors of 16 32-bit words) transposed in place: r[i] word j <- r[j] word i.
-CHATSERVE_AMX inline void transpose16(__m512i* r) {
-  __m512i t[16], u[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-  }
-  // u[4a + b], in its 128-bit lane L: word b + 4L of rows 4a .. 4a + 3.
-  for (int a = 0; a < 16; a += 4) {
-    u[a] = _mm512_unpacklo_epi64(t[a], t[a + 2]);
-    u[a + 1] = _mm512_unpackhi_epi64(t[a], t[a + 2]);
-    u[a + 2] = _mm512_unpacklo_epi64(t[a + 1], t[a + 3]);
-    u[a + 3] = _mm512_unpackhi_epi64(t[a + 1], t[a + 3]);
-  }
-  for (int b = 0; b < 4; ++b) {
-    const __m512i v0 = _mm512_shuffle_i32x4(u[b], u[4 + b], 0x44), v1 = _mm512_shuffle_i32x4(u[b], u[4 + b], 0xee);
-    const __m512i v2 = _mm512_shuffle_i32x4(u[8 + b], u[12 + b], 0x44);
-    const __m512i v3 = _mm512_shuffle_i32x4(u[8 + b], u[12 + b], 0xee);
-    r[b] = _mm512_shuffle_i32x4(v0, v2, 0x88);
-    r[b + 4] = _mm512_shuffle_i32x4(v0, v2, 0xdd);
-    r[b + 8] = _mm512_shuffle_i32x4(v1, v3, 0x88);
-    r[b + 12] = _mm512_shuffle_i32x4(v1, v3, 0xdd);
   }
 }
 

@@ -40,27 +40,41 @@ bool vnni_enabled() { return vnni_on.load(std::memory_order_relaxed); }
 bool set_vnni(bool on) { return vnni_on.exchange(on && cpu_has_vnni()); }
 
 namespace {
-// AMX-TILE, AMX-BF16 (CPUID leaf 7: EDX bits 24, 22), AVX512-BF16 (leaf 7 subleaf 1: EAX bit 5),
-// the OS saving the tile state (XCR0 bits 17, 18), and Linux's per-process permission for it
+// The OS saving the tile state (XCR0 bits 17, 18) and Linux's per-process permission for it
 // (arch_prctl ARCH_REQ_XCOMP_PERM; without it the first tile instruction kills the process).
-bool cpu_has_amx() {
-  unsigned a, b, c, d;
-  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 22))) return false;
-  if (!__get_cpuid_count(7, 1, &a, &b, &c, &d) || !(a & (1u << 5))) return false;
-  if (!cpu_has_vnni()) return false;
+bool tiles_granted() {
   unsigned lo, hi;
   __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
   if ((lo & (3u << 17)) != (3u << 17)) return false;
   constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
   return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
 }
+// AMX-TILE and AMX-BF16 (CPUID leaf 7: EDX bits 24, 22), AVX512-BF16 (leaf 7 subleaf 1: EAX bit 5).
+bool cpu_has_amx() {
+  unsigned a, b, c, d;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 22))) return false;
+  if (!__get_cpuid_count(7, 1, &a, &b, &c, &d) || !(a & (1u << 5))) return false;
+  return cpu_has_vnni() && tiles_granted();
+}
+// AMX-TILE and AMX-INT8 (CPUID leaf 7: EDX bits 24, 25).
+bool cpu_has_amx_int8() {
+  unsigned a, b, c, d;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 25))) return false;
+  return cpu_has_vnni() && __builtin_cpu_supports("avx512dq") && tiles_granted();
+}
 const bool amx_present = cpu_has_amx();
+const bool amx_int8_present = cpu_has_amx_int8();
 std::atomic<bool> amx_on{amx_present && std::getenv("CHATSERVE_NO_AMX") == nullptr};
+std::atomic<bool> amx_int8_on{amx_int8_present && std::getenv("CHATSERVE_NO_AMX") == nullptr};
 }  // namespace
 
 bool amx_enabled() { return amx_on.load(std::memory_order_relaxed); }
 
 bool set_amx(bool on) { return amx_on.exchange(on && amx_present); }
+
+bool amx_int8_enabled() { return amx_int8_on.load(std::memory_order_relaxed); }
+
+bool set_amx_int8(bool on) { return amx_int8_on.exchange(on && amx_int8_present); }
 
 }  // namespace chatserve
 
