@@ -297,14 +297,14 @@ def cmd_train_head(args) -> int:
     cfg = TrainConfig(minutes=args.minutes, max_steps=args.max_steps, max_data_tokens=args.max_data_tokens,
                       reply_tokens=args.reply_tokens, head_vocab_size=args.head_vocab_size, fresh=args.fresh,
                       seed=args.seed, unroll=args.unroll, data_share=args.data_share, init=args.init,
-                      train_dtype=args.train_dtype)
+                      train_dtype=args.train_dtype, data_batch=args.data_batch)
     quantization = _quantization(args.quantization)
     engine = Engine(EngineConfig(
         model=args.model,
         dtype=_dtype(args.dtype, "cpu", quantization),
         quantization=quantization,
         max_model_len=args.max_model_len,
-        max_num_seqs=16,  # head_data.collect answers 16 prompts at once
+        max_num_seqs=args.data_batch,  # head_data.collect answers this many prompts at once
         enable_prefix_caching=False,  # every position fed, so its feature is recorded
         num_threads=args.threads,
     ))
@@ -396,6 +396,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--data-share", type=float, default=0.3,
                    help="share of --minutes for collecting data while fewer than --max-data-tokens are saved "
                         "(saved as it goes: a later run collects more; 1 = collect only, 0 = train only)")
+    t.add_argument("--data-batch", type=int, default=32,
+                   help="prompts answered at once while collecting data (more rows a step: more tokens a second)")
     t.add_argument("--reply-tokens", type=int, default=256, help="max tokens of each of the model's own replies")
     t.add_argument("--head-vocab-size", type=int, default=32768, help="rows of the head's LM head (most frequent ids)")
     t.add_argument("--fresh", action="store_true", help="ignore saved data and checkpoint: start over")

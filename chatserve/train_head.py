@@ -51,6 +51,7 @@ class TrainConfig:
     data_share: float = 0.3  # of the budget for collecting data, while fewer than max_data_tokens are saved
     max_data_tokens: int = 200_000
     reply_tokens: int = 256  # max_tokens of each of the target's greedy replies
+    data_batch: int = 32  # prompts answered at once while collecting (the engine's max_num_seqs must allow them)
     head_vocab_size: int = 32768  # N: the head's LM head rows
     window: int = 256
     unroll: int = 1  # passes of training-time test (EagleHead.forward_unrolled); 1 = EAGLE-1's training
@@ -413,7 +414,8 @@ def _collect(engine, cfg: TrainConfig, seconds: float, show_progress: bool, resu
 
     try:
         return collect(engine, max_tokens=cfg.max_data_tokens, seconds=seconds, reply_tokens=cfg.reply_tokens,
-                       seed=cfg.seed, progress=progress, resume=resume, checkpoint=checkpoint,
+                       seed=cfg.seed, batch=min(cfg.data_batch, engine.config.max_num_seqs), progress=progress,
+                       resume=resume, checkpoint=checkpoint,
                        checkpoint_seconds=cfg.checkpoint_seconds)
     finally:
         if bar is not None:
