@@ -3,6 +3,8 @@
 L3 cannot hold them), 2 threads. Rows 1-4 are decode and verification, 45+ prefill chunks.
 
     .venv/bin/python benchmarks/q4k_kernels.py --json benchmarks/results/q4k_kernels.json
+    .venv/bin/python benchmarks/q4k_kernels.py --rows 16 32 64 128 256 512 --amx-int8 \
+        --json benchmarks/results/q4k_kernels_amx_int8.json
 """
 
 from __future__ import annotations
@@ -41,7 +43,12 @@ def main() -> None:
     ap.add_argument("--copies", type=int, default=12)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--amx-int8", action="store_true",
+                    help="also time the Q4_K kernel with its AMX-INT8 path off (q4k_vnni_*; 64+ rows take the tiles)")
     args = ap.parse_args()
+    from kernels import cpu_ext
+
+    ext = cpu_ext.extension()
     torch.set_num_threads(args.threads)
     results = []
     for name, (k, n) in SHAPES.items():
@@ -55,9 +62,16 @@ def main() -> None:
             t_g32 = best_quarter(lambda: [qm.int4_matmul(x, layer.packed, layer.params) for layer in g32], runs) / args.copies
             t_q4k = best_quarter(lambda: [qm.q4k_linear(x, layer.codes, layer.subs, layer.dd) for layer in q4k], runs) / args.copies
             gflop = 2 * m * k * n / 1e9
+            extra = {}
+            if args.amx_int8 and ext is not None:
+                ext.set_amx_int8(False)
+                t_vnni = best_quarter(lambda: [qm.q4k_linear(x, layer.codes, layer.subs, layer.dd) for layer in q4k], runs) / args.copies
+                ext.set_amx_int8(True)
+                extra = {"amx_int8": ext.amx_int8_enabled(), "q4k_vnni_ms": round(t_vnni * 1e3, 3),
+                         "q4k_vnni_gflops": round(gflop / t_vnni, 1), "amx_speedup": round(t_vnni / t_q4k, 2)}
             row = {"shape": name, "k": k, "n": n, "rows": m, "g32_ms": round(t_g32 * 1e3, 3), "q4k_ms": round(t_q4k * 1e3, 3),
                    "g32_gflops": round(gflop / t_g32, 1), "q4k_gflops": round(gflop / t_q4k, 1),
-                   "speedup": round(t_g32 / t_q4k, 2), "loadavg": round(os.getloadavg()[0], 2)}
+                   "speedup": round(t_g32 / t_q4k, 2), **extra, "loadavg": round(os.getloadavg()[0], 2)}
             results.append(row)
             print(json.dumps(row), flush=True)
     if args.json:
