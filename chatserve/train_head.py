@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from chatserve.head_data import Collected, Sequence, choose_vocab, collect, coverage
 from chatserve.head_store import default_head_path, save_head, weights_hash, write_atomic
 from chatserve.models.eagle_head import EagleHead
-from kernels.cpu_features import cpu_flags
+from kernels.cpu_features import cpu_flags, has_amx
 
 CHECKPOINT_FORMAT = 1
 FEATURE_NOISE = 0.1  # EAGLE's uniform noise on input features
@@ -72,11 +72,11 @@ TRAIN_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 def choose_train_dtype(name: str, flags: frozenset[str]) -> torch.dtype:
     """The compute dtype of a training step: `name` itself, or for "auto" bfloat16 where `flags`
-    (kernels.cpu_features.cpu_flags()) hold AMX and float32 elsewhere. On a Xeon with AMX a
+    (kernels.cpu_features.cpu_flags()) list AMX-BF16 (has_amx) and float32 elsewhere. On a Xeon with AMX a
     2048x1536 @ 1536x4096 matmul on 2 threads ran at ~2,270 GFLOP/s in bf16 against ~320 in fp32;
     with AVX-512 BF16 alone (an earlier machine) bf16 was the slower, 161 against 277."""
     if name == "auto":
-        return torch.bfloat16 if "amx_bf16" in flags else torch.float32
+        return torch.bfloat16 if has_amx("bf16", flags) else torch.float32
     if name not in TRAIN_DTYPES:
         raise ValueError(f"train_dtype: one of auto, {', '.join(TRAIN_DTYPES)}, got {name!r}")
     return TRAIN_DTYPES[name]

@@ -22,6 +22,19 @@ def has_native_bf16() -> bool:
     return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
 
 
+AMX_FLAGS = {  # the tile unit with what its kernels here use beside it
+    "bf16": frozenset({"amx_tile", "amx_bf16", "avx512_bf16"}),  # attention over a bf16 cache, train-head's step
+    "int8": frozenset({"amx_tile", "amx_int8", "avx512_vnni"}),  # the Q4_K matmul from 64 rows
+}
+
+
+def has_amx(kind: str = "bf16", flags: frozenset[str] | None = None) -> bool:
+    """The CPU (or `flags`) lists AMX for `kind` ("bf16" or "int8"). The C++ kernels decide for
+    themselves (CPUID, XCR0 and Linux's permission for the tile state: amx_enabled(),
+    amx_int8_enabled()); this is the same question for Python's choices and the tests."""
+    return AMX_FLAGS[kind] <= (cpu_flags() if flags is None else flags)
+
+
 def default_dtype(quantized_kernels: bool = False) -> str:
     """The activation dtype the CLI uses when none is given: float32 where the C++ int4 / int8
     kernels run the weights (they take float32 activations, and the decode stack, every layer of a

@@ -9,10 +9,10 @@ import torch
 
 from kernels import cpu_ext, decode_ops
 from kernels.attention import paged_attention_ref
-from kernels.cpu_features import cpu_flags
+from kernels.cpu_features import has_amx
 from tests.kernels.paged_case import make_paged_case
 
-HAS_AMX = {"amx_tile", "amx_bf16", "avx512_bf16"} <= cpu_flags()
+HAS_AMX = has_amx("bf16")
 PARTITION = 256  # kPart: keys per split-K partition, each with its own max and its own rounding
 needs_amx = pytest.mark.skipif(not HAS_AMX, reason="the tile unit: Intel Sapphire Rapids or later")
 

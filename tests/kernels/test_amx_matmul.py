@@ -8,10 +8,10 @@ import torch
 
 from kernels import cpu_ext
 from kernels import quant_matmul as kernel
-from kernels.cpu_features import cpu_flags
+from kernels.cpu_features import has_amx
 from quant.q4k import interleave, quantize_q4k
 
-HAS_AMX_INT8 = {"amx_tile", "amx_int8", "avx512_vnni"} <= cpu_flags()
+HAS_AMX_INT8 = has_amx("int8")
 AMX_MIN_ROWS = 64  # kAmxMinRows in q4k_matmul_cpu.cpp
 
 
