@@ -39,6 +39,7 @@ def main() -> None:
     p.add_argument("--chunk", type=int, default=512)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--kv-cache-dtype", default="auto", help="as EngineConfig.kv_cache_dtype (bf16: the AMX attention)")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--amx-int8", choices=["on", "off", "both"], default="on",
                    help="the Q4_K matmul's AMX-INT8 path for chunks of 64+ rows; both: alternate, check the "
@@ -46,7 +47,8 @@ def main() -> None:
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
     engine = Engine(EngineConfig(model=args.model, quantization=None if args.quantization == "none" else args.quantization,
-                                 dtype=args.dtype, num_threads=args.threads, kv_cache_memory=512 << 20))
+                                 dtype=args.dtype, num_threads=args.threads, kv_cache_memory=512 << 20,
+                                 kv_cache_dtype=args.kv_cache_dtype))
     runner = engine.models.target_runner
     blocks = list(range(args.tokens // runner.block_size + 4))
     tokens = list(range(100, 100 + args.tokens))
@@ -76,6 +78,7 @@ def main() -> None:
     best = {m: min(v) for m, v in seconds.items()}
     result = {"model": args.model, "tokens": args.tokens, "chunk": args.chunk, "best_s": best[modes[0]],
               "tokens_per_s": args.tokens / best[modes[0]], "amx_int8_available": bool(ext and ext.amx_int8_enabled()),
+              "kv_cache_dtype": args.kv_cache_dtype, "amx_attention": bool(ext and ext.amx_enabled()),
               "load": os.getloadavg()[0]}
     if len(modes) == 2:
         result.update(off_best_s=best[False], off_tokens_per_s=args.tokens / best[False],

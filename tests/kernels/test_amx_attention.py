@@ -127,15 +127,22 @@ def test_other_caches_take_the_widened_loops(ext, fmt, block_size, generator):
 
 @needs_amx
 def test_a_prefill_chunk_beside_tile_rows(ext, generator):
-    """A long chunk takes SDPA over the gathered (widened) bfloat16 context, the short rows of the
-    same call the tile path: each part as its own reference says."""
+    """A long chunk over a bfloat16 cache also takes the tile path (not SDPA): each of its rows equals
+    the same row computed alone, as a decode step would, and the tile reference; with AMX off it
+    takes SDPA over the gathered (widened) context again."""
     from kernels.attention import paged_attention
     from kernels.attention_cpu import PREFILL_Q_LEN
 
-    case = make_paged_case([100, 80], [PREFILL_Q_LEN + 6, 3], 12, 2, 128, 16, torch.float32, "bf16", generator)
-    out = paged_attention(*case.args())
     chunk = PREFILL_Q_LEN + 6
+    case = make_paged_case([100, 80], [chunk, 3], 12, 2, 128, 16, torch.float32, "bf16", generator)
+    out = paged_attention(*case.args())
+    query, k_cache, v_cache, block_tables = case.args()[:4]
+    contexts = list(range(100 - chunk + 1, 101)) + [78, 79, 80]
+    alone = torch.cat([decode_ops.paged_attention_rows(query[t : t + 1].contiguous(), k_cache, v_cache, block_tables,
+                                                       [int(t >= chunk)], [contexts[t]], case.scale)
+                       for t in range(chunk + 3)])
+    assert torch.equal(out, alone)
+    torch.testing.assert_close(out, amx_reference(case, [0] * chunk + [1] * 3, contexts), rtol=2e-3, atol=2e-3)
+    ext.set_amx(False)
     reference = paged_attention_ref(*case.args())
-    torch.testing.assert_close(out[:chunk], reference[:chunk], rtol=1e-4, atol=2e-5)
-    torch.testing.assert_close(out[chunk:], amx_reference(case, [1] * 3, [78, 79, 80], first_row=chunk),
-                               rtol=2e-3, atol=2e-3)
+    torch.testing.assert_close(paged_attention(*case.args())[:chunk], reference[:chunk], rtol=1e-4, atol=2e-5)
