@@ -299,10 +299,12 @@ def cmd_train_head(args) -> int:
                       seed=args.seed, unroll=args.unroll, data_share=args.data_share, init=args.init,
                       train_dtype=args.train_dtype, data_batch=args.data_batch)
     quantization = _quantization(args.quantization)
+    dtype = _dtype(args.dtype, "cpu", quantization)
     engine = Engine(EngineConfig(
         model=args.model,
-        dtype=_dtype(args.dtype, "cpu", quantization),
+        dtype=dtype,
         quantization=quantization,
+        kv_cache_dtype=_kv_cache_dtype("auto", "cpu", dtype),  # features as serve's default computes them
         max_model_len=args.max_model_len,
         max_num_seqs=args.data_batch,  # head_data.collect answers this many prompts at once
         enable_prefix_caching=False,  # every position fed, so its feature is recorded
