@@ -79,15 +79,20 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=2, help="runs of each config per workload, alternated; the best counts")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--kv-cache-dtype", default="auto", help="as `chatserve serve` (auto: bf16 on AMX, else fp16)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    common = dict(model=args.model, dtype=args.dtype, quantization=args.quantization, kv_cache_memory=1 << 30)
+    from chatserve.cli import _kv_cache_dtype
+
+    kv = _kv_cache_dtype(args.kv_cache_dtype, "cpu", args.dtype)
+    common = dict(model=args.model, dtype=args.dtype, quantization=args.quantization, kv_cache_memory=1 << 30,
+                  kv_cache_dtype=kv)
     # No suffix corpus: every workload runs its prompts at batch 1 then 2 and greedy replies repeat,
     # so a corpus of replies (mixed into draft and eagle requests) would draft replies it has seen.
     configs = {"off": None, "eagle": SpecConfig(method="eagle", eagle_head=args.eagle_head, suffix_corpus_tokens=0)}
     if args.draft_model:
         configs["draft"] = SpecConfig(method="draft", draft_model=args.draft_model, suffix_corpus_tokens=0)
-    results: dict = {"model": args.model, "rounds": args.rounds, "runs": {}}
+    results: dict = {"model": args.model, "rounds": args.rounds, "kv_cache_dtype": kv, "runs": {}}
     engines = {}
     for name, spec in configs.items():  # all loaded first: the runs below alternate between them
         engine = engines[name] = Engine(EngineConfig(**common, spec=spec))
