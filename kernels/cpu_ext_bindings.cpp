@@ -12,9 +12,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("vnni_enabled", &chatserve::vnni_enabled, "whether the matmuls take their AVX-512 VNNI tiles");
   m.def("set_vnni", &chatserve::set_vnni, "turn the VNNI tiles on (where the CPU has them) or off; returns the old state");
   m.def("amx_enabled", &chatserve::amx_enabled, "whether the attention over a bfloat16 cache takes its AMX path");
+  m.def("set_amx", &chatserve::set_amx, "turn the AMX attention on (where the CPU has it) or off; returns the old state");
   m.def("amx_int8_enabled", &chatserve::amx_int8_enabled, "whether the Q4_K matmul takes its AMX-INT8 path for many rows");
   m.def("set_amx_int8", &chatserve::set_amx_int8, "turn the AMX-INT8 Q4_K matmul on (where the CPU has it) or off; returns the old state");
-  m.def("set_amx", &chatserve::set_amx, "turn the AMX attention on (where the CPU has it) or off; returns the old state");
   m.def("quantize_rows", &quantize_rows, "per-row, per-32 int8 quantization of activations", NoGil());
   m.def("q4_dequantize", &q4_dequantize, "int4 (groups of 32) weight -> float32", NoGil());
   m.def("q4_matmul", &q4_matmul, "int4 (groups of 32) weight x int8 activation matmul", NoGil());
