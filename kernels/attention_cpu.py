@@ -60,10 +60,12 @@ def _rows_in_cpp(out, query, k_cache, v_cache, block_tables, seq_lens, cu_q_lens
     """Sequences with q_len < PREFILL_Q_LEN: all their rows in one C++ call; longer chunks: SDPA,
     unless the rows run on the AMX tiles (decode_ops.tiles_attend), where every row goes to C++."""
     seqs, contexts, rows = [], [], []
-    tiles = decode_ops.tiles_attend(k_cache, query.shape[-1])
+    tiles = None  # asked only when a chunk is long (not on decode steps)
     for b, seq_len in enumerate(seq_lens):
         q_start, q_end = cu_q_lens[b], cu_q_lens[b + 1]
         q_len = q_end - q_start
+        if q_len >= PREFILL_Q_LEN and tiles is None:
+            tiles = decode_ops.tiles_attend(k_cache, query.shape[-1])
         if q_len >= PREFILL_Q_LEN and not tiles:
             keys, values, _, _ = _gather(k_cache, v_cache, None, None, block_tables[b], seq_len)
             _attend(out[q_start:q_end], query[q_start:q_end], keys, values, None, None, scale)
