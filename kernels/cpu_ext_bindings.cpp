@@ -34,5 +34,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "silu(gate) * up", NoGil());
   m.def("rope_", &rope_, "rotate-half RoPE in place", NoGil());
   m.def("store_kv", &store_kv, "write K/V rows into float32 / float16 / bfloat16 paged caches", NoGil());
+  m.def("attention_on_tiles", &attention_on_tiles, "whether paged_attention_rows over this cache runs on the AMX tiles",
+        pybind11::arg("k_cache"), pybind11::arg("head_dim"));
   m.def("paged_attention_rows", &paged_attention_rows, "one-query-row paged attention over a float32 / float16 / bfloat16 cache", NoGil());
 }

@@ -23,6 +23,7 @@ void rope_(torch::Tensor x, int64_t heads, torch::Tensor positions, torch::Tenso
 void store_kv(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots);
 void paged_attention_rows(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                           torch::Tensor block_tables, torch::Tensor seq, torch::Tensor ctx, double scale);
+bool attention_on_tiles(torch::Tensor k_cache, int64_t head_dim);
 
 void bind_decode_stack(pybind11::module& m);
 

@@ -54,12 +54,11 @@ def cache_usable(cache: torch.Tensor) -> bool:
 
 
 def tiles_attend(cache: torch.Tensor, head_dim: int) -> bool:
-    """Whether paged_attention_rows over this cache runs on the AMX tiles (the C++ condition: a
-    bfloat16 cache in blocks of 16+ keys, head_dim % 32 == 0, AMX on). There a prefill chunk's
+    """Whether paged_attention_rows over this cache runs on the AMX tiles (the extension's own
+    condition: a bfloat16 cache in blocks of 16+ keys, head_dim % 32 == 0, AMX on). There a prefill chunk's
     rows cost ~0.4x SDPA's over the widened context (Qwen 1.5B's shape, 256 rows at 2k keys: 7.0
     against 16.4 ms a layer) and equal the decode rows' numbers."""
-    return (cache.dtype == torch.bfloat16 and cache.dim() == 4 and cache.shape[1] % 16 == 0 and head_dim % 32 == 0
-            and cpu_ext.is_available() and cpu_ext.extension().amx_enabled())
+    return cpu_ext.is_available() and cpu_ext.extension().attention_on_tiles(cache, head_dim)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -729,6 +729,14 @@ CHATSERVE_AMX void attend_items_amx(const AttnShape& s, const Item* items, int64
 
 }  // namespace
 
+// Whether paged_attention_rows over this cache runs on the AMX tiles: a bfloat16 cache whose blocks hold whole
+// tiles of 16 keys, head_dim % 32 == 0, AMX on. Python asks it too (decode_ops.tiles_attend), to send a prefill
+// chunk's rows here rather than to SDPA: one condition, stated once.
+bool attention_on_tiles(torch::Tensor k_cache, int64_t head_dim) {
+  return k_cache.scalar_type() == torch::kBFloat16 && k_cache.dim() == 4 && k_cache.size(1) % 16 == 0 &&
+         head_dim % 32 == 0 && chatserve::amx_enabled();
+}
+
 void paged_attention_rows(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                           torch::Tensor block_tables, torch::Tensor seq, torch::Tensor ctx, double scale) {
   check_f32(out, "attention out");
@@ -769,8 +777,7 @@ void paged_attention_rows(torch::Tensor out, torch::Tensor q, torch::Tensor k_ca
   const void* vp = v_cache.data_ptr();
   const float fscale = static_cast<float>(scale);
   const bool wide = chatserve::vnni_enabled();  // the 512-bit loops (same numbers), where AVX-512 is
-  // The tile unit, for a bfloat16 cache whose blocks hold whole tiles of 16 keys.
-  const bool amx = kt == KvType::kBF16 && BS % 16 == 0 && D % 32 == 0 && chatserve::amx_enabled();
+  const bool amx = attention_on_tiles(k_cache, D);  // the tile unit
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t i0, int64_t i1) {
     if (amx) {
       attend_items_amx(s, items.data(), i0, i1, qp, static_cast<const uint16_t*>(kp), static_cast<const uint16_t*>(vp),

@@ -144,6 +144,7 @@ def test_each_run_warms_up_then_decays_its_learning_rate_over_its_budget():
     assert lr_scale(cfg, 500, 0.0) == 1.0 and lr_scale(cfg, 500, 2.0) == pytest.approx(0.1)
     seen = []
     head = torch.nn.Linear(4, 4)
+    head.lm_head = torch.nn.Linear(4, 4, bias=False).requires_grad_(False)  # train() casts it once
     seq = [Sequence(torch.arange(40) % 7, torch.randn(40, 4), 0)]
 
     class Spy(torch.optim.AdamW):
