@@ -40,6 +40,7 @@ from chatserve.head_data import FeatureRecorder  # noqa: E402
 from chatserve.head_store import load_head  # noqa: E402
 from chatserve.loading import read_config, resolve  # noqa: E402
 from chatserve.sampling_params import SamplingParams  # noqa: E402
+from chatserve.train_head import chain_hits  # noqa: E402
 
 PROMPTS = json.loads((ROOT / "chatserve/data/prompts.json").read_text())
 
@@ -59,30 +60,6 @@ def replies(engine: Engine, kind: str, max_tokens: int) -> list[tuple[torch.Tens
         ids = (prompt + out["token_ids"])[:-1]  # the last token is never fed
         sequences.append((torch.tensor(ids), recorder.features(out["request_id"], len(ids)), len(prompt)))
     return sequences
-
-
-@torch.no_grad()
-def chain_hits(head, embed, ids: torch.Tensor, features: torch.Tensor, num_prompt: int, depth: int,
-               top: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """([anchors, depth] bool: whether the chain from each reply anchor p has its first s+1 drafts
-    right, [anchors, top] bool: whether the first token is among the head's first n + 1 candidates)."""
-    feats_in = torch.cat((torch.zeros_like(features[:1]), features[:-1])).float()[None]  # row i reads f_{i-1}
-    passes = head.forward_unrolled(feats_in, embed(ids[None]).float(), depth)
-    t = len(ids)
-    anchors = torch.arange(num_prompt, t - 1)  # a reply token accepted at p; row p predicts t_{p+1}
-    right = torch.zeros(len(anchors), depth, dtype=torch.bool)
-    covered = torch.zeros(len(anchors), top, dtype=torch.bool)
-    for s, y in enumerate(passes):
-        predicted = torch.nn.functional.rms_norm(y[0], head.norm.weight.shape, head.norm.weight, head.norm.eps)
-        logits = head.lm_head(predicted)
-        token = head.head_token_ids[logits.argmax(-1)]  # [t]: row i's guess for t_{i+1}
-        rows = anchors + s
-        ok = rows < t - 1
-        right[ok, s] = token[rows[ok]] == ids[rows[ok] + 1]
-        if s == 0:
-            candidates = head.head_token_ids[logits[anchors].topk(top, dim=-1).indices]  # [anchors, top]
-            covered = (candidates == ids[anchors + 1][:, None]).cumsum(dim=1).bool()
-    return right.cumprod(dim=1).bool(), covered
 
 
 def chain_or_tree(first_s_right: list[float], top_n: list[float], target_ms: list[float], head_ms: float) -> dict:

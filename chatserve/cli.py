@@ -292,7 +292,7 @@ def cmd_train_head(args) -> int:
 
     from chatserve.engine import Engine
     from chatserve.loading import resolve
-    from chatserve.train_head import TrainConfig, run
+    from chatserve.train_head import VAL_DEPTH, TrainConfig, run
 
     cfg = TrainConfig(minutes=args.minutes, max_steps=args.max_steps, max_data_tokens=args.max_data_tokens,
                       reply_tokens=args.reply_tokens, head_vocab_size=args.head_vocab_size, fresh=args.fresh,
@@ -319,8 +319,9 @@ def cmd_train_head(args) -> int:
     print(f"EAGLE head for {args.model}: {path}\n  {info['steps']} steps in {info['train_seconds']} s on "
           f"{info['num_tokens']} tokens; vocabulary {info['num_kept']} ids covering {info['coverage']:.1%} of reply "
           f"tokens; last batch: top-1 agreement {info['final'].get('top1', float('nan')):.2f}"
-          + (f"; held-out replies: {info['val_top1']:.2f} (this run's last: {info['last_val_top1']:.2f})"
-             if info.get("val_top1") is not None and info.get("last_val_top1") is not None else "") + "\n"
+          + (f"; held-out replies: top-1 {info['val_top1']:.2f}, a chain of {VAL_DEPTH} accepts "
+             f"{info['val_accepted']:.2f} tokens a verification (this run's last: {info['last_val_accepted']:.2f})"
+             if info.get("val_accepted") is not None and info.get("last_val_accepted") is not None else "") + "\n"
           f"  serve with: chatserve serve --model {args.model} --draft eagle", file=sys.stderr)
     return 0
 

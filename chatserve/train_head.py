@@ -42,6 +42,8 @@ CE_WEIGHT = 0.1  # EAGLE's weight of the token loss next to the feature loss
 UNROLL_DECAY = 0.8  # weight of the s-th unrolled pass (training-time test): 0.8**s
 VAL_EVERY = 20  # every 20th reply sequence is held out to validate on (none with fewer than 20 replies)
 VAL_POSITIONS = 4096  # reply positions validated at most (a few seconds on Qwen 1.5B's head)
+VAL_DEPTH = 4  # drafts in the chain a head is chosen by (validate_chain)
+VAL_CHAIN_POSITIONS = 2048  # reply positions (chain anchors) it scores at most: 4 passes each
 
 
 @dataclass(frozen=True)
@@ -61,7 +63,7 @@ class TrainConfig:
     min_lr_ratio: float = 0.1  # each run's lr follows a cosine from lr down to lr * this over its budget
     seed: int = 0
     init: str = "random"  # a new head's layer: "random" (HF's init) or "last-layer" (the target's last layer, fc = [0 | I])
-    checkpoint_seconds: float = 120.0
+    checkpoint_seconds: float = 300.0  # also how often it validates (~10-20 s on Qwen 1.5B's head)
     fresh: bool = False  # start over even if a checkpoint exists
     train_dtype: str = "auto"  # the step's compute dtype: "auto", "float32" or "bfloat16" (choose_train_dtype)
 
@@ -198,6 +200,53 @@ def validate(head: EagleHead, embed, sequences: list[Sequence], max_positions: i
     return right / total if total else float("nan")
 
 
+@torch.no_grad()
+def chain_hits(head: EagleHead, embed, ids: torch.Tensor, features: torch.Tensor, num_prompt: int, depth: int,
+               top: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's reply positions drafted from as serving drafts: ([anchors, depth] bool, whether
+    the chain from each reply anchor p has its first s+1 drafts all equal to the target's greedy
+    tokens; [anchors, top] bool, whether the first token is among the head's first n + 1
+    candidates). Pass s of EagleHead.forward_unrolled at row p + s is the (s+1)-th draft from p
+    (tests/chatserve/test_eagle.py holds it equal to drafting)."""
+    feats_in = torch.cat((torch.zeros_like(features[:1]), features[:-1])).float()[None]  # row i reads f_{i-1}
+    passes = head.forward_unrolled(feats_in, embed(ids[None]).float(), depth)
+    t = len(ids)
+    anchors = torch.arange(num_prompt, t - 1)  # a reply token accepted at p; row p predicts t_{p+1}
+    right = torch.zeros(len(anchors), depth, dtype=torch.bool)
+    covered = torch.zeros(len(anchors), top, dtype=torch.bool)
+    for s, y in enumerate(passes):
+        rows = anchors + s
+        ok = rows < t - 1
+        predicted = F.rms_norm(y[0, rows[ok]], head.norm.weight.shape, head.norm.weight, head.norm.eps)
+        logits = head.lm_head(predicted)  # [ok rows, kept]
+        right[ok, s] = head.head_token_ids[logits.argmax(-1)] == ids[rows[ok] + 1]
+        if s == 0:
+            candidates = head.head_token_ids[logits.topk(top, dim=-1).indices]  # [anchors, top]
+            covered = (candidates == ids[anchors + 1][:, None]).cumsum(dim=1).bool()
+    return right.cumprod(dim=1).bool(), covered
+
+
+def validate_chain(head: EagleHead, embed, sequences: list[Sequence], depth: int = VAL_DEPTH,
+                   max_positions: int = VAL_CHAIN_POSITIONS) -> float:
+    """The mean accepted length (tokens per verification, the bonus token included) of a fixed
+    chain of `depth` drafts from every reply position of held-out sequences, at T = 0: what a
+    head is chosen by. Pass-0 agreement (validate) scores the first draft alone; a head trained
+    with --unroll may trade a point of it for much better later drafts, and a served chain pays
+    for those. nan without any reply position."""
+    was_training = head.training
+    head.eval()
+    hits = []
+    for seq in sequences:
+        if sum(len(h) for h in hits) >= max_positions:
+            break
+        if len(seq.token_ids) - 1 > seq.num_prompt_tokens:
+            hits.append(chain_hits(head, embed, seq.token_ids, seq.features, seq.num_prompt_tokens, depth)[0])
+    head.train(was_training)
+    if not hits:
+        return float("nan")
+    return 1.0 + float(torch.cat(hits).float().sum(1).mean())
+
+
 def loss_fn(head: EagleHead, embed, features_in, token_ids, targets, mask, noise_gen=None, unroll: int = 1,
             lm_weight: torch.Tensor | None = None):
     """-> (loss, metrics): EAGLE's feature regression + 0.1 x token cross-entropy over the valid
@@ -239,8 +288,9 @@ def train(head: EagleHead, embed, sequences: list[Sequence], cfg: TrainConfig, s
     """Optimize head on sequences for `seconds` (or up to cfg.max_steps in all). state: {"step",
     "seconds", "optimizer"} from a checkpoint, or empty; updated. save(state) is called every
     cfg.checkpoint_seconds and at the end; progress(metrics) after every step. With `val`, the
-    head is validated at those times too (state["val_top1"], the best so far in "best_val_top1"),
-    and on_best(val_top1) is called when it beats the best. The forward and loss run in
+    head is validated at those times too (state["val_top1"]: validate; state["val_accepted"]:
+    validate_chain, the best so far in "best_val_accepted"), and on_best(val_accepted) is called
+    when it beats the best. The forward and loss run in
     choose_train_dtype(cfg.train_dtype, cpu_flags()), validation in float32."""
     use_bf16 = choose_train_dtype(cfg.train_dtype, cpu_flags()) == torch.bfloat16
     params = [p for p in head.parameters() if p.requires_grad]
@@ -306,11 +356,12 @@ def lr_scale(cfg: TrainConfig, step: int, done: float) -> float:
 def _validate_into(state: dict, head: EagleHead, embed, val: list[Sequence], on_best) -> None:
     if not val:
         return
-    state["val_top1"] = top1 = validate(head, embed, val)
-    if not top1 <= state.get("best_val_top1", -1.0):
-        state["best_val_top1"] = top1
+    state["val_top1"] = validate(head, embed, val)
+    state["val_accepted"] = accepted = validate_chain(head, embed, val)
+    if not accepted <= state.get("best_val_accepted", -1.0):
+        state["best_val_accepted"] = accepted
         if on_best:
-            on_best(top1)
+            on_best(accepted)
 
 
 def run(engine, model: str, target_dir: Path, cfg: TrainConfig, out: Path | None = None,
@@ -356,17 +407,18 @@ def run(engine, model: str, target_dir: Path, cfg: TrainConfig, out: Path | None
     embed = target.embed_tokens
     # the servable head is the best validated one; this run's held-out set may differ from the
     # last run's (more data), so the head on disk is scored again before it can be replaced
-    state.pop("best_val_top1", None)
+    state.pop("best_val_top1", None)  # what heads were chosen by before validate_chain
+    state.pop("best_val_accepted", None)
     if val and ckpt and head_path.is_file():
-        state["best_val_top1"] = validate(_load_servable(head_path, engine, target_hash) or head, embed, val)
+        state["best_val_accepted"] = validate_chain(_load_servable(head_path, engine, target_hash) or head, embed, val)
 
     def save(state: dict) -> None:
         _save(ckpt_path, {"format": CHECKPOINT_FORMAT, "target_hash": target_hash, "head": head.state_dict(),
                           "state": state})
 
-    def save_best(val_top1: float) -> None:
+    def save_best(val_accepted: float) -> None:
         save_head(head_path, head, target_hash, {**info, "steps": state["step"], "train_seconds": round(state["seconds"], 1),
-                                                 "val_top1": val_top1})
+                                                 "val_top1": state["val_top1"], "val_accepted": val_accepted})
 
     bar = _bar(show_progress, total=round(remaining), unit="s", desc="training")
     train_start = time.perf_counter()
@@ -375,7 +427,8 @@ def run(engine, model: str, target_dir: Path, cfg: TrainConfig, out: Path | None
         if bar is not None:
             bar.update(max(min(int(time.perf_counter() - train_start), bar.total) - bar.n, 0))
             chained = {k: f"{v:.2f}" for k, v in metrics.items() if k.startswith("top1_")}
-            held_out = {"val": f"{state['val_top1']:.2f}"} if "val_top1" in state else {}
+            held_out = ({"val": f"{state['val_top1']:.2f}", "val_len": f"{state['val_accepted']:.2f}"}
+                        if "val_accepted" in state else {})
             bar.set_postfix(step=metrics["step"], loss=f"{metrics['loss']:.3f}", top1=f"{metrics['top1']:.2f}",
                             **chained, **held_out)
 
@@ -387,7 +440,8 @@ def run(engine, model: str, target_dir: Path, cfg: TrainConfig, out: Path | None
                                                  "train_seconds": round(state["seconds"], 1)})
     record = torch.load(head_path, weights_only=True)
     record["info"].update(last_steps=state["step"], last_train_seconds=round(state["seconds"], 1),
-                          final=state.get("metrics", {}), last_val_top1=state.get("val_top1"))
+                          final=state.get("metrics", {}), last_val_top1=state.get("val_top1"),
+                          last_val_accepted=state.get("val_accepted"))
     write_atomic(head_path, lambda tmp: torch.save(record, tmp))
     return head_path
 

@@ -18,8 +18,9 @@ from chatserve.head_data import Sequence, choose_vocab, target_features
 from chatserve.head_store import save_head, weights_hash
 from chatserve.models.eagle_head import EagleHead
 from chatserve.sampling_params import SamplingParams
-from chatserve.train_head import (TrainConfig, batch_windows, choose_train_dtype, loss_fn, new_head, split_validation,
-                                  train, validate)
+from chatserve.train_head import (VAL_DEPTH, TrainConfig, batch_windows, choose_train_dtype, loss_fn, new_head,
+                                  split_validation, train, validate, validate_chain)
+import chatserve.train_head as th
 from tests.chatserve.test_engine import assert_pool_empty, run_with_random_aborts
 from tests.chi_square import chi_square_p_value
 
@@ -107,15 +108,15 @@ def test_every_twentieth_reply_is_held_out_to_validate_on():
 
 
 def test_training_validates_and_reports_only_a_better_head(tiny_llama_dir, conversation):
-    """train() with held-out sequences scores pass-0 agreement on their reply positions and calls
-    on_best only when it beats the best so far: a head trained on, then wrecked by a huge learning
+    """train() with held-out sequences scores a chain's mean accepted length on their reply
+    positions (and pass-0 agreement) and calls on_best only when the length beats the best so far: a head trained on, then wrecked by a huge learning
     rate, is not reported again (the command keeps the best head as the servable one)."""
     engine = make_engine(tiny_llama_dir, method=None)
     target = engine.models.target
     sequences = [Sequence(torch.tensor(p + r), target_features(engine, p + r), len(p)) for p, r in conversation]
     head = new_head(target, tiny_llama_dir, engine.max_model_len,
                     choose_vocab(sequences, target.vocab_size, 200, engine.tokenizer.special_token_ids), seed=0)
-    before = validate(head, target.embed_tokens, sequences)
+    before = validate_chain(head, target.embed_tokens, sequences)
     best = []
     # float32: the wreck is chaotic; under bf16 autocast this seed's head, its weights blown up
     # ~500x as in float32, happened to find its way back to top-1 1.0 within the 20 steps
@@ -124,12 +125,39 @@ def test_training_validates_and_reports_only_a_better_head(tiny_llama_dir, conve
     with one_thread():
         state = train(head, target.embed_tokens, sequences, cfg, 300.0, {}, val=sequences, on_best=best.append)
     assert best and best == sorted(best) and len(set(best)) == len(best)  # only improvements reported
-    assert state["best_val_top1"] == best[-1] > before and state["val_top1"] <= best[-1]
+    assert state["best_val_accepted"] == best[-1] > before and state["val_accepted"] <= best[-1]
+    assert 0.0 <= state["val_top1"] <= 1.0
     reported = len(best)
     wreck = dataclasses.replace(cfg, max_steps=80, lr=50.0, warmup_steps=1)
     with one_thread():
         state = train(head, target.embed_tokens, sequences, wreck, 300.0, state, val=sequences, on_best=best.append)
-    assert state["val_top1"] < state["best_val_top1"] == best[-1] and len(best) == reported
+    assert state["val_accepted"] < state["best_val_accepted"] == best[-1] and len(best) == reported
+
+
+def test_a_chain_is_scored_by_the_tokens_it_gets_accepted(tiny_llama_dir, conversation):
+    """validate_chain of one draft is 1 + the first draft's agreement (validate) where the head's
+    vocabulary holds every token, trained or not; a chain of 4 is 1 + the shares of anchors whose
+    first 1..4 drafts all hold, more than one draft gets and at most 5, and more for the trained head."""
+    engine = make_engine(tiny_llama_dir, method=None)
+    target = engine.models.target
+    sequences = [Sequence(torch.tensor(p + r), target_features(engine, p + r), len(p)) for p, r in conversation]
+    everything = torch.arange(target.vocab_size)
+    head = new_head(target, tiny_llama_dir, engine.max_model_len, everything, seed=0)
+    cfg = TrainConfig(max_steps=40, window=64, batch_tokens=512, lr=1e-3, warmup_steps=10, train_dtype="float32")
+    embed = target.embed_tokens
+    with one_thread():
+        train(head, embed, sequences, cfg, 300.0, {})
+        top1 = validate(head, embed, sequences)
+        one, four = validate_chain(head, embed, sequences, depth=1), validate_chain(head, embed, sequences, depth=4)
+        hits = torch.cat([th.chain_hits(head, embed, s.token_ids, s.features, s.num_prompt_tokens, 4)[0]
+                          for s in sequences])
+    assert top1 > 0.5 and one == pytest.approx(1.0 + top1)
+    assert one < four <= 5.0 and four == pytest.approx(1.0 + float(hits.float().mean(0).sum()))
+    assert all(hits[:, s].sum() >= hits[:, s + 1].sum() for s in range(3))  # a draft holds only after the ones before
+    untrained = new_head(target, tiny_llama_dir, engine.max_model_len, everything, seed=0)
+    with one_thread():
+        assert validate_chain(untrained, embed, sequences, depth=1) == pytest.approx(1.0 + validate(untrained, embed, sequences))
+        assert validate_chain(untrained, embed, sequences) < four
 
 
 def test_each_run_warms_up_then_decays_its_learning_rate_over_its_budget():
@@ -572,6 +600,7 @@ def test_train_head_command_saves_by_weight_hash_and_resumes(tiny_llama_dir, tmp
     # 32 replies now, one held out: the run validated, and kept on disk whichever head scored best
     second = torch.load(path, weights_only=True)["info"]
     assert second["last_steps"] == 4 and 0.0 <= second["last_val_top1"] <= 1.0
+    assert 1.0 <= second["last_val_accepted"] <= 1.0 + VAL_DEPTH
     # --data-share 1: the whole budget collects (another round), nothing is trained or written
     before = path.stat().st_mtime_ns
     assert main([*args, "--minutes", "0.05", "--data-share", "1", "--max-data-tokens", "10000000"]) == 0
