@@ -9,6 +9,9 @@ alternating rounds (one warm-up step each, then --steps timed), so a neighbour's
 over both.
 
     .venv/bin/python benchmarks/head_train_speed.py --out benchmarks/results/head_train_speed.json
+
+The process keeps freed memory as train-head's does (train_head.retain_freed_memory);
+--glibc-defaults leaves glibc's allocator alone, to measure what that buys.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import dataclasses
 import json
 import os
 import platform
+import resource
 import statistics
 import sys
 import time
@@ -30,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from chatserve.head_data import FEATURE_DTYPE, Sequence  # noqa: E402
 from chatserve.loading import resolve  # noqa: E402
 from chatserve.models.eagle_head import EagleHead  # noqa: E402
-from chatserve.train_head import TrainConfig, choose_train_dtype, train  # noqa: E402
+from chatserve.train_head import TrainConfig, choose_train_dtype, retain_freed_memory, train  # noqa: E402
 from kernels.cpu_features import cpu_flags  # noqa: E402
 
 NUM_SEQUENCES = 32
@@ -80,8 +84,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4, help="timed steps per dtype and round")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--glibc-defaults", action="store_true",
+                    help="leave glibc's allocator as it is (train-head calls retain_freed_memory first)")
     ap.add_argument("--out", default=None, help="result JSON")
     args = ap.parse_args()
+    retained = False if args.glibc_defaults else retain_freed_memory()
+    faults_before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     from transformers import AutoConfig
 
     if args.threads:
@@ -100,6 +108,9 @@ def main() -> None:
     results = {dtype: {"median_seconds_per_step": statistics.median(times), "min_seconds_per_step": min(times),
                        "tokens_per_second": args.batch_tokens / statistics.median(times),
                        "seconds_per_step": [round(t, 4) for t in times]} for dtype, times in steps.items()}
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults_before
+    print(f"freed memory retained: {retained}; page faults {faults:,} ({faults / sum(map(len, steps.values())):,.0f} "
+          "a step, warm-ups and set-up included)")
     for dtype, r in results.items():
         print(f"{dtype:>8}: {r['median_seconds_per_step']:.2f} s/step median (min {r['min_seconds_per_step']:.2f}), "
               f"{r['tokens_per_second']:.0f} tokens/s")
@@ -116,7 +127,7 @@ def main() -> None:
         "torch": torch.__version__, "cpu": _cpu_name(), "platform": platform.platform(),
         "has_amx_bf16": "amx_bf16" in cpu_flags(), "has_avx512_bf16": "avx512_bf16" in cpu_flags(),
         "auto_dtype": str(choose_train_dtype("auto", cpu_flags())).removeprefix("torch."),
-        "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "results": results,
+        "retain_freed_memory": retained, "page_faults": faults, "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "results": results,
     }
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -292,7 +292,9 @@ def cmd_train_head(args) -> int:
 
     from chatserve.engine import Engine
     from chatserve.loading import resolve
-    from chatserve.train_head import VAL_DEPTH, TrainConfig, run
+    from chatserve.train_head import VAL_DEPTH, TrainConfig, retain_freed_memory, run
+
+    retain_freed_memory()  # a batch job: each step's large tensors reuse the last step's memory
 
     cfg = TrainConfig(minutes=args.minutes, max_steps=args.max_steps, max_data_tokens=args.max_data_tokens,
                       reply_tokens=args.reply_tokens, head_vocab_size=args.head_vocab_size, fresh=args.fresh,

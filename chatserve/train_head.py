@@ -21,6 +21,8 @@ command again continues from the checkpoint for another --minutes.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import dataclasses
 import math
 import sys
@@ -70,6 +72,23 @@ class TrainConfig:
 
 INITS = ("random", "last-layer")
 TRAIN_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def retain_freed_memory() -> bool:
+    """Have glibc keep freed memory for the next allocation instead of unmapping it; for this batch
+    job's process only. glibc serves every allocation over its mmap threshold (at most 32 MB) with a
+    fresh mmap and unmaps it on free, so each step's large tensors (logits over [2048, 16384] in
+    float32: 134 MB each) were page-faulted in again: on Qwen 1.5B's head ~1M faults and ~3 s in
+    the kernel per unrolled step. With mmap off and trimming only past 2 GB, the step's blocks come
+    back from the heap. Not for the server: its memory has to fall back after a peak. -> whether
+    glibc took both settings (False without glibc)."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    m_trim_threshold, m_mmap_max = -1, -4  # <malloc.h>
+    return bool(mallopt(m_mmap_max, 0)) and bool(mallopt(m_trim_threshold, 2**31 - 1))
 
 
 def choose_train_dtype(name: str, flags: frozenset[str]) -> torch.dtype:

@@ -7,6 +7,10 @@ one-layer target, must have every draft accepted: its KV is right wherever it re
 import contextlib
 import dataclasses
 import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -158,6 +162,31 @@ def test_a_chain_is_scored_by_the_tokens_it_gets_accepted(tiny_llama_dir, conver
     with one_thread():
         assert validate_chain(untrained, embed, sequences, depth=1) == pytest.approx(1.0 + validate(untrained, embed, sequences))
         assert validate_chain(untrained, embed, sequences) < four
+
+
+def test_train_head_keeps_freed_memory_for_the_next_step():
+    """After retain_freed_memory() a large tensor freed and allocated again comes back from the
+    heap, not as fresh pages to fault in (a step's logits were ~1M page faults). In a child
+    process: the test process's allocator keeps glibc's defaults, as the server does."""
+    code = textwrap.dedent("""
+        import resource, torch
+        from chatserve.train_head import retain_freed_memory
+        def faults_of_one_step():
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            x = torch.ones(64 << 20, dtype=torch.uint8)  # 64 MB: over any mmap threshold
+            del x
+            return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+        faults_of_one_step()
+        plain = faults_of_one_step()
+        assert retain_freed_memory()
+        faults_of_one_step()
+        print(plain, faults_of_one_step())
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=Path(__file__).resolve().parents[2])
+    assert out.returncode == 0, out.stderr
+    plain, kept = map(int, out.stdout.split())
+    assert plain > 8000 and kept < 500  # 64 MB is 16,384 pages of 4 KB
 
 
 def test_each_run_warms_up_then_decays_its_learning_rate_over_its_budget():
