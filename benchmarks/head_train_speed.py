@@ -127,7 +127,8 @@ def main() -> None:
         "torch": torch.__version__, "cpu": _cpu_name(), "platform": platform.platform(),
         "has_amx_bf16": "amx_bf16" in cpu_flags(), "has_avx512_bf16": "avx512_bf16" in cpu_flags(),
         "auto_dtype": str(choose_train_dtype("auto", cpu_flags())).removeprefix("torch."),
-        "retain_freed_memory": retained, "page_faults": faults, "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "results": results,
+        "retain_freed_memory": retained, "page_faults": faults,
+        "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "results": results,
     }
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -254,12 +254,13 @@ def validate_chain(head: EagleHead, embed, sequences: list[Sequence], depth: int
     for those. nan without any reply position."""
     was_training = head.training
     head.eval()
-    hits = []
+    hits, total = [], 0
     for seq in sequences:
-        if sum(len(h) for h in hits) >= max_positions:
+        if total >= max_positions:
             break
         if len(seq.token_ids) - 1 > seq.num_prompt_tokens:
             hits.append(chain_hits(head, embed, seq.token_ids, seq.features, seq.num_prompt_tokens, depth)[0])
+            total += len(hits[-1])
     head.train(was_training)
     if not hits:
         return float("nan")

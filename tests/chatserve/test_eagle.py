@@ -113,7 +113,8 @@ def test_every_twentieth_reply_is_held_out_to_validate_on():
 
 def test_training_validates_and_reports_only_a_better_head(tiny_llama_dir, conversation):
     """train() with held-out sequences scores a chain's mean accepted length on their reply
-    positions (and pass-0 agreement) and calls on_best only when the length beats the best so far: a head trained on, then wrecked by a huge learning
+    positions (and pass-0 agreement) and calls on_best only when the length beats the best so
+    far: a head trained on, then wrecked by a huge learning
     rate, is not reported again (the command keeps the best head as the servable one)."""
     engine = make_engine(tiny_llama_dir, method=None)
     target = engine.models.target
@@ -160,7 +161,8 @@ def test_a_chain_is_scored_by_the_tokens_it_gets_accepted(tiny_llama_dir, conver
     assert all(hits[:, s].sum() >= hits[:, s + 1].sum() for s in range(3))  # a draft holds only after the ones before
     untrained = new_head(target, tiny_llama_dir, engine.max_model_len, everything, seed=0)
     with one_thread():
-        assert validate_chain(untrained, embed, sequences, depth=1) == pytest.approx(1.0 + validate(untrained, embed, sequences))
+        untrained_top1 = validate(untrained, embed, sequences)
+        assert validate_chain(untrained, embed, sequences, depth=1) == pytest.approx(1.0 + untrained_top1)
         assert validate_chain(untrained, embed, sequences) < four
 
 
@@ -177,11 +179,11 @@ def test_train_head_keeps_freed_memory_for_the_next_step():
             del x
             return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
         faults_of_one_step()
-        plain = faults_of_one_step()
+        plain = min(faults_of_one_step() for _ in range(3))
         assert retain_freed_memory()
         faults_of_one_step()
-        print(plain, faults_of_one_step())
-    """)
+        print(plain, min(faults_of_one_step() for _ in range(3)))
+    """)  # the fewest of 3: now and then one step still faults its pages in (seen ~1 in 10)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=Path(__file__).resolve().parents[2])
     assert out.returncode == 0, out.stderr
