@@ -3,9 +3,10 @@ the target's features (final-norm outputs) at every position.
 
 Sources, interleaved until a token or time budget runs out:
 - the target's own greedy replies to prompts: those shipped in data/head_prompts.json (chat and
-  code, kept apart from the benchmark prompts) alternating with tasks on snippets of the Python
-  standard library's source ("explain this code", ...) and questions on the reference manual's
-  topics. The head learns what the target says.
+  code, kept apart from the benchmark prompts), then tasks on snippets of the Python standard
+  library's source ("explain this code", ...) and questions on the reference manual's topics,
+  alternating with chat prompts the target writes itself on the file's everyday topics. The
+  head learns what the target says.
 - plain standard-library source, for code as it is written.
 Features come from the engine's own runner, so a head is trained on exactly what it reads when
 serving (same dtype, quantization): a reply's are recorded as the engine generates it
@@ -21,6 +22,7 @@ import hashlib
 import itertools
 import json
 import random
+import re
 import sysconfig
 import time
 from collections import Counter
@@ -38,6 +40,8 @@ PROMPTS_FILE = Path(__file__).parent / "data" / "head_prompts.json"
 SNIPPET_LINES = 40  # lines of stdlib source per "source task" prompt
 RAW_TOKENS = 768  # tokens per plain source sequence
 DOC_CHARS = 1500  # characters quoted from a documentation topic
+QUESTIONS_PER_TOPIC = 6  # chat prompts the target writes on each topic of head_prompts.json
+QUESTION_TOKENS = 256  # the most it writes for one topic's
 FEATURE_DTYPE = torch.bfloat16  # stored features: half the memory of float32, float32's range
 
 
@@ -74,20 +78,55 @@ def snippets(text: str, num_lines: int) -> list[str]:
     return [p for p in pieces if p.strip()]
 
 
-def user_turns(seed: int) -> Iterator[str]:
+def user_turns(seed: int, questions: Iterator[str] | None = None) -> Iterator[str]:
     """The user turns to answer: the shipped prompts (seeded order), each followed by a task on
-    the standard library, so every round of replies mixes conversation and code; then tasks only.
-    (Measured on SmolLM2: with the 40 shipped prompts first and tasks after, 4% of the replies were
-    conversation and the head's first draft was accepted ~20% of the time on held-out chat
-    against ~46% on code.)"""
+    the standard library, so every round of replies mixes conversation and code; then tasks, each
+    followed by one of `questions` (model_questions) while they last. (Measured on SmolLM2: with
+    the 40 shipped prompts first and tasks after, 4% of the replies were conversation and the
+    head's first draft was accepted ~20% of the time on held-out chat against ~46% on code.)"""
     data = json.loads(PROMPTS_FILE.read_text())
     shipped = data["chat"] + data["code"]
     random.Random(seed).shuffle(shipped)
     tasks = source_tasks(data["source_tasks"], seed)
+    questions = iter(()) if questions is None else questions
     for prompt in shipped:
         yield prompt
         yield from itertools.islice(tasks, 1)
-    yield from tasks
+    for task in tasks:
+        yield task
+        yield from itertools.islice(questions, 1)
+    yield from questions
+
+
+def model_questions(engine, seed: int, batch: int) -> Iterator[str]:
+    """Chat prompts the target writes itself: for each topic of head_prompts.json (seeded order)
+    it is asked, greedily and `batch` topics at once, for QUESTIONS_PER_TOPIC messages a user
+    might send about it, one a line. Why: 141 shipped chat prompts are too few. A Qwen head
+    trained on them and ~1,200 code tasks agreed with the target on 69% of its training replies'
+    positions and on 50% of held-out ones (memorized), and its first draft held on 31% of
+    held-out chat positions against 57% on code. Deterministic, so a resumed data phase writes
+    the same questions again (a few seconds a topic) and skips those already answered."""
+    data = json.loads(PROMPTS_FILE.read_text())
+    topics = list(data["topics"])
+    random.Random(seed).shuffle(topics)
+    params = SamplingParams(max_tokens=QUESTION_TOKENS, temperature=0.0)
+    tok = engine.tokenizer
+    for i in range(0, len(topics), batch):
+        asks = [tok.apply_chat_template([{"role": "user", "content": data["question_request"].format(
+            n=QUESTIONS_PER_TOPIC, topic=topic)}]) for topic in topics[i : i + batch]]
+        for out in engine.generate(asks, params):
+            yield from question_lines(out["text"])[:QUESTIONS_PER_TOPIC]
+
+
+def question_lines(text: str) -> list[str]:
+    """The messages of a reply that lists them one a line: numbering, bullets and quotes taken
+    off; lines of fewer than 3 words (a heading, a stray word) dropped."""
+    lines = []
+    for line in text.splitlines():
+        line = re.sub(r"^\s*(?:[-*\u2022]|\d+[.)])\s*", "", line).strip().strip('"').strip()
+        if len(line.split()) >= 3:
+            lines.append(line)
+    return lines
 
 
 def source_tasks(templates: list[str], seed: int) -> Iterator[str]:
@@ -220,7 +259,7 @@ def collect(engine, *, max_tokens: int, seconds: float, reply_tokens: int, seed:
     tok = engine.tokenizer
     state = (dataclasses.replace(resume, sequences=list(resume.sequences), asked=set(resume.asked)) if resume
              else Collected([]))
-    turns, raw = user_turns(seed), plain_sources(tok, seed)
+    turns, raw = user_turns(seed, model_questions(engine, seed, batch)), plain_sources(tok, seed)
     if state.asked:
         turns = (t for t in turns if prompt_key(t) not in state.asked)
     else:  # saved before prompts were recorded: skip by count

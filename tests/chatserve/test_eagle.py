@@ -6,6 +6,7 @@ one-layer target, must have every draft accepted: its KV is right wherever it re
 
 import contextlib
 import dataclasses
+import itertools
 import os
 import subprocess
 import sys
@@ -651,10 +652,58 @@ def test_training_data_skips_prompts_longer_than_the_context(tiny_llama_dir, mon
 
     engine = Engine(EngineConfig(model=str(tiny_llama_dir), max_model_len=256, kv_cache_memory=8 << 20))
     turns = iter(["short question", "x " * 400, "another short one"])
-    monkeypatch.setattr(head_data, "user_turns", lambda seed: turns)
+    monkeypatch.setattr(head_data, "user_turns", lambda seed, questions: turns)
     monkeypatch.setattr(head_data, "plain_sources", lambda tok, seed: iter([]))
     sequences = head_data.collect(engine, max_tokens=10**6, seconds=60, reply_tokens=8, batch=2).sequences
     assert len(sequences) == 2 and all(len(s.token_ids) <= 256 for s in sequences)
+
+
+def test_question_lines_take_one_message_a_line():
+    from chatserve.head_data import question_lines
+
+    text = ('Here are some messages:\n1. How do I keep basil alive indoors?\n2) "Which herbs grow well on a '
+            'windowsill?"\n- Can mint share a pot with other herbs?\n\n* water\n\u2022 Write me a short care '
+            'plan for a rosemary plant.')
+    assert question_lines(text) == ["Here are some messages:", "How do I keep basil alive indoors?",
+                                     "Which herbs grow well on a windowsill?",
+                                     "Can mint share a pot with other herbs?",
+                                     "Write me a short care plan for a rosemary plant."]
+
+
+def test_user_turns_mix_the_targets_own_questions_into_the_tasks():
+    """Shipped prompts first (each followed by a task), then tasks alternating with questions."""
+    import json
+
+    from chatserve import head_data
+
+    data = json.loads(head_data.PROMPTS_FILE.read_text())
+    shipped = set(data["chat"] + data["code"])
+    n = len(shipped)
+    turns = list(itertools.islice(head_data.user_turns(0, iter(["Q one?", "Q two?"])), 2 * n + 5))
+    assert set(turns[0 : 2 * n : 2]) == shipped and not shipped & set(turns[1 : 2 * n : 2])
+    assert turns[2 * n + 1] == "Q one?" and turns[2 * n + 3] == "Q two?"
+    assert not {turns[2 * n], turns[2 * n + 2], turns[2 * n + 4]} & ({"Q one?", "Q two?"} | shipped)  # tasks
+    assert len(data["topics"]) >= 200 and "{topic}" in data["question_request"]
+
+
+def test_model_questions_ask_the_target_once_per_topic(tiny_llama_dir, monkeypatch, tmp_path):
+    """The target is asked about each topic (batched), and every line it writes of 3 words or
+    more, up to QUESTIONS_PER_TOPIC a topic, is a prompt; the pool is empty after."""
+    import json
+
+    from chatserve import head_data
+
+    prompts = tmp_path / "head_prompts.json"
+    prompts.write_text(json.dumps({"topics": ["bees", "tea", "maps"], "question_request": "{n} on {topic}"}))
+    monkeypatch.setattr(head_data, "PROMPTS_FILE", prompts)
+    engine = Engine(EngineConfig(model=str(tiny_llama_dir), max_model_len=256, kv_cache_memory=8 << 20))
+    asked = []
+    generate = engine.generate
+    monkeypatch.setattr(engine, "generate", lambda ps, params: asked.append(len(ps)) or generate(ps, params))
+    monkeypatch.setattr(head_data, "question_lines", lambda text: ["a b c"] * 9)
+    questions = list(head_data.model_questions(engine, seed=0, batch=2))
+    assert asked == [2, 1] and questions == ["a b c"] * (3 * head_data.QUESTIONS_PER_TOPIC)
+    assert_pool_empty(engine)
 
 
 def test_a_killed_data_phase_resumes_where_its_checkpoint_left_it(tiny_llama_dir, monkeypatch):
@@ -667,7 +716,7 @@ def test_a_killed_data_phase_resumes_where_its_checkpoint_left_it(tiny_llama_dir
 
     engine = Engine(EngineConfig(model=str(tiny_llama_dir), max_model_len=256, kv_cache_memory=8 << 20))
     turns = [f"question number {i}" for i in range(6)]
-    monkeypatch.setattr(head_data, "user_turns", lambda seed: iter(turns))
+    monkeypatch.setattr(head_data, "user_turns", lambda seed, questions: iter(turns))
     monkeypatch.setattr(head_data, "plain_sources", lambda tok, seed: iter([[5, 6, 7, 8]] * 3))
     whole = head_data.collect(engine, max_tokens=10**6, seconds=60, reply_tokens=6, batch=2)
     assert whole.exhausted and whole.rounds == 4 and len(whole.sequences) == 6 + 3
@@ -690,7 +739,7 @@ def test_a_killed_data_phase_resumes_where_its_checkpoint_left_it(tiny_llama_dir
     assert [s.token_ids.tolist() for s in resumed.sequences] == [s.token_ids.tolist() for s in whole.sequences]
     assert len(saved[0].sequences) == 3  # the resumed state is a copy
     # the prompt set reordered (or grown) between runs: what was answered is not asked again
-    monkeypatch.setattr(head_data, "user_turns", lambda seed: iter(turns[::-1]))
+    monkeypatch.setattr(head_data, "user_turns", lambda seed, questions: iter(turns[::-1]))
     reordered = head_data.collect(engine, max_tokens=10**6, seconds=60, reply_tokens=6, batch=2, resume=saved[0])
     prompts = [tuple(s.token_ids[: s.num_prompt_tokens].tolist()) for s in reordered.sequences
                if s.num_prompt_tokens < len(s.token_ids)]
@@ -710,7 +759,7 @@ def test_training_data_records_features_while_generating(tiny_llama_dir, monkeyp
                                  max_num_batched_tokens=16, enable_prefix_caching=prefix_caching))
     shared = "def add(a, b):\n    return a + b\n" * 2
     turns = iter([shared + "what does it do?", shared + "rename it"])
-    monkeypatch.setattr(head_data, "user_turns", lambda seed: turns)
+    monkeypatch.setattr(head_data, "user_turns", lambda seed, questions: turns)
     monkeypatch.setattr(head_data, "plain_sources", lambda tok, seed: iter([]))
     fed = []
     monkeypatch.setattr(head_data, "target_features",
