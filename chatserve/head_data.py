@@ -120,11 +120,12 @@ def model_questions(engine, seed: int, batch: int) -> Iterator[str]:
 
 def question_lines(text: str) -> list[str]:
     """The messages of a reply that lists them one a line: numbering, bullets and quotes taken
-    off; lines of fewer than 3 words (a heading, a stray word) dropped."""
+    off; lines of fewer than 3 words (a stray word) and those ending in a colon ("Here are six
+    messages:") dropped."""
     lines = []
     for line in text.splitlines():
         line = re.sub(r"^\s*(?:[-*\u2022]|\d+[.)])\s*", "", line).strip().strip('"').strip()
-        if len(line.split()) >= 3:
+        if len(line.split()) >= 3 and not line.endswith(":"):
             lines.append(line)
     return lines
 

@@ -664,7 +664,7 @@ def test_question_lines_take_one_message_a_line():
     text = ('Here are some messages:\n1. How do I keep basil alive indoors?\n2) "Which herbs grow well on a '
             'windowsill?"\n- Can mint share a pot with other herbs?\n\n* water\n\u2022 Write me a short care '
             'plan for a rosemary plant.')
-    assert question_lines(text) == ["Here are some messages:", "How do I keep basil alive indoors?",
+    assert question_lines(text) == ["How do I keep basil alive indoors?",
                                      "Which herbs grow well on a windowsill?",
                                      "Can mint share a pot with other herbs?",
                                      "Write me a short care plan for a rosemary plant."]
