@@ -404,7 +404,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--data-batch", type=int, default=32,
                    help="prompts answered at once while collecting data (more rows a step: more tokens a second)")
     t.add_argument("--reply-tokens", type=int, default=256, help="max tokens of each of the model's own replies")
-    t.add_argument("--head-vocab-size", type=int, default=32768, help="rows of the head's LM head (most frequent ids)")
+    t.add_argument("--head-vocab-size", type=int, default=None,
+                   help="rows of the head's LM head (most frequent ids); default 32768 for a new head, a resumed "
+                        "head keeps its size")
     t.add_argument("--fresh", action="store_true", help="ignore saved data and checkpoint: start over")
     t.add_argument("--unroll", type=int, default=1,
                    help="training-time test: also train each row as the 2nd..Nth token of a drafted chain, "

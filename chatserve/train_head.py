@@ -45,6 +45,7 @@ CE_WEIGHT = 0.1  # EAGLE's weight of the token loss next to the feature loss
 UNROLL_DECAY = 0.8  # weight of the s-th unrolled pass (training-time test): 0.8**s
 VAL_EVERY = 20  # every 20th reply sequence is held out to validate on (none with fewer than 20 replies)
 VAL_POSITIONS = 4096  # reply positions validated at most (a few seconds on Qwen 1.5B's head)
+NEW_HEAD_VOCAB_SIZE = 32768  # a new head's LM head rows unless --head-vocab-size says
 TRIM_EVERY = 20  # steps between trim_free_memory() calls
 VAL_DEPTH = 4  # drafts in the chain a head is chosen by (validate_chain)
 VAL_CHAIN_POSITIONS = 2048  # reply positions (chain anchors) it scores at most: 4 passes each
@@ -58,7 +59,7 @@ class TrainConfig:
     max_data_tokens: int = 200_000
     reply_tokens: int = 256  # max_tokens of each of the target's greedy replies
     data_batch: int = 32  # prompts answered at once while collecting (the engine's max_num_seqs must allow them)
-    head_vocab_size: int = 32768  # N: the head's LM head rows
+    head_vocab_size: int | None = None  # N: the head's LM head rows; None: NEW_HEAD_VOCAB_SIZE, or a resumed head's
     window: int = 256
     unroll: int = 1  # passes of training-time test (EagleHead.forward_unrolled); 1 = EAGLE-1's training
     batch_tokens: int = 2048
@@ -428,9 +429,17 @@ def run(engine, model: str, target_dir: Path, cfg: TrainConfig, out: Path | None
         return None  # the budget went to data (--data-share 1): nothing trained, no head written
     train_seqs, val = split_validation(sequences)
     ckpt = _load_checkpoint(ckpt_path, target_hash) if not cfg.fresh else None
-    head, state = _resume(engine, ckpt) if ckpt else (_new(engine, target_dir, train_seqs, cfg), {})
+    head, state = (_resume(engine, ckpt) if ckpt else
+                   (_new(engine, target_dir, train_seqs, cfg), {"head_vocab_size": cfg.head_vocab_size or NEW_HEAD_VOCAB_SIZE}))
     if ckpt:  # the data may have grown since: the vocabulary follows it (the LM head is the target's, frozen)
-        ids = choose_vocab(train_seqs, target.vocab_size, cfg.head_vocab_size, engine.tokenizer.special_token_ids)
+        specials = engine.tokenizer.special_token_ids
+        # its size as trained unless asked: re-chosen at the default, a Qwen head of 16,384 rows
+        # grew to 32,788 and its draft step from 1.6 to 3.6 ms (session 31)
+        # (a checkpoint from before the size was kept: its rows less the special ids, a few short)
+        size = cfg.head_vocab_size or state.get("head_vocab_size") or \
+            len(head.head_token_ids) - len(set(specials) & set(head.head_token_ids.tolist()))
+        ids = choose_vocab(train_seqs, target.vocab_size, size, specials)
+        state["head_vocab_size"] = size
         if not torch.equal(ids, head.head_token_ids):
             set_vocab(head, target, target_dir, ids)
     info = {"model": model, "num_sequences": len(sequences), "num_tokens": sum(len(s.token_ids) for s in sequences),
@@ -483,7 +492,8 @@ def run(engine, model: str, target_dir: Path, cfg: TrainConfig, out: Path | None
 
 def _new(engine, target_dir: Path, sequences: list[Sequence], cfg: TrainConfig) -> EagleHead:
     target = engine.models.target
-    ids = choose_vocab(sequences, target.vocab_size, cfg.head_vocab_size, engine.tokenizer.special_token_ids)
+    ids = choose_vocab(sequences, target.vocab_size, cfg.head_vocab_size or NEW_HEAD_VOCAB_SIZE,
+                       engine.tokenizer.special_token_ids)
     return new_head(target, target_dir, engine.max_model_len, ids, cfg.seed, cfg.init)
 
 

@@ -633,6 +633,11 @@ def test_train_head_command_saves_by_weight_hash_and_resumes(tiny_llama_dir, tmp
     second = torch.load(path, weights_only=True)["info"]
     assert second["last_steps"] == 4 and 0.0 <= second["last_val_top1"] <= 1.0
     assert 1.0 <= second["last_val_accepted"] <= 1.0 + VAL_DEPTH
+    # resumed without --head-vocab-size: the head keeps its size (not the default's 32768)
+    no_size = [a for a in args if a not in ("--head-vocab-size", "100")]
+    assert main([*no_size, "--data-share", "0", "--max-steps", "5"]) == 0
+    resumed = torch.load(path.with_name("eagle-head-checkpoint.pt"), weights_only=True)["head"]
+    assert len(resumed["head_token_ids"]) == len(ids)
     # --data-share 1: the whole budget collects (another round), nothing is trained or written
     before = path.stat().st_mtime_ns
     assert main([*args, "--minutes", "0.05", "--data-share", "1", "--max-data-tokens", "10000000"]) == 0
