@@ -21,7 +21,6 @@ command again continues from the checkpoint for another --minutes.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import ctypes.util
 import dataclasses
@@ -36,6 +35,7 @@ import torch.nn.functional as F
 
 from chatserve.head_data import Collected, Sequence, choose_vocab, collect, coverage
 from chatserve.head_store import default_head_path, save_head, weights_hash, write_atomic
+from chatserve.loading import release_free_memory
 from chatserve.models.eagle_head import EagleHead
 from kernels.cpu_features import cpu_flags, has_amx
 
@@ -46,7 +46,12 @@ UNROLL_DECAY = 0.8  # weight of the s-th unrolled pass (training-time test): 0.8
 VAL_EVERY = 20  # every 20th reply sequence is held out to validate on (none with fewer than 20 replies)
 VAL_POSITIONS = 4096  # reply positions validated at most (a few seconds on Qwen 1.5B's head)
 NEW_HEAD_VOCAB_SIZE = 32768  # a new head's LM head rows unless --head-vocab-size says
-TRIM_EVERY = 20  # steps between trim_free_memory() calls
+# Steps between loading.release_free_memory() calls (malloc_trim). With retain_freed_memory() alone
+# the heap only grew: a Qwen 1.5B run on 1.2M tokens went from 14 to 21 GB in 7 minutes of steps
+# and was killed for memory at 24 GB (without it: 12-15 GB, 6.7 s a step against 4.4). Trimmed
+# every 20 steps it rose ~2.5 GB between trims and fell back to ~15 GB at each, ~4.5 s a step
+# (a trim gives back the step's freed blocks too, so the next step faults them in once).
+TRIM_EVERY = 20
 VAL_DEPTH = 4  # drafts in the chain a head is chosen by (validate_chain)
 VAL_CHAIN_POSITIONS = 2048  # reply positions (chain anchors) it scores at most: 4 passes each
 
@@ -92,17 +97,6 @@ def retain_freed_memory() -> bool:
         return False
     m_trim_threshold, m_mmap_max = -1, -4  # <malloc.h>
     return bool(mallopt(m_mmap_max, 0)) and bool(mallopt(m_trim_threshold, 2**31 - 1))
-
-
-def trim_free_memory() -> None:
-    """Give glibc's free pages back to the system (malloc_trim: every arena, holes included). With
-    retain_freed_memory() alone the heap only grew: a Qwen 1.5B run on 1.2M tokens went from 14 to
-    21 GB in 7 minutes of steps and was killed for memory at 24 GB (the same run without it held
-    12-15 GB, at 6.7 s a step against 4.4). train() trims every TRIM_EVERY steps: that run then
-    rose ~2.5 GB between trims and fell back to ~15 GB at each, at ~4.5 s a step (a trim gives
-    back the step's freed blocks too, so the next step faults them in once)."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
 
 
 def choose_train_dtype(name: str, flags: frozenset[str]) -> torch.dtype:
@@ -358,7 +352,7 @@ def train(head: EagleHead, embed, sequences: list[Sequence], cfg: TrainConfig, s
         torch.nn.utils.clip_grad_norm_(params, 0.5)
         opt.step()
         if state["step"] % TRIM_EVERY == TRIM_EVERY - 1:
-            trim_free_memory()
+            release_free_memory()
         if not math.isfinite(metrics["loss"]):
             raise FloatingPointError(f"train-head: loss {metrics['loss']} at step {state['step']}")
         state["step"] += 1
@@ -432,8 +426,8 @@ def run(engine, model: str, target_dir: Path, cfg: TrainConfig, out: Path | None
     if ckpt:
         head, state = _resume(engine, ckpt)
     else:
-        head = _new(engine, target_dir, train_seqs, cfg)
         state = {"head_vocab_size": cfg.head_vocab_size or NEW_HEAD_VOCAB_SIZE}
+        head = _new(engine, target_dir, train_seqs, cfg, state["head_vocab_size"])
     if ckpt:  # the data may have grown since: the vocabulary follows it (the LM head is the target's, frozen)
         specials = engine.tokenizer.special_token_ids
         # its size as trained unless asked: re-chosen at the default, a Qwen head of 16,384 rows
@@ -493,10 +487,9 @@ def run(engine, model: str, target_dir: Path, cfg: TrainConfig, out: Path | None
     return head_path
 
 
-def _new(engine, target_dir: Path, sequences: list[Sequence], cfg: TrainConfig) -> EagleHead:
+def _new(engine, target_dir: Path, sequences: list[Sequence], cfg: TrainConfig, vocab_size: int) -> EagleHead:
     target = engine.models.target
-    ids = choose_vocab(sequences, target.vocab_size, cfg.head_vocab_size or NEW_HEAD_VOCAB_SIZE,
-                       engine.tokenizer.special_token_ids)
+    ids = choose_vocab(sequences, target.vocab_size, vocab_size, engine.tokenizer.special_token_ids)
     return new_head(target, target_dir, engine.max_model_len, ids, cfg.seed, cfg.init)
 
 
