@@ -298,8 +298,9 @@ def cmd_train_head(args) -> int:
 
     cfg = TrainConfig(minutes=args.minutes, max_steps=args.max_steps, max_data_tokens=args.max_data_tokens,
                       reply_tokens=args.reply_tokens, head_vocab_size=args.head_vocab_size, fresh=args.fresh,
-                      seed=args.seed, unroll=args.unroll, data_share=args.data_share, init=args.init,
-                      train_dtype=args.train_dtype, data_batch=args.data_batch)
+                      seed=args.seed, unroll=args.unroll, feature_weight=args.feature_weight,
+                      data_share=args.data_share, init=args.init, train_dtype=args.train_dtype,
+                      data_batch=args.data_batch)
     quantization = _quantization(args.quantization)
     dtype = _dtype(args.dtype, "cpu", quantization)
     engine = Engine(EngineConfig(
@@ -411,6 +412,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--unroll", type=int, default=1,
                    help="training-time test: also train each row as the 2nd..Nth token of a drafted chain, "
                         "from the head's own features (N passes; each costs about one more pass)")
+    t.add_argument("--feature-weight", type=float, default=1.0,
+                   help="weight of the feature regression beside the token loss (EAGLE); 0 = the token loss alone "
+                        "(EAGLE-3: the head's feature only serves its tokens), best with --unroll")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--init", default="random", choices=["random", "last-layer"],
                    help="a new head's layer: at random, or a copy of the model's last layer (fc passes the token's "

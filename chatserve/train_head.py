@@ -67,6 +67,7 @@ class TrainConfig:
     head_vocab_size: int | None = None  # N: the head's LM head rows; None: NEW_HEAD_VOCAB_SIZE, or a resumed head's
     window: int = 256
     unroll: int = 1  # passes of training-time test (EagleHead.forward_unrolled); 1 = EAGLE-1's training
+    feature_weight: float = 1.0  # of the feature regression; 0 = the token loss alone (EAGLE-3)
     batch_tokens: int = 2048
     lr: float = 3e-4
     warmup_steps: int = 20
@@ -276,9 +277,10 @@ def validate_chain(head: EagleHead, embed, sequences: list[Sequence], depth: int
 
 
 def loss_fn(head: EagleHead, embed, features_in, token_ids, targets, mask, noise_gen=None, unroll: int = 1,
-            lm_weight: torch.Tensor | None = None):
-    """-> (loss, metrics): EAGLE's feature regression + 0.1 x token cross-entropy over the valid
-    rows. unroll > 1 adds the passes of EagleHead.forward_unrolled (the 2nd.. token of a drafted
+            lm_weight: torch.Tensor | None = None, feature_weight: float = 1.0):
+    """-> (loss, metrics): EAGLE's feature regression (x feature_weight) + 0.1 x token cross-entropy
+    over the valid rows. feature_weight 0 is EAGLE-3's loss: the head's feature is only what its
+    tokens need (it still feeds the next draft of a chain, which --unroll trains). unroll > 1 adds the passes of EagleHead.forward_unrolled (the 2nd.. token of a drafted
     chain, from the head's own features), pass s weighted UNROLL_DECAY**s; "top1" is pass 0's
     agreement, "top1_<s>" pass s's. Under bf16 autocast the matmuls run in bf16; the final norm,
     the softmaxes and the losses stay float32 (the .float() calls, no-ops in float32).
@@ -302,7 +304,7 @@ def loss_fn(head: EagleHead, embed, features_in, token_ids, targets, mask, noise
         logp = F.log_softmax(F.linear(predicted, lm_weight).float(), -1)  # [rows, kept]
         feature_loss = F.smooth_l1_loss(predicted, targets[rows])
         token_loss = -(target_p[rows] * logp).sum(-1).mean()
-        loss = loss + UNROLL_DECAY**s * (feature_loss + CE_WEIGHT * token_loss)
+        loss = loss + UNROLL_DECAY**s * (feature_weight * feature_loss + CE_WEIGHT * token_loss)
         agree = float((logp.detach().argmax(-1) == target_top1[rows]).float().mean())
         if s == 0:
             metrics = {"feature": float(feature_loss.detach()), "token": float(token_loss.detach()), "top1": agree}
@@ -346,7 +348,8 @@ def train(head: EagleHead, embed, sequences: list[Sequence], cfg: TrainConfig, s
         with torch.enable_grad():
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=use_bf16):
                 loss, metrics = loss_fn(head, embed, *batch_windows(sequences, num_windows, cfg.window, gen),
-                                        noise_gen=gen, unroll=cfg.unroll, lm_weight=lm_weight)
+                                        noise_gen=gen, unroll=cfg.unroll, lm_weight=lm_weight,
+                                        feature_weight=cfg.feature_weight)
             opt.zero_grad(set_to_none=True)
             loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 0.5)

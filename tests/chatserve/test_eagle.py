@@ -336,6 +336,29 @@ def test_unrolled_training_makes_the_second_drafted_token_better(tiny_llama_dir)
     assert second[2] > second[1], second
 
 
+def test_feature_weight_zero_leaves_the_feature_regression_out_of_the_loss(tiny_llama_dir):
+    """feature_weight scales EAGLE's feature regression: at 0 (EAGLE-3) the loss is the token
+    loss's share alone, in every unrolled pass, and its gradient reaches fc through the tokens only."""
+    engine = make_engine(tiny_llama_dir, method=None)
+    tok, target = engine.tokenizer, engine.models.target
+    sequences = [Sequence(torch.tensor(ids), target_features(engine, ids), 0) for ids in map(tok.encode, PROMPTS)]
+    head = new_head(target, tiny_llama_dir, engine.max_model_len,
+                    choose_vocab(sequences, target.vocab_size, 200, tok.special_token_ids), seed=0)
+    windows = batch_windows(sequences, 4, 16, torch.Generator().manual_seed(0))
+    one = loss_fn(head, target.embed_tokens, *windows)[1]
+    assert one["loss"] == pytest.approx(one["feature"] + th.CE_WEIGHT * one["token"], rel=1e-5)
+    assert one["feature"] > 0.01 * one["token"]  # the regression is a real part of the default loss
+    zero = loss_fn(head, target.embed_tokens, *windows, feature_weight=0.0)[1]
+    assert zero["loss"] == pytest.approx(th.CE_WEIGHT * zero["token"], rel=1e-5)
+    assert zero["token"] == pytest.approx(one["token"], rel=1e-6)
+    head.zero_grad()
+    loss_fn(head, target.embed_tokens, *windows, unroll=2, feature_weight=0.0)[0].backward()
+    by_tokens = head.fc.weight.grad.clone()
+    head.zero_grad()
+    loss_fn(head, target.embed_tokens, *windows, unroll=2)[0].backward()
+    assert not torch.allclose(head.fc.weight.grad, by_tokens)
+
+
 @pytest.fixture(scope="module")
 def oracle(tmp_path_factory):
     """(one-layer target dir, head path): fc passes the token's embedding through and ignores the
