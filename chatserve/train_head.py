@@ -280,8 +280,9 @@ def loss_fn(head: EagleHead, embed, features_in, token_ids, targets, mask, noise
             lm_weight: torch.Tensor | None = None, feature_weight: float = 1.0):
     """-> (loss, metrics): EAGLE's feature regression (x feature_weight) + 0.1 x token cross-entropy
     over the valid rows. feature_weight 0 is EAGLE-3's loss: the head's feature is only what its
-    tokens need (it still feeds the next draft of a chain, which --unroll trains). unroll > 1 adds the passes of EagleHead.forward_unrolled (the 2nd.. token of a drafted
-    chain, from the head's own features), pass s weighted UNROLL_DECAY**s; "top1" is pass 0's
+    tokens need (it still feeds the next draft of a chain, which --unroll trains). unroll > 1 adds
+    the passes of EagleHead.forward_unrolled (the 2nd.. token of a drafted chain, from the head's
+    own features), pass s weighted UNROLL_DECAY**s; "top1" is pass 0's
     agreement, "top1_<s>" pass s's. Under bf16 autocast the matmuls run in bf16; the final norm,
     the softmaxes and the losses stay float32 (the .float() calls, no-ops in float32).
     lm_weight: the frozen LM head's weight as the matmuls take it (train() casts it to bf16 once:

@@ -326,8 +326,15 @@ async def _until_disconnect(request: Request, work):
     return None if work_task.cancelled() else work_task.result()
 
 
+# Characters Python's str.splitlines() (and so httpx's aiter_lines) breaks a line at, besides the
+# \r and \n that JSON escapes anyway. SSE itself splits only at CR and LF, but a client that reads
+# lines with such a splitter cut a `data:` line at a generated U+2028 and failed on the JSON (seen
+# in the soak test). Escaped, an event is one line for every client and the same JSON.
+_LINE_BREAKS = {ord(c): f"\\u{ord(c):04x}" for c in "\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"}
+
+
 def _sse(obj: dict) -> str:
-    return f"data: {P.dumps(obj)}\n\n"
+    return f"data: {P.dumps(obj).translate(_LINE_BREAKS)}\n\n"
 
 
 def error_response(error: P.ProtocolError) -> JSONResponse:

@@ -38,6 +38,18 @@ def test_chat_completion_whole(client, engine):
     assert engine.params[0].temperature == 0 and engine.params[0].max_tokens == 50
 
 
+def test_stream_events_are_one_line_for_every_line_splitter(make_client):
+    """Generated text may hold characters that str.splitlines() (httpx's aiter_lines, which the
+    soak client reads with) breaks lines at: each event is still one line, and its JSON the text."""
+    reply = "a\u2028b\u2029c\x85d\x1ce\x0bf\x0cg\nh\ri"
+    client = make_client(FakeEngine(reply=reply))
+    response = client.post("/v1/chat/completions", json={**CHAT, "stream": True})
+    lines = [line for line in response.text.splitlines() if line]
+    assert lines[-1] == "data: [DONE]" and all(line.startswith("data: ") for line in lines)
+    events = [json.loads(line[len("data: "):]) for line in lines[:-1]]
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in events) == reply
+
+
 @pytest.mark.parametrize("include_usage", [False, True])
 def test_chat_completion_stream(client, engine, include_usage):
     body = {**CHAT, "stream": True}
