@@ -427,12 +427,11 @@ def run(engine, model: str, target_dir: Path, cfg: TrainConfig, out: Path | None
         return None  # the budget went to data (--data-share 1): nothing trained, no head written
     train_seqs, val = split_validation(sequences)
     ckpt = _load_checkpoint(ckpt_path, target_hash) if not cfg.fresh else None
-    if ckpt:
-        head, state = _resume(engine, ckpt)
-    else:
+    if not ckpt:
         state = {"head_vocab_size": cfg.head_vocab_size or NEW_HEAD_VOCAB_SIZE}
         head = _new(engine, target_dir, train_seqs, cfg, state["head_vocab_size"])
-    if ckpt:  # the data may have grown since: the vocabulary follows it (the LM head is the target's, frozen)
+    else:  # the data may have grown since: the vocabulary follows it (the LM head is the target's, frozen)
+        head, state = _resume(engine, ckpt)
         specials = engine.tokenizer.special_token_ids
         # its size as trained unless asked: re-chosen at the default, a Qwen head of 16,384 rows
         # grew to 32,788 and its draft step from 1.6 to 3.6 ms (session 31)
