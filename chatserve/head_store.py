@@ -49,6 +49,8 @@ def weights_hash(model_dir: Path) -> str:
         with open(f, "rb") as handle:
             while chunk := handle.read(1 << 24):
                 digest.update(chunk)
+    # entries of files gone (a test's temporary model, a model removed) are dropped as it grows
+    memo = {k: v for k, v in memo.items() if all(Path(f.rsplit(":", 2)[0]).exists() for f in k.split(";"))}
     memo[key] = digest.hexdigest()
     write_atomic(memo_path, lambda tmp: tmp.write_text(json.dumps(memo, indent=1)))
     return memo[key]
@@ -56,6 +58,20 @@ def weights_hash(model_dir: Path) -> str:
 
 def default_head_path(target_hash: str) -> Path:
     return heads_dir() / target_hash[:16] / HEAD_FILE
+
+
+def trained_head(model: str) -> Path | None:
+    """The cache's head for `model`'s weights when one was trained here and the model is on this
+    machine (catalog.local_model_dir); None otherwise. Hashes nothing while no head exists at all."""
+    from chatserve.catalog import local_model_dir
+
+    if not any(heads_dir().glob(f"*/{HEAD_FILE}")):
+        return None
+    model_dir = local_model_dir(model)
+    if model_dir is None or not any(model_dir.glob("*.safetensors")):
+        return None
+    path = default_head_path(weights_hash(model_dir))
+    return path if path.is_file() else None
 
 
 def save_head(path: Path, head: EagleHead, target_hash: str, info: dict) -> None:

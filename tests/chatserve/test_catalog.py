@@ -350,8 +350,10 @@ def test_each_catalog_target_gets_a_draft_with_its_tokenizer():
     assert catalog.default_draft("/some/local/model") is None
 
 
-def test_serve_picks_a_drafter_that_fits_the_model_and_says_why():
+def test_serve_picks_a_drafter_that_fits_the_model_and_says_why(tmp_path, monkeypatch):
     from chatserve.cli import build_parser, engine_config, speculation
+
+    monkeypatch.setenv("CHATSERVE_CACHE", str(tmp_path))  # no trained head (test_eagle: with one)
 
     def resolve(*argv):
         return speculation(build_parser().parse_args(["serve", *argv]))

@@ -613,6 +613,30 @@ def test_pool_stays_whole_with_drafts_rollbacks_preemption_and_aborts(tiny_llama
     assert_pool_empty(engine)
 
 
+def test_the_weight_hash_memo_forgets_models_that_are_gone(tmp_path, monkeypatch):
+    """weights_hash() memoizes by path; a model directory removed (a test's temporary one) leaves
+    the memo when the next hash is written, so the file does not grow with every run."""
+    import json
+    import shutil
+
+    from chatserve.head_store import heads_dir
+    from tests.tiny_models import make_tiny_model
+
+    monkeypatch.setenv("CHATSERVE_CACHE", str(tmp_path / "cache"))
+    first, second = tmp_path / "a", tmp_path / "b"
+    for d, seed in ((first, 1), (second, 2)):
+        make_tiny_model(d, "llama", seed=seed, num_layers=1)
+    hash_a = weights_hash(first)
+    assert weights_hash(first) == hash_a != weights_hash(second)
+    memo = json.loads((heads_dir() / "weight_hashes.json").read_text())
+    assert sorted(memo.values()) == sorted([hash_a, weights_hash(second)])
+    shutil.rmtree(first)
+    make_tiny_model(tmp_path / "c", "llama", seed=3, num_layers=1)
+    weights_hash(tmp_path / "c")
+    memo = json.loads((heads_dir() / "weight_hashes.json").read_text())
+    assert len(memo) == 2 and hash_a not in memo.values() and all(str(first) not in k for k in memo)
+
+
 def test_a_head_for_other_weights_is_refused(tiny_llama_dir, tiny_draft_dir, trained_head, tmp_path, monkeypatch):
     monkeypatch.setenv("CHATSERVE_CACHE", str(tmp_path))
     with pytest.raises(ValueError, match="trained for other weights.*chatserve train-head --model"):
@@ -658,7 +682,8 @@ def test_train_head_command_saves_by_weight_hash_and_resumes(tiny_llama_dir, tmp
     assert 1.0 <= second["last_val_accepted"] <= 1.0 + VAL_DEPTH
     # resumed without --head-vocab-size: the head keeps its size (not the default's 32768)
     no_size = [a for a in args if a not in ("--head-vocab-size", "100")]
-    assert main([*no_size, "--data-share", "0", "--max-steps", "5"]) == 0
+    # (and in windows of another size: the flags reach the training loop)
+    assert main([*no_size, "--data-share", "0", "--max-steps", "5", "--window", "24", "--batch-tokens", "72"]) == 0
     resumed = torch.load(path.with_name("eagle-head-checkpoint.pt"), weights_only=True)["head"]
     assert len(resumed["head_token_ids"]) == len(ids)
     # --data-share 1: the whole budget collects (another round), nothing is trained or written
@@ -668,6 +693,12 @@ def test_train_head_command_saves_by_weight_hash_and_resumes(tiny_llama_dir, tmp
     assert path.stat().st_mtime_ns == before
     # --data-share 0 with no data anywhere: a clear error, not a crash
     assert main([*args, "--data-share", "0", "--out", str(tmp_path / "other.pt")]) == 2
+    # `serve` with no drafter named takes the trained head, unless a drafter is named
+    from chatserve.cli import build_parser, speculation
+    method, draft, why = speculation(build_parser().parse_args(["serve", "--model", str(tiny_llama_dir)]))
+    assert (method, draft) == ("eagle", None) and str(path) in why
+    named = build_parser().parse_args(["serve", "--model", str(tiny_llama_dir), "--draft", "ngram"])
+    assert speculation(named)[0] == "ngram"
     engine = make_engine(tiny_llama_dir)  # no head named: the cache's, for these weights
     prompt = engine.tokenizer.encode(PROMPTS[1])
     assert engine.generate([prompt], EAGLE)[0]["stats"].num_drafted > 0
@@ -712,6 +743,24 @@ def test_user_turns_mix_the_targets_own_questions_into_the_tasks():
     assert turns[2 * n + 1] == "Q one?" and turns[2 * n + 3] == "Q two?"
     assert not {turns[2 * n], turns[2 * n + 2], turns[2 * n + 4]} & ({"Q one?", "Q two?"} | shipped)  # tasks
     assert len(data["topics"]) >= 200 and "{topic}" in data["question_request"]
+
+
+def test_source_tasks_paste_whole_files_of_a_pastable_length(monkeypatch):
+    """A stdlib file of FILE_LINES lines is also asked about whole (a question with the file
+    pasted, the templates in turn), before its snippets' tasks; a longer one only in snippets."""
+    import json
+
+    from chatserve import head_data
+
+    lo, hi = head_data.FILE_LINES
+    body = lambda n: "\n".join("" if i % 2 else f"x{i} = {i}" for i in range(n))  # noqa: E731  n lines
+    files = [body(lo), body(hi + 10), body(hi)]
+    monkeypatch.setattr(head_data, "stdlib_sources", lambda seed: iter(files))
+    tasks = list(head_data.source_tasks(["snip:{code}"], 0, ["file:{code}", "whole:{code}"]))
+    kinds = [t.split(":")[0] for t in tasks if t.split(":")[0] in ("snip", "file", "whole")]
+    assert kinds == ["file", "snip", "snip", "snip", "snip", "whole", "snip", "snip"]
+    assert tasks[0] == "file:" + files[0].strip() and "whole:" + files[2].strip() in tasks
+    assert all("{code}" in t for t in json.loads(head_data.PROMPTS_FILE.read_text())["file_tasks"])
 
 
 def test_model_questions_ask_the_target_once_per_topic(tiny_llama_dir, monkeypatch, tmp_path):

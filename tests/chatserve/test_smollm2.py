@@ -74,7 +74,7 @@ def test_ngram_speculation_is_lossless_on_smollm2(engine):
     assert sum(o["stats"].num_accepted for o in fast) > 0
 
 
-def test_serve_without_a_named_drafter_gets_one_that_fits():
+def test_serve_without_a_named_drafter_gets_one_that_fits(monkeypatch):
     """`chatserve serve --model smollm2-135m-instruct` names no drafter: the default Qwen draft
     (another tokenizer) used to be applied and failed to load. Now the target gets a compatible
     method (no catalog draft shares SmolLM2's tokenizer, so suffix decoding), which loads, drafts
@@ -82,8 +82,10 @@ def test_serve_without_a_named_drafter_gets_one_that_fits():
     flip near-ties between a 1-row decode and a k+1-row verification)."""
     import dataclasses
 
+    from chatserve import head_store
     from chatserve.cli import build_parser, engine_config
 
+    monkeypatch.setattr(head_store, "trained_head", lambda model: None)  # a head trained here would come first
     config = engine_config(build_parser().parse_args(["serve", "--model", MODEL, "--kv-cache-memory", "64M"]))
     assert config.spec.method == "suffix" and config.spec.draft_model is None
     engine = Engine(dataclasses.replace(config, dtype="float32", quantization=None))
