@@ -118,8 +118,9 @@ def speculation(args) -> tuple[str | None, str | None, str]:
     return "suffix", None, f"no catalog draft model shares {args.model}'s tokenizer; suffix decoding needs none"
 
 
-def engine_config(args) -> EngineConfig:
-    method, draft_model, _ = speculation(args)
+def engine_config(args, chosen: tuple[str | None, str | None, str] | None = None) -> EngineConfig:
+    """The engine's config from the arguments; `chosen`: speculation(args) when the caller has it."""
+    method, draft_model, _ = chosen or speculation(args)
     spec = None
     if method:
         spec = SpecConfig(
@@ -247,10 +248,11 @@ def cmd_serve(args) -> int:
     from chatserve.server import run_server
 
     limit_malloc_arenas()  # before the engine's and uvicorn's threads exist
-    config = engine_config(args)
+    chosen = speculation(args)  # once: it looks for a trained head in the cache
+    config = engine_config(args, chosen)
     start = time.perf_counter()
     draft = None if not config.spec else (config.spec.draft_model or config.spec.method)
-    print(f"loading {config.model} (draft: {draft}: {speculation(args)[2]})...", file=sys.stderr, flush=True)
+    print(f"loading {config.model} (draft: {draft}: {chosen[2]})...", file=sys.stderr, flush=True)
     engine = Engine(config)
     mem = {k: v / 2**30 for k, v in engine.memory_stats().items()}
     methods = ", ".join(engine.spec_methods) or "none"
