@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from chatserve.batch import BatchItem  # noqa: E402
 from chatserve.config import EngineConfig  # noqa: E402
 from chatserve.engine import Engine  # noqa: E402
+from chatserve.head_data import load_collected  # noqa: E402
 from chatserve.head_store import default_head_path, weights_hash  # noqa: E402
 from chatserve.loading import resolve  # noqa: E402
 from quant.int8 import Int8Linear  # noqa: E402
@@ -42,7 +43,8 @@ SIZES = (8192, 16384, 24576, 32768, 49152, 65536)
 def replies(data_path: Path) -> list[tuple[list[int], int]]:
     """(token ids, where the reply starts) of every sequence that holds a target's reply."""
     record = torch.load(data_path, weights_only=True)
-    return [(ids.tolist(), start) for ids, _, start in record["sequences"] if start < len(ids)]
+    sequences = load_collected(data_path, record["target_hash"]).sequences
+    return [(s.token_ids.tolist(), s.num_prompt_tokens) for s in sequences if s.num_prompt_tokens < len(s.token_ids)]
 
 
 def count(seqs: list[tuple[list[int], int]]) -> Counter:

@@ -21,6 +21,7 @@ import dataclasses
 import hashlib
 import itertools
 import json
+import os
 import random
 import re
 import sysconfig
@@ -242,12 +243,14 @@ class Collected:
     """What the data phase has so far: sequences, the rounds they came from (a resumed phase
     skips as many source pieces, the order being seeded), the prompts already answered (skipped
     when resumed, whatever the order: the prompt set may have changed), the seconds spent on it in
-    all, and whether every prompt and source piece has been used."""
+    all, whether every prompt and source piece has been used, and how many of the sequences
+    (the first `saved`) have their features in the data's feature file (save_collected)."""
     sequences: list[Sequence]
     rounds: int = 0
     seconds: float = 0.0
     exhausted: bool = False
     asked: set[int] = dataclasses.field(default_factory=set)  # prompt_key of every user turn answered
+    saved: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -340,3 +343,88 @@ def coverage(sequences: list[Sequence], head_token_ids: torch.Tensor) -> float:
     replies = [s.token_ids[s.num_prompt_tokens :] for s in sequences if s.num_prompt_tokens < len(s.token_ids)]
     tokens = torch.cat(replies or [s.token_ids for s in sequences]).tolist()
     return sum(t in kept for t in tokens) / max(len(tokens), 1)
+
+
+DATA_FORMAT = 2
+
+
+def features_path(path: Path) -> Path:
+    """The feature file beside the data file `path` (<head>-data.pt -> <head>-data.features)."""
+    return Path(path).with_suffix(".features")
+
+
+def save_collected(path: Path, state: Collected, target_hash: str) -> None:
+    """Write the data phase's state: the features of sequences not yet saved appended to
+    features_path(path) (raw FEATURE_DTYPE rows, [rows, hidden]), then the rest (token ids,
+    lengths, where replies start, the rounds...) to `path`, atomically. The sequences just
+    written then read their features from a memory map of the file instead of the heap, so
+    neither collection nor training holds the data in memory: Qwen 1.5B's 1.94M tokens are
+    6.0 GB of features, and a training run that loaded them whole was killed at 24 GB.
+    Rows past what `path` last recorded (a run killed between the two writes) are cut first."""
+    from chatserve.head_store import write_atomic
+
+    seqs = state.sequences
+    lengths = [len(s.token_ids) for s in seqs]
+    hidden = seqs[0].features.shape[1] if seqs else 0
+    start = sum(lengths[: state.saved])
+    fpath = features_path(path)
+    fpath.parent.mkdir(parents=True, exist_ok=True)
+    with open(fpath, "ab") as f:
+        f.truncate(start * hidden * FEATURE_DTYPE.itemsize)
+        f.seek(0, 2)
+        for s in seqs[state.saved :]:
+            f.write(s.features.to(FEATURE_DTYPE).contiguous().view(torch.int16).numpy().tobytes())
+        f.flush()
+        os.fsync(f.fileno())
+    rows = sum(lengths)
+    record = {"format": DATA_FORMAT, "target_hash": target_hash, "rounds": state.rounds, "seconds": state.seconds,
+              "exhausted": state.exhausted, "asked": sorted(state.asked), "hidden": hidden, "rows": rows,
+              "token_ids": torch.cat([s.token_ids for s in seqs]) if seqs else torch.zeros(0, dtype=torch.long),
+              "lengths": torch.tensor(lengths, dtype=torch.long),
+              "num_prompt_tokens": torch.tensor([s.num_prompt_tokens for s in seqs], dtype=torch.long)}
+    write_atomic(Path(path), lambda tmp: torch.save(record, tmp))
+    if rows:
+        mapped = _map_features(fpath, rows, hidden)
+        for s, offset, n in zip(seqs[state.saved :], _offsets(lengths, state.saved), lengths[state.saved :]):
+            s.features = mapped[offset : offset + n]
+    state.saved = len(seqs)
+
+
+def load_collected(path: Path, target_hash: str) -> Collected | None:
+    """The data saved at `path` (save_collected) for the target with this weight hash, its
+    features memory-mapped; None if there is none, or it is for other weights. A file from before
+    the feature file (format 1: every sequence's features inside it) loads whole, and moves its
+    features to the feature file at the next save."""
+    if not Path(path).is_file():
+        return None
+    record = torch.load(path, weights_only=True)
+    if record["target_hash"] != target_hash:
+        return None
+    if record.get("format") != DATA_FORMAT:
+        sequences = [Sequence(*fields) for fields in record["sequences"]]
+        if "rounds" not in record:  # from before the phase could resume: where it stopped is unknown, so it is final
+            return Collected(sequences, exhausted=True)
+        return Collected(sequences, record["rounds"], record["seconds"], record["exhausted"],
+                         set(record.get("asked", ())))
+    lengths = record["lengths"].tolist()
+    mapped = _map_features(features_path(path), record["rows"], record["hidden"]) if record["rows"] else None
+    ids = record["token_ids"].split(lengths)
+    sequences = [Sequence(ids[i], mapped[o : o + n], int(record["num_prompt_tokens"][i]))
+                 for i, (o, n) in enumerate(zip(_offsets(lengths, 0), lengths))]
+    return Collected(sequences, record["rounds"], record["seconds"], record["exhausted"], set(record["asked"]),
+                     saved=len(sequences))
+
+
+def _offsets(lengths: list[int], first: int) -> list[int]:
+    """The first row of each sequence from index `first` on, in a file of all of them in order."""
+    return list(itertools.accumulate(lengths[:-1], initial=0))[first:] if lengths else []
+
+
+def _map_features(fpath: Path, rows: int, hidden: int) -> torch.Tensor:
+    """[rows, hidden] FEATURE_DTYPE, a private read-only-in-practice memory map of the first rows of
+    the file: pages come from the page cache as windows touch them, and the kernel can drop
+    them again (they are never written through this map)."""
+    if not fpath.is_file() or fpath.stat().st_size < rows * hidden * FEATURE_DTYPE.itemsize:
+        raise ValueError(f"train-head: {fpath} holds fewer than {rows} feature rows; delete it and its "
+                         f"data file to collect again")
+    return torch.from_file(str(fpath), shared=False, size=rows * hidden, dtype=FEATURE_DTYPE).view(rows, hidden)

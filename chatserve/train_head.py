@@ -12,7 +12,8 @@ when it drafts in a chain. Windows of `window` positions are cut from the data (
 whole sequence, so a window's first row still sees the true previous feature).
 
 Files (beside the head, by default in the cache dir keyed by the target's weight hash):
-<head>-data.pt (the collected data; written every checkpoint_seconds while it is collected, and
+<head>-data.pt and <head>-data.features (the collected data, its features memory-mapped:
+head_data.save_collected; written every checkpoint_seconds while it is collected, and
 a run that finds fewer than max_data_tokens in it collects more first, in its data_share of the
 budget, so data grows over runs and survives a kill), <head>-checkpoint.pt (head, optimizer, step,
 seconds; written every checkpoint_seconds and at the end) and the head itself. Running the
@@ -33,7 +34,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from chatserve.head_data import Collected, Sequence, choose_vocab, collect, coverage
+from chatserve.head_data import Collected, Sequence, choose_vocab, collect, coverage, load_collected, save_collected
 from chatserve.head_store import default_head_path, save_head, weights_hash, write_atomic
 from chatserve.loading import release_free_memory
 from chatserve.models.eagle_head import EagleHead
@@ -410,15 +411,10 @@ def run(engine, model: str, target_dir: Path, cfg: TrainConfig, out: Path | None
     budget_start = time.perf_counter()
     seconds = cfg.minutes * 60
     target = engine.models.target
-    data = _load_data(data_path, target_hash) if not cfg.fresh else None
+    data = load_collected(data_path, target_hash) if not cfg.fresh else None
     if cfg.data_share > 0 and (data is None or (not data.exhausted and data.num_tokens < cfg.max_data_tokens)):
-
-        def save_data(state: Collected) -> None:
-            _save(data_path, {"target_hash": target_hash, "rounds": state.rounds, "seconds": state.seconds,
-                              "exhausted": state.exhausted, "asked": sorted(state.asked),
-                              "sequences": [dataclasses.astuple(s) for s in state.sequences]})
-
-        data = _collect(engine, cfg, seconds * cfg.data_share, show_progress, data, save_data)
+        data = _collect(engine, cfg, seconds * cfg.data_share, show_progress, data,
+                        lambda state: save_collected(data_path, state, target_hash))
     if data is None or not data.sequences:
         raise ValueError(f"train-head: no training data at {data_path}; collect some with --data-share > 0")
     sequences = data.sequences
@@ -536,18 +532,6 @@ def _bar(show: bool, **kwargs):
     from tqdm import tqdm
 
     return tqdm(file=sys.stderr, dynamic_ncols=True, **kwargs)
-
-
-def _load_data(path: Path, target_hash: str) -> Collected | None:
-    if not path.is_file():
-        return None
-    record = torch.load(path, weights_only=True)
-    if record["target_hash"] != target_hash:
-        return None
-    sequences = [Sequence(*fields) for fields in record["sequences"]]
-    if "rounds" not in record:  # from before the phase could resume: where it stopped is unknown, so it is final
-        return Collected(sequences, exhausted=True)
-    return Collected(sequences, record["rounds"], record["seconds"], record["exhausted"], set(record.get("asked", ())))
 
 
 def _load_checkpoint(path: Path, target_hash: str) -> dict | None:

@@ -19,7 +19,7 @@ import torch
 from chatserve.batch import BatchItem
 from chatserve.config import EngineConfig, SpecConfig
 from chatserve.engine import Engine
-from chatserve.head_data import Sequence, choose_vocab, target_features
+from chatserve.head_data import Sequence, choose_vocab, load_collected, target_features
 from chatserve.head_store import save_head, weights_hash
 from chatserve.models.eagle_head import EagleHead
 from chatserve.sampling_params import SamplingParams
@@ -667,11 +667,11 @@ def test_train_head_command_saves_by_weight_hash_and_resumes(tiny_llama_dir, tmp
     # run again with a larger data budget: more data first (the saved data kept), then the checkpoint goes on
     more = first["info"]["num_tokens"] + 1
     assert main([*args, "--max-data-tokens", str(more), "--max-steps", "4"]) == 0
-    data = torch.load(path.with_name("eagle-head-data.pt"), weights_only=True)
-    assert data["rounds"] == 2 and sum(len(s[0]) for s in data["sequences"]) >= more
+    data = load_collected(path.with_name("eagle-head-data.pt"), weights_hash(tiny_llama_dir))
+    assert data.rounds == 2 and data.num_tokens >= more
     # the resumed head took the vocabulary of the grown training data, with the target's rows
     ckpt = torch.load(path.with_name("eagle-head-checkpoint.pt"), weights_only=True)["head"]
-    train_seqs, _ = split_validation([Sequence(*s) for s in data["sequences"]])
+    train_seqs, _ = split_validation(data.sequences)
     engine = make_engine(tiny_llama_dir, method=None)
     ids = choose_vocab(train_seqs, engine.models.target.vocab_size, 100, engine.tokenizer.special_token_ids)
     assert torch.equal(ckpt["head_token_ids"], ids)
@@ -822,6 +822,62 @@ def test_a_killed_data_phase_resumes_where_its_checkpoint_left_it(tiny_llama_dir
                if s.num_prompt_tokens < len(s.token_ids)]
     assert len(prompts) == len(set(prompts)) == 6
     assert_pool_empty(engine)
+
+
+def test_saved_data_is_appended_to_and_read_back_memory_mapped(tmp_path):
+    """save_collected appends only the sequences not yet saved to the feature file, and points
+    their features at a memory map of it; load_collected gives back the same sequences, mapped.
+    Rows past the recorded ones (a run killed between its two writes) are cut at the next save;
+    a feature file short of its rows, or data for other weights, is not taken."""
+    from chatserve.head_data import Collected, features_path, save_collected
+
+    def seq(n, num_prompt, seed):
+        g = torch.Generator().manual_seed(seed)
+        features = torch.randn(n, 8, generator=g).bfloat16()
+        return Sequence(torch.randint(0, 1000, (n,), generator=g), features, num_prompt)
+
+    def same(a, b):
+        return [(s.token_ids.tolist(), s.features.tolist(), s.num_prompt_tokens) for s in a] == \
+            [(s.token_ids.tolist(), s.features.tolist(), s.num_prompt_tokens) for s in b]
+
+    path, row_bytes = tmp_path / "eagle-head-data.pt", 8 * 2
+    first = [seq(5, 2, 0), seq(7, 7, 1)]
+    state = Collected([dataclasses.replace(s) for s in first], rounds=1, seconds=2.5, asked={3, 4})
+    save_collected(path, state, "abc")
+    assert state.saved == 2 and features_path(path).stat().st_size == 12 * row_bytes
+    assert same(state.sequences, first)
+    assert all(s.features.untyped_storage().data_ptr() == state.sequences[0].features.untyped_storage().data_ptr()
+               for s in state.sequences)  # both views of the one map, the heap copies gone
+    with open(features_path(path), "ab") as f:  # killed after writing rows it never recorded
+        f.write(b"\x01" * 3 * row_bytes)
+    more = [seq(4, 1, 2)]
+    state.sequences += [dataclasses.replace(s) for s in more]
+    state.rounds, state.exhausted = 2, True
+    save_collected(path, state, "abc")
+    assert features_path(path).stat().st_size == 16 * row_bytes
+    loaded = load_collected(path, "abc")
+    assert same(loaded.sequences, first + more) and loaded.saved == 3
+    assert (loaded.rounds, loaded.seconds, loaded.exhausted, loaded.asked) == (2, 2.5, True, {3, 4})
+    assert load_collected(path, "other weights") is None and load_collected(tmp_path / "none.pt", "abc") is None
+    with open(features_path(path), "r+b") as f:
+        f.truncate(15 * row_bytes)
+    with pytest.raises(ValueError, match="fewer than 16 feature rows"):
+        load_collected(path, "abc")
+
+
+def test_data_saved_before_the_feature_file_loads_and_moves_to_it(tmp_path):
+    from chatserve.head_data import save_collected
+
+    path = tmp_path / "eagle-head-data.pt"
+    seqs = [Sequence(torch.arange(n), torch.randn(n, 4).bfloat16(), 3) for n in (6, 3)]
+    torch.save({"target_hash": "abc", "rounds": 4, "seconds": 9.0, "exhausted": False, "asked": [1],
+                "sequences": [dataclasses.astuple(s) for s in seqs]}, path)
+    old = load_collected(path, "abc")
+    assert old.saved == 0 and old.rounds == 4 and torch.equal(old.sequences[0].features, seqs[0].features)
+    save_collected(path, old, "abc")
+    new = load_collected(path, "abc")
+    assert new.saved == 2 and [s.token_ids.tolist() for s in new.sequences] == [[0, 1, 2, 3, 4, 5], [0, 1, 2]]
+    assert torch.equal(new.sequences[1].features, seqs[1].features) and new.sequences[1].num_prompt_tokens == 3
 
 
 @pytest.mark.parametrize("prefix_caching", [False, True])
