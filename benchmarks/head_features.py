@@ -8,8 +8,8 @@ held-out reply position) and by pass-0 agreement (train_head.validate).
 
 Data is collected as train-head collects it (head_data.collect: the target's own greedy replies and
 standard-library source), with each position's features widened to [layer a; layer b; layer c;
-final]: the residual stream after each chosen layer, RMS-normalized without weights (the middle
-layers' residual carries a few huge dimensions), then the final norm's output. The decode stack's
+final]: the residual stream after each chosen layer, RMS-normalized without weights (so the three
+enter the fuse at one scale), then the final norm's output. The decode stack's
 one C++ call is switched off so the layers' forward hooks see every step (the modules compute the
 same numbers). The data is saved beside --out's JSON (head_data.save_collected) and reused when the
 script runs again with the same model and layers.
