@@ -42,8 +42,7 @@ SIZES = (8192, 16384, 24576, 32768, 49152, 65536)
 
 def replies(data_path: Path) -> list[tuple[list[int], int]]:
     """(token ids, where the reply starts) of every sequence that holds a target's reply."""
-    record = torch.load(data_path, weights_only=True)
-    sequences = load_collected(data_path, record["target_hash"]).sequences
+    sequences = load_collected(data_path, None).sequences
     return [(s.token_ids.tolist(), s.num_prompt_tokens) for s in sequences if s.num_prompt_tokens < len(s.token_ids)]
 
 

@@ -4,7 +4,7 @@ them: EAGLE-1's (the final norm's output, what chatserve's head reads today) aga
 learned linear map into the head's input). Same collected replies, same held-out set, same
 vocabulary, init seed, windows, noise and number of steps; scored as train-head chooses heads
 (train_head.validate_chain: the mean accepted length of a chain of 4 drafts at T = 0 from every
-held-out reply position) and by pass-0 agreement (train_head.validate).
+held-out reply position) and by the first draft's acceptance (the same, a chain of 1).
 
 Data is collected as train-head collects it (head_data.collect: the target's own greedy replies and
 standard-library source), with each position's features widened to [layer a; layer b; layer c;
@@ -14,8 +14,10 @@ one C++ call is switched off so the layers' forward hooks see every step (the mo
 same numbers). The data is saved beside --out's JSON (head_data.save_collected) and reused when the
 script runs again with the same model and layers.
 
-    .venv/bin/python benchmarks/head_features.py --model smollm2-135m-instruct --data-tokens 300000 \\
-        --data-minutes 25 --steps 1500 --out benchmarks/results/head_features_smollm2.json
+    .venv/bin/python benchmarks/head_features.py --model smollm2-135m-instruct --data-tokens 400000 \\
+        --data-minutes 18 --steps 0 --out benchmarks/results/head_features_smollm2.json       # data only
+    .venv/bin/python benchmarks/head_features.py --model smollm2-135m-instruct --data-tokens 200000 \\
+        --steps 500 --head-vocab-size 4096 --out benchmarks/results/head_features_smollm2.json
 """
 
 from __future__ import annotations

@@ -28,7 +28,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from chatserve.config import EngineConfig  # noqa: E402
 from chatserve.engine import Engine  # noqa: E402
 from chatserve.head_data import Sequence, choose_vocab, load_collected  # noqa: E402
-from chatserve.head_store import weights_hash  # noqa: E402
 from chatserve.loading import resolve  # noqa: E402
 from chatserve.train_head import TrainConfig, new_head, train, validate  # noqa: E402
 
@@ -81,7 +80,7 @@ def main() -> None:
 
     model_dir = resolve(args.model)
     engine = Engine(EngineConfig(model=args.model, kv_cache_memory=64 << 20, max_model_len=4096))
-    sequences = load_collected(args.data, weights_hash(model_dir)).sequences
+    sequences = load_collected(args.data, None).sequences
     train_seqs, val = hold_out(sequences, args.hold_out_every)
     target = engine.models.target
     ids = choose_vocab(train_seqs, target.vocab_size, args.head_vocab_size, engine.tokenizer.special_token_ids)

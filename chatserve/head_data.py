@@ -390,15 +390,16 @@ def save_collected(path: Path, state: Collected, target_hash: str) -> None:
     state.saved = len(seqs)
 
 
-def load_collected(path: Path, target_hash: str) -> Collected | None:
-    """The data saved at `path` (save_collected) for the target with this weight hash, its
-    features memory-mapped; None if there is none, or it is for other weights. A file from before
+def load_collected(path: Path, target_hash: str | None) -> Collected | None:
+    """The data saved at `path` (save_collected) for the target with this weight hash (None: for
+    whichever target it was saved for), its features memory-mapped; None if there is none, or it
+    is for other weights. A file from before
     the feature file (format 1: every sequence's features inside it) loads whole, and moves its
     features to the feature file at the next save."""
     if not Path(path).is_file():
         return None
     record = torch.load(path, weights_only=True)
-    if record["target_hash"] != target_hash:
+    if target_hash is not None and record["target_hash"] != target_hash:
         return None
     if record.get("format") != DATA_FORMAT:
         sequences = [Sequence(*fields) for fields in record["sequences"]]

@@ -859,6 +859,7 @@ def test_saved_data_is_appended_to_and_read_back_memory_mapped(tmp_path):
     assert same(loaded.sequences, first + more) and loaded.saved == 3
     assert (loaded.rounds, loaded.seconds, loaded.exhausted, loaded.asked) == (2, 2.5, True, {3, 4})
     assert load_collected(path, "other weights") is None and load_collected(tmp_path / "none.pt", "abc") is None
+    assert same(load_collected(path, None).sequences, first + more)  # None: whatever target it was saved for
     with open(features_path(path), "r+b") as f:
         f.truncate(15 * row_bytes)
     with pytest.raises(ValueError, match="fewer than 16 feature rows"):
