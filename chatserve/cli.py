@@ -296,6 +296,21 @@ def server_config(args) -> ServerConfig:
     )
 
 
+def _feature_layers(values: list[str] | None) -> tuple[int, ...] | None:
+    """--feature-layers: None (not given), () for `final`, else the layer indices, increasing."""
+    if values is None:
+        return None
+    if values == ["final"]:
+        return ()
+    try:
+        layers = tuple(int(v) for v in values)
+    except ValueError:
+        raise SystemExit(f"--feature-layers: layer indices or `final`, got {' '.join(values)}") from None
+    if list(layers) != sorted(set(layers)):
+        raise SystemExit(f"--feature-layers: increasing layer indices, got {' '.join(values)}")
+    return layers
+
+
 def cmd_train_head(args) -> int:
     import torch
 
@@ -309,7 +324,7 @@ def cmd_train_head(args) -> int:
                       reply_tokens=args.reply_tokens, head_vocab_size=args.head_vocab_size, fresh=args.fresh,
                       seed=args.seed, unroll=args.unroll, feature_weight=args.feature_weight,
                       data_share=args.data_share, init=args.init, train_dtype=args.train_dtype,
-                      data_batch=args.data_batch,
+                      data_batch=args.data_batch, feature_layers=_feature_layers(args.feature_layers),
                       **{k: v for k, v in (("window", args.window), ("batch_tokens", args.batch_tokens)) if v})
     quantization = _quantization(args.quantization)
     dtype = _dtype(args.dtype, "cpu", quantization)
@@ -333,9 +348,12 @@ def cmd_train_head(args) -> int:
               f"Train with: chatserve train-head --model {args.model} --data-share 0", file=sys.stderr)
         return 0
     info = torch.load(path, weights_only=True)["info"]
-    print(f"EAGLE head for {args.model}: {path}\n  {info['steps']} steps in {info['train_seconds']} s on "
-          f"{info['num_tokens']} tokens; vocabulary {info['num_kept']} ids covering {info['coverage']:.1%} of reply "
-          f"tokens; last batch: top-1 agreement {info['final'].get('top1', float('nan')):.2f}"
+    layers = info.get("feature_layers")
+    features = f"layers {', '.join(map(str, layers))} fused (EAGLE-3)" if layers else "the final feature (EAGLE-1)"
+    print(f"EAGLE head for {args.model}: {path}\n  reads {features}; {info['steps']} steps in "
+          f"{info['train_seconds']} s on {info['num_tokens']} tokens; vocabulary {info['num_kept']} ids covering "
+          f"{info['coverage']:.1%} of reply tokens; last batch: top-1 agreement "
+          f"{info['final'].get('top1', float('nan')):.2f}"
           + (f"; held-out replies: top-1 {info['val_top1']:.2f}, a chain of {VAL_DEPTH} accepts "
              f"{info['val_accepted']:.2f} tokens a verification (this run's last: {info['last_val_accepted']:.2f})"
              if info.get("val_accepted") is not None and info.get("last_val_accepted") is not None else "") + "\n"
@@ -434,6 +452,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "to attend over; served, it attends over the whole conversation")
     t.add_argument("--batch-tokens", type=int, default=None,
                    help="positions per optimizer step (default 2048), in batch-tokens // window windows")
+    t.add_argument("--feature-layers", nargs="+", default=None, metavar="LAYER",
+                   help="the model layers a new head fuses as its input (EAGLE-3), or `final` for the final norm's "
+                        "output alone (EAGLE-1); default: a resumed head's, else 2, L // 2 and L - 3")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--init", default="random", choices=["random", "last-layer"],
                    help="a new head's layer: at random, or a copy of the model's last layer (fc passes the token's "

@@ -50,7 +50,9 @@ FEATURE_DTYPE = torch.bfloat16  # stored features: half the memory of float32, f
 @dataclass
 class Sequence:
     token_ids: torch.Tensor  # [T] int64
-    features: torch.Tensor  # [T, hidden] FEATURE_DTYPE: the target's final-norm output at each position
+    # [T, width] FEATURE_DTYPE: the target's features at each position as its runner returns them
+    # (ModelRunner.run_with_features: the captured layers' normalized outputs, if any, then the final norm's)
+    features: torch.Tensor
     num_prompt_tokens: int  # the target's reply starts here (len(token_ids) for plain text)
 
 
@@ -199,7 +201,7 @@ def plain_sources(tokenizer, seed: int) -> Iterator[list[int]]:
 
 
 def target_features(engine, token_ids: list[int]) -> torch.Tensor:
-    """[T, hidden] FEATURE_DTYPE: the target's features for token_ids, one prefill in scratch
+    """[T, width] FEATURE_DTYPE: the target's features for token_ids, one prefill in scratch
     blocks of the engine's pool (given back)."""
     bm, table = engine.block_manager, BlockTable()
     if not bm.allocate(table, len(token_ids)):
@@ -216,7 +218,7 @@ class FeatureRecorder:
     position it feeds (prefill chunks and decodes; a recomputed position is overwritten)."""
 
     def __init__(self):
-        self.rows: dict[int, dict[int, torch.Tensor]] = {}  # request id -> position -> [hidden]
+        self.rows: dict[int, dict[int, torch.Tensor]] = {}  # request id -> position -> [width]
 
     def observe(self, scheduled, items, features: torch.Tensor) -> None:
         row = 0
@@ -227,7 +229,7 @@ class FeatureRecorder:
             row += len(item.token_ids)
 
     def features(self, request_id: int, num_positions: int) -> torch.Tensor | None:
-        """[num_positions, hidden] for positions 0.., or None if one was never fed (a prefix-cache hit)."""
+        """[num_positions, width] for positions 0.., or None if one was never fed (a prefix-cache hit)."""
         kept = self.rows.pop(request_id, {})
         if any(p not in kept for p in range(num_positions)):
             return None
@@ -251,6 +253,7 @@ class Collected:
     exhausted: bool = False
     asked: set[int] = dataclasses.field(default_factory=set)  # prompt_key of every user turn answered
     saved: int = 0
+    feature_layers: tuple[int, ...] = ()  # the target layers captured beside the final feature (EAGLE-3's)
 
     @property
     def num_tokens(self) -> int:
@@ -267,8 +270,12 @@ def collect(engine, *, max_tokens: int, seconds: float, reply_tokens: int, seed:
     resume goes on from what an earlier call collected (killed, or out of time); checkpoint(state)
     is called every checkpoint_seconds and at the end, so a killed run loses minutes, not the phase."""
     tok = engine.tokenizer
-    state = (dataclasses.replace(resume, sequences=list(resume.sequences), asked=set(resume.asked)) if resume
-             else Collected([]))
+    layers = tuple(engine.models.target_runner.feature_layers)
+    if resume and resume.sequences and tuple(resume.feature_layers) != layers:
+        raise ValueError(f"train-head: the saved data holds features of layers {list(resume.feature_layers)}, "
+                         f"not {list(layers)}; collect it again (--fresh) or train on the same layers")
+    state = (dataclasses.replace(resume, sequences=list(resume.sequences), asked=set(resume.asked),
+                                 feature_layers=layers) if resume else Collected([], feature_layers=layers))
     turns, raw = user_turns(seed, model_questions(engine, seed, batch)), plain_sources(tok, seed)
     if state.asked:
         turns = (t for t in turns if prompt_key(t) not in state.asked)
@@ -379,6 +386,7 @@ def save_collected(path: Path, state: Collected, target_hash: str) -> None:
     rows = sum(lengths)
     record = {"format": DATA_FORMAT, "target_hash": target_hash, "rounds": state.rounds, "seconds": state.seconds,
               "exhausted": state.exhausted, "asked": sorted(state.asked), "hidden": hidden, "rows": rows,
+              "feature_layers": list(state.feature_layers),
               "token_ids": torch.cat([s.token_ids for s in seqs]) if seqs else torch.zeros(0, dtype=torch.long),
               "lengths": torch.tensor(lengths, dtype=torch.long),
               "num_prompt_tokens": torch.tensor([s.num_prompt_tokens for s in seqs], dtype=torch.long)}
@@ -413,7 +421,7 @@ def load_collected(path: Path, target_hash: str | None) -> Collected | None:
     sequences = [Sequence(ids[i], mapped[o : o + n], int(record["num_prompt_tokens"][i]))
                  for i, (o, n) in enumerate(zip(_offsets(lengths, 0), lengths))]
     return Collected(sequences, record["rounds"], record["seconds"], record["exhausted"], set(record["asked"]),
-                     saved=len(sequences))
+                     saved=len(sequences), feature_layers=tuple(record.get("feature_layers", ())))
 
 
 def _offsets(lengths: list[int], first: int) -> list[int]:

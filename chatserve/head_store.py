@@ -1,7 +1,8 @@
 """Trained EAGLE heads on disk: where they live (the cache dir, keyed by a hash of the target's
 weights), how they are written and read back, and the refusal of a head made for other weights.
 
-A head file holds the trained parameters (fc, the decoder layer, its norm), the trimmed LM head
+A head file holds the trained parameters (fc, the decoder layer, its norm; an EAGLE-3 head's fuse
+and the target layers it reads, `feature_layers`), the trimmed LM head
 (the target's rows for the kept ids: a quantized target has no float rows to take at load time),
 the kept ids, the target's weight hash and how it was trained. The target's embedding is shared,
 never stored. Files are written to a temporary name and renamed, so a killed run leaves none half
@@ -77,6 +78,7 @@ def trained_head(model: str) -> Path | None:
 def save_head(path: Path, head: EagleHead, target_hash: str, info: dict) -> None:
     """Write the servable head (no optimizer state; see train_head for checkpoints)."""
     record = {"format": HEAD_FORMAT, "target_hash": target_hash, "info": info,
+              "feature_layers": list(head.feature_layers),
               "state_dict": {k: v.detach().clone() for k, v in head.state_dict().items()}}
     write_atomic(Path(path), lambda tmp: torch.save(record, tmp))
 
@@ -101,7 +103,11 @@ def load_head(path: Path | None, model: str, target_dir: Path, cfg, max_position
         raise ValueError(f"the EAGLE head at {path} was trained for other weights ({record['target_hash'][:12]}; "
                          f"{model} has {target_hash[:12]}); {train_hint(model)}")
     state = record["state_dict"]
-    head = EagleHead(cfg, max_positions, state["head_token_ids"], rotary=rotary)
+    try:  # a head from before EAGLE-3's features has no feature_layers: it reads the final feature
+        head = EagleHead(cfg, max_positions, state["head_token_ids"], rotary=rotary,
+                         feature_layers=record.get("feature_layers", ()))
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}; {train_hint(model)}") from None
     head.load_state_dict(state)
     head.info = record["info"]
     return head.to(dtype).eval()

@@ -99,6 +99,7 @@ def load_models(config: EngineConfig) -> LoadedModels:
     if head:
         head_cache = KVCache(pooled[len(shapes)], num_blocks, config.block_size, device)
         eagle_runner = HeadRunner(head.to(device), target.embed_tokens, head_cache, kernels)
+        target_runner.feature_layers = head.feature_layers  # an EAGLE-3 head's layers, captured every step
     vocab = target_cfg.vocab_size
     release_free_memory()
     return LoadedModels(tokenizer, target, target_runner, draft, draft_runner, bm, max_model_len, vocab, eagle_runner,

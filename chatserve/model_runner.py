@@ -4,11 +4,14 @@ HeadRunner: the same for an EAGLE head, which reads target features besides toke
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from chatserve.batch import Batch, BatchItem, build_batch
 from chatserve.kv_cache import KVCache
 from chatserve.models.eagle_head import EagleHead
 from chatserve.models.llama import DecoderLM
+
+FEATURE_NORM_EPS = 1e-6  # of the weightless RMS norm on captured layers (benchmarks/head_features.py's)
 
 
 class ModelRunner:
@@ -18,6 +21,8 @@ class ModelRunner:
         self.block_size = kv_cache.block_size
         self.kernels = kernels  # "torch" | "triton" (kernels/backend.py)
         self.device = kv_cache.device
+        # layers whose outputs run_with_features returns before the final feature (an EAGLE-3 head's)
+        self.feature_layers: tuple[int, ...] = ()
 
     @torch.inference_mode()
     def forward(self, batch: Batch) -> torch.Tensor:
@@ -33,11 +38,21 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run_with_features(self, items: list[BatchItem]) -> tuple[torch.Tensor, list[int], torch.Tensor]:
-        """run(), plus features [num_tokens, hidden]: the final norm's output for every fed row
-        (what the LM head reads), in the items' order. Logits only for the rows asked for."""
+        """run(), plus features [num_tokens, (len(feature_layers) + 1) x hidden] for every fed row,
+        in the items' order: the residual stream after each of feature_layers, RMS-normalized
+        without weights (so they enter an EAGLE-3 head's fuse at one scale), then the final norm's
+        output (what the LM head reads). Logits only for the rows asked for."""
         batch = build_batch(items, self.block_size, self.device, self.kernels)
-        hidden = self.model(batch.input_ids, batch.positions, batch.attn, self.kv_cache.layers)
-        return self.model.compute_logits(hidden[batch.logits_indices]).cpu(), batch.cu_logits, self.model.norm(hidden)
+        args = (batch.input_ids, batch.positions, batch.attn, self.kv_cache.layers)
+        if not self.feature_layers:
+            hidden = self.model(*args)
+            features = self.model.norm(hidden)
+        else:
+            hidden, captured = self.model(*args, capture=self.feature_layers)
+            width = hidden.shape[-1]
+            captured = [F.rms_norm(h.float(), (width,), eps=FEATURE_NORM_EPS).to(h.dtype) for h in captured]
+            features = torch.cat([*captured, self.model.norm(hidden)], dim=-1)
+        return self.model.compute_logits(hidden[batch.logits_indices]).cpu(), batch.cu_logits, features
 
 
 class HeadRunner:
@@ -58,6 +73,12 @@ class HeadRunner:
     @property
     def num_bytes(self) -> int:
         return self.kv_cache.num_bytes + self.block_features.nbytes
+
+    @torch.inference_mode()
+    def input_features(self, raw: torch.Tensor) -> torch.Tensor:
+        """The target runner's raw features [rows, width] -> the head's f [rows, hidden] (EagleHead.
+        input_features), in the pool's dtype."""
+        return self.head.input_features(raw).to(self.block_features.dtype)
 
     @torch.inference_mode()
     def run(self, items: list[BatchItem], features: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,9 @@ this CPU, within a wall-clock budget, resumably.
 Loss as in EAGLE (arXiv:2401.15077): for every position i, the head reads (f_{i-1}, t_i) and
 predicts f^_i; loss = smooth-L1(f^_i, f_i) + 0.1 * cross-entropy(softmax(lm(f_i)), lm(f^_i)),
 where lm is the head's LM head (the target's rows for the kept ids, frozen) and f the target's
-features. The target's embedding is shared and frozen too; fc, the layer and its norm train.
+features (its final norm's output; an EAGLE-3 head reads fused low, middle and high layers as
+f_{i-1} and still predicts the final f_i: TrainConfig.feature_layers, EagleHead.input_features).
+The target's embedding is shared and frozen too; fc, the layer and its norm train (and the fuse).
 The step's matmuls run in bfloat16 under autocast where the CPU has AMX (choose_train_dtype);
 weights, gradients, optimizer state and the saved head stay float32.
 Inputs get uniform noise (+-0.1, as EAGLE) so that the head tolerates its own predicted features
@@ -78,9 +80,21 @@ class TrainConfig:
     checkpoint_seconds: float = 300.0  # also how often it validates (~10-20 s on Qwen 1.5B's head)
     fresh: bool = False  # start over even if a checkpoint exists
     train_dtype: str = "auto"  # the step's compute dtype: "auto", "float32" or "bfloat16" (choose_train_dtype)
+    # the target layers a new head fuses (EAGLE-3); () = the final feature (EAGLE-1); None = those of the
+    # checkpoint or data being resumed, else eagle3_layers()
+    feature_layers: tuple[int, ...] | None = None
 
 
 INITS = ("random", "last-layer")
+
+
+def eagle3_layers(num_layers: int) -> tuple[int, ...]:
+    """EAGLE-3's low, middle and high layer: 2, L // 2, L - 3 (fewer on a target of few layers).
+    On SmolLM2-135M's data they beat the final feature: a chain of 4 accepted 1.67 against 1.50
+    (benchmarks/head_features.py, docs/benchmarks.md "Session 35")."""
+    return tuple(sorted({min(2, num_layers - 1), num_layers // 2, max(num_layers - 3, 0)}))
+
+
 TRAIN_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -114,9 +128,11 @@ def choose_train_dtype(name: str, flags: frozenset[str]) -> torch.dtype:
 
 
 def new_head(target, target_dir: Path, max_positions: int, head_token_ids: torch.Tensor, seed: int,
-             init: str = "random") -> EagleHead:
+             init: str = "random", feature_layers: tuple[int, ...] = ()) -> EagleHead:
     """A float32 head: fc and the layer at random (HF's init), the norm at 1, the LM head the
     target's rows for head_token_ids, read from the checkpoint (a quantized target has no float rows).
+    With feature_layers, a fuse of those layers' normalized outputs at std 1 / sqrt(fan-in): its
+    output starts at about unit RMS, as the final feature it stands for.
 
     init "last-layer" starts the layer as a copy of the target's last decoder layer and fc as
     [0 | I] (the token's embedding alone): the head then begins as the target's last layer run on
@@ -125,13 +141,15 @@ def new_head(target, target_dir: Path, max_positions: int, head_token_ids: torch
         raise ValueError(f"init: one of {', '.join(INITS)}, got {init!r}")
     cfg = target.config
     torch.manual_seed(seed)
-    head = EagleHead(cfg, max_positions, head_token_ids).float()
+    head = EagleHead(cfg, max_positions, head_token_ids, feature_layers=feature_layers).float()
     std = getattr(cfg, "initializer_range", 0.02)
     for name, p in head.named_parameters():
         if p.dim() == 2:
             torch.nn.init.normal_(p, std=std)
         elif name.endswith("bias"):
             torch.nn.init.zeros_(p)
+    if head.fuse is not None:
+        torch.nn.init.normal_(head.fuse.weight, std=head.fuse.in_features**-0.5)
     if init == "last-layer":
         copy_last_layer(head, target_dir, cfg.num_hidden_layers - 1)
         hidden = head.hidden_size
@@ -177,8 +195,8 @@ def set_vocab(head: EagleHead, target, target_dir: Path, head_token_ids: torch.T
 
 def batch_windows(sequences: list[Sequence], num_windows: int, window: int, gen: torch.Generator):
     """num_windows windows of up to `window` positions, sequences picked by length, padded at the
-    end -> (features_in [B, W, hidden] f_{i-1}, token_ids [B, W] t_i, targets [B, W, hidden] f_i,
-    mask [B, W] bool)."""
+    end -> (features_in [B, W, width] f_{i-1}, token_ids [B, W] t_i, targets [B, W, width] f_i,
+    mask [B, W] bool); width is the data's (EagleHead.feature_width)."""
     lengths = torch.tensor([len(s.token_ids) for s in sequences], dtype=torch.float)
     hidden = sequences[0].features.shape[1]
     features_in = torch.zeros(num_windows, window, hidden)
@@ -223,7 +241,7 @@ def validate(head: EagleHead, embed, sequences: list[Sequence], max_positions: i
         predicted = F.rms_norm(y, head.norm.weight.shape, head.norm.weight, head.norm.eps)
         rows = slice(seq.num_prompt_tokens, None)
         agree = F.linear(predicted[0, rows], head.lm_head.weight).argmax(-1) == \
-            F.linear(features[0, rows], head.lm_head.weight).argmax(-1)
+            F.linear(head.target_features(features[0, rows]), head.lm_head.weight).argmax(-1)
         right, total = right + int(agree.sum()), total + agree.numel()
     head.train(was_training)
     return right / total if total else float("nan")
@@ -290,6 +308,7 @@ def loss_fn(head: EagleHead, embed, features_in, token_ids, targets, mask, noise
     autocast re-casts a weight that needs no gradient at every use, 25M values three times a step);
     default head.lm_head.weight."""
     lm_weight = head.lm_head.weight if lm_weight is None else lm_weight
+    targets = head.target_features(targets)  # the final feature (features_in stay raw: the head fuses them)
     if noise_gen is not None:
         features_in = features_in + (torch.rand(features_in.shape, generator=noise_gen) - 0.5) * 2 * FEATURE_NOISE
     with torch.no_grad():
@@ -412,6 +431,9 @@ def run(engine, model: str, target_dir: Path, cfg: TrainConfig, out: Path | None
     seconds = cfg.minutes * 60
     target = engine.models.target
     data = load_collected(data_path, target_hash) if not cfg.fresh else None
+    ckpt = _load_checkpoint(ckpt_path, target_hash) if not cfg.fresh else None
+    layers = _feature_layers(cfg, ckpt, data, target.num_layers)
+    engine.models.target_runner.feature_layers = layers  # what collect() records beside the final feature
     if cfg.data_share > 0 and (data is None or (not data.exhausted and data.num_tokens < cfg.max_data_tokens)):
         data = _collect(engine, cfg, seconds * cfg.data_share, show_progress, data,
                         lambda state: save_collected(data_path, state, target_hash))
@@ -422,10 +444,9 @@ def run(engine, model: str, target_dir: Path, cfg: TrainConfig, out: Path | None
     if remaining == 0.0 and cfg.max_steps is None:
         return None  # the budget went to data (--data-share 1): nothing trained, no head written
     train_seqs, val = split_validation(sequences)
-    ckpt = _load_checkpoint(ckpt_path, target_hash) if not cfg.fresh else None
     if not ckpt:
         state = {"head_vocab_size": cfg.head_vocab_size or NEW_HEAD_VOCAB_SIZE}
-        head = _new(engine, target_dir, train_seqs, cfg, state["head_vocab_size"])
+        head = _new(engine, target_dir, train_seqs, cfg, state["head_vocab_size"], layers)
     else:  # the data may have grown since: the vocabulary follows it (the LM head is the target's, frozen)
         head, state = _resume(engine, ckpt)
         specials = engine.tokenizer.special_token_ids
@@ -441,7 +462,7 @@ def run(engine, model: str, target_dir: Path, cfg: TrainConfig, out: Path | None
     info = {"model": model, "num_sequences": len(sequences), "num_tokens": sum(len(s.token_ids) for s in sequences),
             "num_val_sequences": len(val),
             "coverage": coverage(sequences, head.head_token_ids), "num_kept": len(head.head_token_ids),
-            "dtype": engine.config.dtype, "quantization": engine.config.quantization,
+            "feature_layers": list(layers), "dtype": engine.config.dtype, "quantization": engine.config.quantization,
             "train_dtype": str(choose_train_dtype(cfg.train_dtype, cpu_flags())).removeprefix("torch."),
             "train_config": dataclasses.asdict(cfg)}
     embed = target.embed_tokens
@@ -454,7 +475,7 @@ def run(engine, model: str, target_dir: Path, cfg: TrainConfig, out: Path | None
 
     def save(state: dict) -> None:
         _save(ckpt_path, {"format": CHECKPOINT_FORMAT, "target_hash": target_hash, "head": head.state_dict(),
-                          "state": state})
+                          "feature_layers": list(head.feature_layers), "state": state})
 
     def save_best(val_accepted: float) -> None:
         save_head(head_path, head, target_hash, {**info, "steps": state["step"], "train_seconds": round(state["seconds"], 1),
@@ -486,23 +507,48 @@ def run(engine, model: str, target_dir: Path, cfg: TrainConfig, out: Path | None
     return head_path
 
 
-def _new(engine, target_dir: Path, sequences: list[Sequence], cfg: TrainConfig, vocab_size: int) -> EagleHead:
+def _feature_layers(cfg: TrainConfig, ckpt: dict | None, data: Collected | None, num_layers: int) -> tuple[int, ...]:
+    """The layers the head fuses: cfg's, else the checkpoint's or the saved data's, else
+    eagle3_layers(); a checkpoint or data for other layers is a ValueError (resuming cannot mix them)."""
+    saved = []
+    if ckpt:
+        saved.append(("checkpoint", tuple(ckpt.get("feature_layers", ()))))
+    if data is not None and data.sequences:
+        saved.append(("data", tuple(data.feature_layers)))
+    if cfg.feature_layers is not None:
+        layers = tuple(cfg.feature_layers)
+    else:
+        layers = saved[0][1] if saved else eagle3_layers(num_layers)
+    name = lambda ls: " ".join(map(str, ls)) or "final"  # noqa: E731  as --feature-layers takes them
+    for what, theirs in saved:
+        if theirs != layers:
+            raise ValueError(f"train-head: the saved {what} is for --feature-layers {name(theirs)}, not "
+                             f"{name(layers)}; continue with those, or start over with --fresh")
+    return layers
+
+
+def _new(engine, target_dir: Path, sequences: list[Sequence], cfg: TrainConfig, vocab_size: int,
+         layers: tuple[int, ...]) -> EagleHead:
     target = engine.models.target
     ids = choose_vocab(sequences, target.vocab_size, vocab_size, engine.tokenizer.special_token_ids)
-    return new_head(target, target_dir, engine.max_model_len, ids, cfg.seed, cfg.init)
+    return new_head(target, target_dir, engine.max_model_len, ids, cfg.seed, cfg.init, layers)
 
 
 def _load_servable(path: Path, engine, target_hash: str) -> EagleHead | None:
     record = torch.load(path, weights_only=True)
     if record.get("target_hash") != target_hash:
         return None
-    head = EagleHead(engine.models.target.config, engine.max_model_len, record["state_dict"]["head_token_ids"]).float()
+    head = EagleHead(engine.models.target.config, engine.max_model_len, record["state_dict"]["head_token_ids"],
+                     feature_layers=record.get("feature_layers", ())).float()
+    if head.feature_layers != engine.models.target_runner.feature_layers:
+        return None  # for other features than the data's: not comparable
     head.load_state_dict(record["state_dict"])
     return head.eval()
 
 
 def _resume(engine, ckpt: dict) -> tuple[EagleHead, dict]:
-    head = EagleHead(engine.models.target.config, engine.max_model_len, ckpt["head"]["head_token_ids"]).float()
+    head = EagleHead(engine.models.target.config, engine.max_model_len, ckpt["head"]["head_token_ids"],
+                     feature_layers=ckpt.get("feature_layers", ())).float()
     head.load_state_dict(ckpt["head"])
     head.lm_head.weight.requires_grad_(False)
     return head, ckpt["state"]

@@ -71,10 +71,29 @@ class DecodeStack {
   // number of keys it sees, as kernels/attention_cpu._rows_in_cpp lays them out.
   torch::Tensor forward(torch::Tensor x, torch::Tensor positions, torch::Tensor slots, torch::Tensor block_tables,
                         torch::Tensor seqs, torch::Tensor contexts) {
+    return run(x, positions, slots, block_tables, seqs, contexts, {}, nullptr);
+  }
+
+  // forward(), plus the output of each layer in `capture` (increasing indices; a new tensor each,
+  // x + delta as the next layer's norm adds it in place: the same float32 sums).
+  std::tuple<torch::Tensor, std::vector<torch::Tensor>> forward_captured(
+      torch::Tensor x, torch::Tensor positions, torch::Tensor slots, torch::Tensor block_tables, torch::Tensor seqs,
+      torch::Tensor contexts, std::vector<int64_t> capture) {
+    std::vector<torch::Tensor> captured;
+    auto out = run(x, positions, slots, block_tables, seqs, contexts, capture, &captured);
+    return {out, captured};
+  }
+
+ private:
+  torch::Tensor run(torch::Tensor x, torch::Tensor positions, torch::Tensor slots, torch::Tensor block_tables,
+                    torch::Tensor seqs, torch::Tensor contexts, const std::vector<int64_t>& capture,
+                    std::vector<torch::Tensor>* captured) {
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: [T, hidden] float32");
     const int64_t T = x.size(0);
     c10::optional<torch::Tensor> delta;
-    for (const Layer& l : layers_) {
+    size_t next = 0;  // the next index of capture
+    for (int64_t i = 0; i < static_cast<int64_t>(layers_.size()); ++i) {
+      const Layer& l = layers_[i];
       auto h = rms_norm(x, l.ln1, eps_, delta);
       auto qkv = l.qkv(h).view({T, H_ + 2 * Hkv_, D_});
       rope_(qkv, H_ + Hkv_, positions, cos_, sin_);
@@ -86,11 +105,15 @@ class DecodeStack {
       auto o = l.o(attn.view({T, H_ * D_}));
       auto h2 = rms_norm(x, l.ln2, eps_, o);
       delta = l.down(silu_mul(l.gate_up(h2)));
+      if (captured && next < capture.size() && capture[next] == i) {
+        captured->push_back(x + *delta);
+        ++next;
+      }
     }
+    TORCH_CHECK(!captured || next == capture.size(), "forward_captured: capture indices increasing, below num_layers");
     return delta ? x + *delta : x;
   }
 
- private:
   int64_t H_, Hkv_, D_;
   double eps_, scale_;
   torch::Tensor cos_, sin_;
@@ -102,5 +125,6 @@ void bind_decode_stack(pybind11::module& m) {
       .def(pybind11::init<int64_t, int64_t, int64_t, double, double, torch::Tensor, torch::Tensor>())
       .def("add_layer", &DecodeStack::add_layer)
       .def("num_layers", &DecodeStack::num_layers)
-      .def("forward", &DecodeStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
+      .def("forward", &DecodeStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>())
+      .def("forward_captured", &DecodeStack::forward_captured, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -9,6 +9,18 @@ Row i of the head takes the target's feature at position i - 1 and the embedding
     f^_i = norm(y_i)                        ~ f_i, so f^_i feeds row i + 1 when drafting
     logits_i = lm_head(f^_i)                over `head_token_ids` only (trimmed vocabulary)
 
+A head may read EAGLE-3's features instead (Li et al. 2025, arXiv:2503.01840): the residual
+stream after a low, a middle and a high layer of the target (`feature_layers`), each RMS-normalized
+without weights, fused by a learned map into one vector of the hidden size: f_i := fuse([n(h_a);
+n(h_b); n(h_c)]) at row i + 1's input. A chain's later rows read the head's own norm(y) as before
+(it is trained to be the next input, not the final feature). The target runner returns a
+position's raw features as [the captured layers...; the final norm's output] (ModelRunner.
+feature_layers); input_features() makes f of them, target_features() takes the final one (what
+training predicts tokens from). With no feature_layers both are the final feature (EAGLE-1).
+
+On measured SmolLM2-135M data the fused features took a chain of 4's mean accepted length from
+1.50 to 1.67 (benchmarks/head_features.py, docs/benchmarks.md "Session 35").
+
 The head's KV at position i is a function of tokens 0..i alone (f_{i-1} depends on tokens up
 to i - 1), like the target's, so it lives in the same paged blocks and a block's head KV is as
 shareable as its target KV. forward() is the paged path the engine runs; forward_dense() the
@@ -27,10 +39,16 @@ from chatserve.models.llama import DecoderLayer, LayerStack, rope_inv_freq
 
 
 class EagleHead(nn.Module):
-    def __init__(self, cfg, max_positions: int, head_token_ids: torch.Tensor, rotary: Rotary | None = None):
-        """`rotary`: the target's tables, shared (the same cfg makes the same ones), else new."""
+    def __init__(self, cfg, max_positions: int, head_token_ids: torch.Tensor, rotary: Rotary | None = None,
+                 feature_layers: tuple[int, ...] = ()):
+        """`rotary`: the target's tables, shared (the same cfg makes the same ones), else new.
+        `feature_layers`: the target layers whose outputs it fuses (EAGLE-3); () reads the final feature."""
         super().__init__()
         hidden = cfg.hidden_size
+        self.feature_layers = tuple(int(i) for i in feature_layers)
+        if any(not 0 <= i < cfg.num_hidden_layers for i in self.feature_layers):
+            raise ValueError(f"feature_layers {self.feature_layers}: the target has {cfg.num_hidden_layers} layers")
+        self.fuse = Linear(len(self.feature_layers) * hidden, hidden, bias=False) if self.feature_layers else None
         arch = (getattr(cfg, "architectures", None) or ["LlamaForCausalLM"])[0]
         qkv_bias = arch == "Qwen2ForCausalLM" or bool(getattr(cfg, "attention_bias", False))
         self.hidden_size = hidden
@@ -47,6 +65,25 @@ class EagleHead(nn.Module):
 
     def reset_decode_stack(self) -> None:
         self.stack.reset()
+
+    @property
+    def feature_width(self) -> int:
+        """The width of a position's raw features: (len(feature_layers) + 1) x hidden."""
+        return (len(self.feature_layers) + 1) * self.hidden_size
+
+    def input_features(self, raw: torch.Tensor) -> torch.Tensor:
+        """raw [..., feature_width] -> f [..., hidden], what row i + 1 reads for position i: the
+        fused captured layers, or the final feature itself."""
+        if raw.shape[-1] != self.feature_width:
+            raise ValueError(f"features of width {raw.shape[-1]}; this head reads {self.feature_width} "
+                             f"(layers {list(self.feature_layers)} and the final norm's output)")
+        if self.fuse is None:
+            return raw
+        return self.fuse(raw[..., : len(self.feature_layers) * self.hidden_size])
+
+    def target_features(self, raw: torch.Tensor) -> torch.Tensor:
+        """raw [..., feature_width] -> the final norm's output [..., hidden] (what the LM head reads)."""
+        return raw[..., -self.hidden_size :]
 
     def forward(self, features, embeds, positions, attn: AttnMetadata, kv_cache) -> torch.Tensor:
         """features [T, hidden] (f_{i-1} per row), embeds [T, hidden] (embed(t_i)) -> y [T, hidden],
@@ -68,8 +105,9 @@ class EagleHead(nn.Module):
 
     def forward_dense(self, features: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
         """The paged forward over whole sequences with causal attention, differentiable.
-        features, embeds: [B, T, hidden] (row j at position j) -> y [B, T, hidden]."""
-        x, q, k, v = self._dense_qkv(features, embeds)
+        features [B, T, feature_width] (raw: input_features() is applied here), embeds [B, T,
+        hidden] (row j at position j) -> y [B, T, hidden]."""
+        x, q, k, v = self._dense_qkv(self.input_features(features), embeds)
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.layer.self_attn.scale,
                                            enable_gqa=True)  # (B, H, T, D)
         return self._dense_out(x, o)
@@ -82,8 +120,9 @@ class EagleHead(nn.Module):
         keys up to position i - s (the head KV written from the target's features) and to pass
         r's key at position i - s + r for r = 1..s (the chain's own rows). Rows i < s of pass s
         have no such chain (their anchor is before the window): callers leave them out.
-        features, embeds: [B, T, hidden] -> [y of pass s] each [B, T, hidden]."""
+        features [B, T, feature_width] (raw), embeds [B, T, hidden] -> [y of pass s] each [B, T, hidden]."""
         attn = self.layer.self_attn
+        features = self.input_features(features)
         outs, keys, values = [], [], []
         for s in range(depth):
             if s:

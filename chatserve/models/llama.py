@@ -64,15 +64,22 @@ class DecoderLM(nn.Module):
         """Forget the stack: call after replacing layers (quantization) once a forward has run."""
         self.stack.reset()
 
-    def forward(self, input_ids, positions, attn: AttnMetadata, kv_caches) -> torch.Tensor:
+    def forward(self, input_ids, positions, attn: AttnMetadata, kv_caches, capture: tuple[int, ...] = ()):
+        """-> hidden [T, hidden] (before the final norm); with `capture` (increasing layer indices)
+        -> (hidden, [the residual stream after each captured layer]): x + delta as the next layer's
+        norm adds it in place, so the same numbers, from the one C++ call or the modules alike."""
+        if capture and (list(capture) != sorted(set(capture)) or not 0 <= capture[0] <= capture[-1] < self.num_layers):
+            raise ValueError(f"capture: increasing layer indices below {self.num_layers}, got {capture}")
         x = self.embed_tokens(input_ids)  # [T, hidden]
-        out = self.stack.run(self.layers, x, positions, attn, kv_caches)
+        out = self.stack.run(self.layers, x, positions, attn, kv_caches, capture)
         if out is not None:
             return out
-        delta = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        delta, captured = None, []
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             x, delta = layer(positions, x, attn, kv_cache, delta)
-        return x + delta
+            if i in capture:
+                captured.append(x + delta)
+        return (x + delta, captured) if capture else x + delta
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] (only the rows that need logits) -> [N, vocab] float32."""
@@ -93,9 +100,10 @@ class LayerStack:
         self.caches: list | None = None  # the KV caches the stack was built for
         self.built = None
 
-    def run(self, layers, x: torch.Tensor, positions, attn: AttnMetadata, kv_caches) -> torch.Tensor | None:
+    def run(self, layers, x: torch.Tensor, positions, attn: AttnMetadata, kv_caches, capture: tuple[int, ...] = ()):
         """The layers' output (x + the last delta) for this step, x updated in place as the modules
-        do; None where the modules must run it (then nothing was touched)."""
+        do, and with `capture` (hidden, [the output of each captured layer]); None where the modules
+        must run it (then nothing was touched)."""
         if (not self.enabled or attn.kernels != "torch" or x.shape[0] > decode_ops.STACK_MAX_ROWS or not x.is_contiguous()
                 or not decode_ops.usable(x, x.shape[-1])):
             return None
@@ -104,7 +112,8 @@ class LayerStack:
             self.caches, self.built = list(kv_caches), self._build(layers, kv_caches)
         if self.built is None:
             return None
-        return self.built.forward(x, positions, attn.slot_mapping, attn.block_tables, *attn.query_rows())
+        args = (x, positions, attn.slot_mapping, attn.block_tables, *attn.query_rows())
+        return self.built.forward_captured(*args, list(capture)) if capture else self.built.forward(*args)
 
     def _build(self, layers, kv_caches):
         if not decode_ops.usable(torch.empty(0), *self.dims):

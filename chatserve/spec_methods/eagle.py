@@ -87,7 +87,9 @@ class EagleMethod:
         excluded), so its rows [start, end) take f_{start-1} (kept from before), then the
         features of positions [start, end - 1), and tokens t_start .. t_{end-1}. A running
         decode's rows wait for its next drafting step (req.head_pending); the rest are written now, in
-        one head forward over all requests, no logits."""
+        one head forward over all requests, no logits. features: the target runner's raw ones
+        (the head's input_features() makes f of them: for an EAGLE-3 head, its fuse)."""
+        features = self.runner.input_features(features)  # [num_tokens, hidden]
         head_items, inputs, row = [], [], 0
         block_size = self.runner.block_size
         for s, item in zip(scheduled, items):

@@ -85,7 +85,24 @@ def conversation(tiny_llama_dir):
 def trained_head(tiny_llama_dir, conversation, tmp_path_factory):
     """A head trained for 100 steps (~5 s) on the target's greedy continuations of the test
     prompts and conversation, over a trimmed vocabulary (200 of 272 ids)."""
+    return _train_test_head(tiny_llama_dir, conversation, tmp_path_factory, ())
+
+
+@pytest.fixture(scope="module")
+def fused_head(tiny_llama_dir, conversation, tmp_path_factory):
+    """The same, reading EAGLE-3's features: both layers' outputs of the tiny target, fused."""
+    return _train_test_head(tiny_llama_dir, conversation, tmp_path_factory, (0, 1))
+
+
+@pytest.fixture(params=["final", "fused"])
+def any_head(request, trained_head, fused_head):
+    """Each kind of head in turn: EAGLE-1's features, EAGLE-3's."""
+    return trained_head if request.param == "final" else fused_head
+
+
+def _train_test_head(tiny_llama_dir, conversation, tmp_path_factory, feature_layers):
     engine = make_engine(tiny_llama_dir, method=None)
+    engine.models.target_runner.feature_layers = feature_layers
     tok, target = engine.tokenizer, engine.models.target
     params = dataclasses.replace(GREEDY, max_tokens=48)
     texts = [tok.encode(p) for p in PROMPTS]
@@ -93,7 +110,7 @@ def trained_head(tiny_llama_dir, conversation, tmp_path_factory):
     texts += [prompt + reply for prompt, reply in conversation]
     sequences = [Sequence(torch.tensor(ids), target_features(engine, ids), 0) for ids in texts]
     head_ids = choose_vocab(sequences, target.vocab_size, 200, tok.special_token_ids)
-    head = new_head(target, tiny_llama_dir, engine.max_model_len, head_ids, seed=0)
+    head = new_head(target, tiny_llama_dir, engine.max_model_len, head_ids, seed=0, feature_layers=feature_layers)
     cfg = TrainConfig(max_steps=100, window=64, batch_tokens=512, lr=1e-3, warmup_steps=10, unroll=2)
     with one_thread():
         state = train(head, target.embed_tokens, sequences, cfg, 300.0, {})
@@ -101,6 +118,40 @@ def trained_head(tiny_llama_dir, conversation, tmp_path_factory):
     path = tmp_path_factory.mktemp("head") / "eagle-head.pt"
     save_head(path, head, weights_hash(tiny_llama_dir), {"steps": 100})
     return path
+
+
+def test_captured_layers_leave_the_forward_unchanged(tiny_llama_dir):
+    """run_with_features with feature_layers captures those layers' outputs in the same forward (the
+    decode stack's one C++ call on few rows, the modules on a prefill): logits and final features
+    bit for bit those of a forward without, and each captured column the layer's output (a forward
+    hook on the modules) RMS-normalized without weights, the same from the stack as the modules."""
+    engine = make_engine(tiny_llama_dir, method=None)
+    runner, model = engine.models.target_runner, engine.models.target
+    ids = engine.tokenizer.encode("Captured and not, the same numbers. " * 2)
+    blocks = list(range(-(-(len(ids) + 1) // 16)))
+    hooked = {}
+    model.layers[0].register_forward_hook(lambda m, i, out: hooked.__setitem__("h", out[0] + out[1]))
+
+    def run(layers, stack):
+        runner.feature_layers, model.stack.enabled = layers, stack
+        prefill = runner.run_with_features([BatchItem(ids, 0, blocks, 1)])
+        hooked.clear()  # the decode row's alone
+        decode = runner.run_with_features([BatchItem([ids[0]], len(ids), blocks, 1)])
+        return prefill, decode, hooked.get("h")
+
+    decoded = {}
+    for stack in (True, False):
+        (logits, _, final), (logits1, _, final1), _ = run((), stack)
+        (clogits, _, fused), (clogits1, _, fused1), layer0 = run((0,), stack)
+        assert torch.equal(logits, clogits) and torch.equal(logits1, clogits1)
+        assert fused.shape[1] == 2 * final.shape[1] and torch.equal(fused[:, 64:], final)
+        assert torch.equal(fused1[:, 64:], final1)
+        decoded[stack] = fused1
+        assert (layer0 is None) == stack and model.stack.built is not None  # the decode row ran in C++
+    torch.testing.assert_close(decoded[False][:, :64], torch.nn.functional.rms_norm(layer0, (64,), eps=1e-6))
+    assert torch.equal(decoded[True], decoded[False])
+    with pytest.raises(ValueError, match="increasing layer indices"):
+        model(torch.tensor([1]), torch.tensor([0]), None, runner.kv_cache.layers, capture=(1, 0))
 
 
 def test_every_twentieth_reply_is_held_out_to_validate_on():
@@ -390,16 +441,21 @@ def fill_with_noise(engine):
     runner.block_features.copy_(torch.randn(runner.block_features.shape, generator=noise) * 30)
 
 
-def test_dense_forward_matches_the_paged_one(oracle, trained_head, tiny_llama_dir):
+def test_dense_forward_matches_the_paged_one(oracle, any_head, tiny_llama_dir):
     """forward_dense (training) and the paged forward (serving) are the same maths, in one prefill
-    and row by row (decode-like, reading the rows before from the pool)."""
-    engine = make_engine(tiny_llama_dir, trained_head)
+    and row by row (decode-like, reading the rows before from the pool). Training feeds the raw
+    features, serving what observe() made of them (input_features: a fused head's fuse)."""
+    engine = make_engine(tiny_llama_dir, any_head)
     runner = engine.models.eagle_runner
     ids = engine.tokenizer.encode("Dense and paged, both ways. " * 2)
-    features = target_features(engine, ids).float()  # [T, hidden]
+    raw = target_features(engine, ids).float()  # [T, width]
+    assert raw.shape[1] == runner.head.feature_width
+    features = runner.input_features(raw)  # [T, hidden]
     inputs = torch.cat([torch.zeros(1, features.shape[1]), features[:-1]])  # f_{i-1}
+    raw_inputs = torch.cat([torch.zeros(1, raw.shape[1]), raw[:-1]])
     with torch.no_grad():
-        dense = runner.head.forward_dense(inputs[None], engine.models.target.embed_tokens(torch.tensor(ids))[None])[0]
+        embeds = engine.models.target.embed_tokens(torch.tensor(ids))
+        dense = runner.head.forward_dense(raw_inputs[None], embeds[None])[0]
     blocks = list(range(-(-len(ids) // 16)))
     paged = runner.run([BatchItem(ids, 0, blocks, 0)], inputs)
     torch.testing.assert_close(paged, dense, atol=1e-4, rtol=1e-4)
@@ -477,10 +533,10 @@ def test_adaptive_k_prices_the_heads_steps(oracle):
 
 
 @pytest.mark.parametrize("adaptive", [False, True])
-def test_greedy_output_is_equal_over_turns(tiny_llama_dir, trained_head, conversation, adaptive):
+def test_greedy_output_is_equal_over_turns(tiny_llama_dir, any_head, conversation, adaptive):
     from tests.chatserve.test_long_context import FIXED_COSTS
 
-    engine = make_engine(tiny_llama_dir, trained_head, adaptive=adaptive)
+    engine = make_engine(tiny_llama_dir, any_head, adaptive=adaptive)
     if adaptive:
         engine.spec.costs = FIXED_COSTS  # the tiny model's measured costs are noise on a busy machine
     outs = []
@@ -529,15 +585,15 @@ def head_kv_by_position(engine, prompt, params) -> torch.Tensor:
     return torch.stack([k_cache[blocks[p // 16], p % 16] for p in range(num)])
 
 
-def test_head_kv_from_the_prefix_cache_equals_a_cold_run(tiny_llama_dir, trained_head, conversation):
+def test_head_kv_from_the_prefix_cache_equals_a_cold_run(tiny_llama_dir, any_head, conversation):
     """The second turn starts at a block boundary inside the first turn's blocks: its first row
     reads the cached block's last feature. Every head row of its prompt must equal a cold
     engine's (prefix cache off), and so must the drafts."""
     (prompt1, reply1), (prompt2, _) = conversation[:2]
-    warm = make_engine(tiny_llama_dir, trained_head)
+    warm = make_engine(tiny_llama_dir, any_head)
     fill_with_noise(warm)
     warm.generate([prompt1], GREEDY)
-    cold = make_engine(tiny_llama_dir, trained_head, enable_prefix_caching=False)
+    cold = make_engine(tiny_llama_dir, any_head, enable_prefix_caching=False)
     params = dataclasses.replace(GREEDY, max_tokens=8)
     cached_kv, cold_kv = head_kv_by_position(warm, prompt2, params), head_kv_by_position(cold, prompt2, params)
     torch.testing.assert_close(cached_kv, cold_kv, atol=1e-4, rtol=1e-4)
@@ -593,16 +649,16 @@ def test_sampled_tokens_follow_the_target(tiny_llama_dir, trained_head):
     assert_pool_empty(engine)
 
 
-def test_pool_stays_whole_with_drafts_rollbacks_preemption_and_aborts(tiny_llama_dir, trained_head):
+def test_pool_stays_whole_with_drafts_rollbacks_preemption_and_aborts(tiny_llama_dir, any_head):
     """EAGLE, suffix, n-gram and plain requests, greedy and sampled, in a pool small enough to
     preempt, with random aborts: the block manager's invariants hold after every step, and
     every block comes back."""
-    probe = make_engine(tiny_llama_dir, trained_head)
+    probe = make_engine(tiny_llama_dir, any_head)
     runner = probe.models.eagle_runner
     per_block = (probe.models.target_runner.kv_cache.num_bytes + runner.num_bytes) // probe.block_manager.num_blocks
     # stall_limit 0: prompt chunks sized by the token budget alone, not by step times measured
     # on a machine that may be busy, so the schedule (and its preemptions) is the same every run
-    engine = make_engine(tiny_llama_dir, trained_head, kv_cache_memory=24 * per_block, stall_limit=0)
+    engine = make_engine(tiny_llama_dir, any_head, kv_cache_memory=24 * per_block, stall_limit=0)
     assert engine.block_manager.num_blocks == 24
     methods = [{"spec_method": "eagle"}, {"spec_method": "suffix"}, {"spec_method": "eagle"}, {"num_draft_tokens": 0},
                {"spec_method": "ngram"}]
@@ -664,6 +720,13 @@ def test_train_head_command_saves_by_weight_hash_and_resumes(tiny_llama_dir, tmp
     assert first["info"]["steps"] == 2 and first["info"]["num_kept"] >= 100
     assert first["info"]["train_dtype"] == "float32"
     assert first["info"]["num_tokens"] >= 600  # one round: 16 replies and a source piece
+    # a new head reads EAGLE-3's features by default (both layers of this 2-layer target), the data
+    # holds them beside the final feature
+    assert first["feature_layers"] == [0, 1] == first["info"]["feature_layers"]
+    saved = load_collected(path.with_name("eagle-head-data.pt"), weights_hash(tiny_llama_dir))
+    assert saved.feature_layers == (0, 1) and saved.sequences[0].features.shape[1] == 3 * 64
+    # resuming it on other features is refused, data and checkpoint kept
+    assert main([*args, "--feature-layers", "final", "--max-steps", "3"]) == 2
     # run again with a larger data budget: more data first (the saved data kept), then the checkpoint goes on
     more = first["info"]["num_tokens"] + 1
     assert main([*args, "--max-data-tokens", str(more), "--max-steps", "4"]) == 0
@@ -693,6 +756,11 @@ def test_train_head_command_saves_by_weight_hash_and_resumes(tiny_llama_dir, tmp
     assert path.stat().st_mtime_ns == before
     # --data-share 0 with no data anywhere: a clear error, not a crash
     assert main([*args, "--data-share", "0", "--out", str(tmp_path / "other.pt")]) == 2
+    # EAGLE-1's features asked for: a head on the final feature alone
+    other = tmp_path / "final.pt"
+    assert main([*args, "--max-data-tokens", "300", "--max-steps", "1", "--feature-layers", "final",
+                 "--out", str(other)]) == 0
+    assert torch.load(other, weights_only=True)["feature_layers"] == []
     # `serve` with no drafter named takes the trained head, unless a drafter is named
     from chatserve.cli import build_parser, speculation
     method, draft, why = speculation(build_parser().parse_args(["serve", "--model", str(tiny_llama_dir)]))
