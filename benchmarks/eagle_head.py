@@ -2,7 +2,9 @@
 a one-row target step, then acceptance, mean accepted length and decode speed with speculation
 off, the EAGLE head and (if given) a draft model, at T = 0 on the held-out prompts of
 chatserve/data/prompts.json (the head is trained on data/head_prompts.json), at batch 1 and 2,
-in-process, one run. Greedy outputs are checked equal to speculation off.
+in-process, one run. Greedy outputs are checked equal to speculation off. Several --eagle-head
+files run side by side as eagle1, eagle2, ... (e.g. an EAGLE-3 head and an EAGLE-1 head on the
+same data); an EAGLE-3 head's fuse, paid once a target step on the rows it fed, is timed apart.
 
     python benchmarks/eagle_head.py --model qwen2.5-coder-1.5b-instruct \
         --draft-model qwen2.5-coder-0.5b-instruct --out benchmarks/results/eagle_qwen.json
@@ -45,11 +47,16 @@ def step_costs(engine: Engine, context: int) -> dict:
         runner, head = models.eagle_runner, models.eagle_runner.head
         item = BatchItem([0], context, table.block_ids, 1)
         feature = torch.zeros(1, head.hidden_size, dtype=runner.block_features.dtype)
+        raw = torch.zeros(1, head.feature_width, dtype=runner.block_features.dtype)
         target_ms = best_ms(lambda: models.target_runner.run([item]))
+        # the step as served with this head: features too (an EAGLE-3 head's layers captured, in segments)
+        target_features_ms = best_ms(lambda: models.target_runner.run_with_features([item]))
         head_ms = best_ms(lambda: head.compute_logits(head.norm(runner.run([item], feature))))
+        fuse_ms = best_ms(lambda: runner.input_features(raw))  # a decode row's, once a target step
     finally:
         engine.block_manager.free(table)
-    return {"context": context, "target_ms": target_ms, "head_step_ms": head_ms, "ratio": head_ms / target_ms}
+    return {"context": context, "target_ms": target_ms, "head_step_ms": head_ms, "ratio": head_ms / target_ms,
+            "target_features_ms": target_features_ms, "fuse_ms": fuse_ms}
 
 
 def decode_run(engine: Engine, prompts: list[list[int]], batch: int, max_tokens: int) -> dict:
@@ -71,7 +78,8 @@ def decode_run(engine: Engine, prompts: list[list[int]], batch: int, max_tokens:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
-    ap.add_argument("--eagle-head", default=None, help="default: the cache's head for the model's weights")
+    ap.add_argument("--eagle-head", nargs="*", default=[None],
+                    help="head file(s) (default: the cache's head for the model's weights); several run as eagle1, ...")
     ap.add_argument("--draft-model", default=None)
     ap.add_argument("--quantization", default="int4")
     ap.add_argument("--dtype", default="float32")
@@ -79,6 +87,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=2, help="runs of each config per workload, alternated; the best counts")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--costs-only", action="store_true", help="the step costs alone, no decode runs")
     ap.add_argument("--kv-cache-dtype", default="auto", help="as `chatserve serve` (auto: bf16 on AMX, else fp16)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -89,7 +98,11 @@ def main() -> None:
                   kv_cache_dtype=kv)
     # No suffix corpus: every workload runs its prompts at batch 1 then 2 and greedy replies repeat,
     # so a corpus of replies (mixed into draft and eagle requests) would draft replies it has seen.
-    configs = {"off": None, "eagle": SpecConfig(method="eagle", eagle_head=args.eagle_head, suffix_corpus_tokens=0)}
+    heads = args.eagle_head or [None]
+    configs = {"off": None}
+    for i, head in enumerate(heads, start=1):
+        configs["eagle" if len(heads) == 1 else f"eagle{i}"] = SpecConfig(method="eagle", eagle_head=head,
+                                                                            suffix_corpus_tokens=0)
     if args.draft_model:
         configs["draft"] = SpecConfig(method="draft", draft_model=args.draft_model, suffix_corpus_tokens=0)
     results: dict = {"model": args.model, "rounds": args.rounds, "kv_cache_dtype": kv, "runs": {}}
@@ -97,12 +110,16 @@ def main() -> None:
     for name, spec in configs.items():  # all loaded first: the runs below alternate between them
         engine = engines[name] = Engine(EngineConfig(**common, spec=spec))
         engine.generate([engine.tokenizer.encode("warm-up")], SamplingParams(max_tokens=8, temperature=0.0))
-        if name == "eagle":
-            results["step_costs"] = [step_costs(engine, c) for c in (128, 1024)]
-            results["head"] = engine.models.eagle_runner.head.info
-            print(json.dumps(results["step_costs"]), file=sys.stderr)
+        if name.startswith("eagle"):
+            costs, info = [step_costs(engine, c) for c in (128, 1024)], engine.models.eagle_runner.head.info
+            info = {**info, "feature_layers": list(engine.models.eagle_runner.head.feature_layers)}
+            if len(heads) == 1:
+                results["step_costs"], results["head"] = costs, info  # as before several heads could run
+            else:
+                results.setdefault("heads", {})[name] = {"step_costs": costs, "head": info}
+            print(name, json.dumps(costs), file=sys.stderr)
     tok = engines["off"].tokenizer
-    for kind in ("code", "chat"):
+    for kind in () if args.costs_only else ("code", "chat"):
         prompts = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS[kind]]
         for batch in (1, 2):
             key, best = f"{kind}/b{batch}", {}

@@ -136,16 +136,23 @@ def main() -> None:
                                  enable_prefix_caching=False))
     target_dir = resolve(args.model)
     cfg = read_config(target_dir)
+    heads = {path: load_head(Path(path).expanduser(), args.model, target_dir, cfg, engine.max_model_len, torch.float32)
+             for path in args.heads}
+    # the replies' features as the EAGLE-3 heads read them (the final feature last: what an EAGLE-1 head reads)
+    layers = {h.feature_layers for h in heads.values() if h.feature_layers}
+    if len(layers) > 1:
+        raise SystemExit(f"--heads: EAGLE-3 heads of different layers ({sorted(layers)}) cannot share one recording")
+    engine.models.target_runner.feature_layers = layers.pop() if layers else ()
     data = {kind: replies(engine, kind, args.max_tokens) for kind in args.kinds}
     embed = engine.models.target.embed_tokens
     results = {"model": args.model, "max_tokens": args.max_tokens, "depth": args.depth, "top": args.top,
                "verify_costs": str(args.verify_costs) if args.verify_costs else None, "context": args.context,
                "target_ms_by_rows": target_ms, "head_step_ms": args.head_step_ms, "heads": {}}
-    for path in args.heads:
-        head = load_head(Path(path).expanduser(), args.model, target_dir, cfg, engine.max_model_len, torch.float32)
+    for path, head in heads.items():
         rows = {}
         for kind, sequences in data.items():
-            both = [chain_hits(head, embed, *seq, args.depth, args.top) for seq in sequences]
+            both = [chain_hits(head, embed, ids, features[:, -head.feature_width :], num_prompt, args.depth, args.top)
+                    for ids, features, num_prompt in sequences]
             hits = torch.cat([h for h, _ in both]).float()
             all_first = hits.mean(0)  # P(first s+1 drafts right)
             top_n = torch.cat([c for _, c in both]).float().mean(0)  # P(first token among the first n)

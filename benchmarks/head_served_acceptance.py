@@ -1,0 +1,69 @@
+"""EAGLE heads as served, compared on what they get accepted and nothing else: greedy replies to the
+held-out prompts of chatserve/data/prompts.json with a fixed chain of k drafts (adaptive k off, so
+every head is asked the same number of drafts a step), the mean accepted length (tokens a
+verification, the bonus token included) and the per-draft acceptance. Each head runs quantized as
+`serve` quantizes it (like the target), and with --float-heads also in float32, to tell what the
+head's own quantization costs. No timing: benchmarks/eagle_head.py times them.
+
+    .venv/bin/python benchmarks/head_served_acceptance.py --model smollm2-135m-instruct --float-heads \\
+        --heads ~/.cache/chatserve/heads/<hash>/eagle-head.pt ~/.cache/chatserve/heads/<hash>/final/eagle-head.pt \\
+        --out benchmarks/results/head_served_acceptance_smollm2_session36.json
+"""
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+import chatserve.loading as loading  # noqa: E402
+from chatserve.config import EngineConfig, SpecConfig  # noqa: E402
+from chatserve.engine import Engine  # noqa: E402
+from chatserve.sampling_params import SamplingParams  # noqa: E402
+
+PROMPTS = json.loads((ROOT / "chatserve/data/prompts.json").read_text())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
+    ap.add_argument("--heads", nargs="+", required=True, help="head files")
+    ap.add_argument("--quantization", default="int4")
+    ap.add_argument("--k", type=int, default=4, help="drafts a step")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--kinds", nargs="+", default=["code", "chat"])
+    ap.add_argument("--float-heads", action="store_true", help="also run each head unquantized")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    quantized = loading._quantized
+    results = {"model": args.model, "k": args.k, "max_tokens": args.max_tokens, "runs": {}}
+    for head_quantization in (["as served", "float32"] if args.float_heads else ["as served"]):
+        def head_kept_float(model, config):  # the target still quantized; the head not
+            return model if type(model).__name__ == "EagleHead" else quantized(model, config)
+
+        loading._quantized = head_kept_float if head_quantization == "float32" else quantized
+        for path in args.heads:
+            engine = Engine(EngineConfig(model=args.model, dtype="float32", quantization=args.quantization,
+                                         kv_cache_memory=1 << 30,
+                                         spec=SpecConfig(method="eagle", eagle_head=path, adaptive=False,
+                                                         num_draft_tokens=args.k, suffix_corpus_tokens=0)))
+            head = engine.models.eagle_runner.head
+            for kind in args.kinds:
+                prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS[kind]]
+                outs = engine.generate(prompts, SamplingParams(max_tokens=args.max_tokens, temperature=0.0))
+                accepted, drafted, steps = (sum(getattr(o["stats"], n) for o in outs)
+                                            for n in ("num_accepted", "num_drafted", "num_spec_steps"))
+                run = {"head": path, "feature_layers": list(head.feature_layers), "head_weights": head_quantization,
+                       "kind": kind, "mean_accepted_length": (accepted + steps) / steps, "acceptance": accepted / drafted,
+                       "num_drafted": drafted}
+                results["runs"][f"{path}|{head_quantization}|{kind}"] = run
+                print(f"{Path(path).parent.name}/{Path(path).name} layers {list(head.feature_layers) or 'final'} "
+                      f"({head_quantization}) {kind}: mean accepted length {run['mean_accepted_length']:.3f}, "
+                      f"acceptance {run['acceptance']:.3f} of {drafted} drafts", flush=True)
+    loading._quantized = quantized
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
