@@ -9,9 +9,10 @@ held-out reply position) and by the first draft's acceptance (the same, a chain 
 Data is collected as train-head collects it (head_data.collect: the target's own greedy replies and
 standard-library source), with each position's features widened to [layer a; layer b; layer c;
 final]: the residual stream after each chosen layer, RMS-normalized without weights (so the three
-enter the fuse at one scale), then the final norm's output. The decode stack's
-one C++ call is switched off so the layers' forward hooks see every step (the modules compute the
-same numbers). The data is saved beside --out's JSON (head_data.save_collected) and reused when the
+enter the fuse at one scale), then the final norm's output: the target runner's features with
+its feature_layers set, as `train-head` collects them for an EAGLE-3 head since session 36
+(session 35's run captured them with forward hooks on the modules, the same numbers). The data
+is saved beside --out's JSON (head_data.save_collected) and reused when the
 script runs again with the same model and layers.
 
     .venv/bin/python benchmarks/head_features.py --model smollm2-135m-instruct --data-tokens 400000 \\
@@ -30,7 +31,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -63,30 +63,6 @@ class FusedFeatures(nn.Module):
 
     def forward_unrolled(self, features, embeds, depth):
         return self.head.forward_unrolled(self.fuse(features), embeds, depth)
-
-
-def widen_features(engine, layers: list[int]) -> None:
-    """The target runner's run_with_features returns [norm0(h_a); norm0(h_b); norm0(h_c); final]
-    per row, h_l the residual stream after layer l (norm0: RMS norm without weights)."""
-    model, runner = engine.models.target, engine.models.target_runner
-    model.stack.enabled = False
-    captured: dict[int, torch.Tensor] = {}
-
-    def hook(index):
-        def save(module, inputs, output):
-            x, delta = output
-            captured[index] = F.rms_norm((x + delta).float(), (x.shape[-1],), eps=1e-6)
-        return save
-
-    for i in layers:
-        model.layers[i].register_forward_hook(hook(i))
-    plain = runner.run_with_features
-
-    def run_with_features(items):
-        logits, cu, final = plain(items)
-        return logits, cu, torch.cat([captured[i] for i in layers] + [final.float()], dim=-1)
-
-    runner.run_with_features = run_with_features
 
 
 def train_variant(name, head, sequences, val, embed, cols_in, cols_target, cfg: TrainConfig, steps: int, log):
@@ -156,8 +132,9 @@ def main() -> None:
     target_hash = weights_hash(resolve(args.model))
     data_path = args.out.with_name(f"{args.out.stem}-data-{'-'.join(map(str, layers))}.pt")
     data = load_collected(data_path, target_hash) or Collected([])
+    data.feature_layers = tuple(layers)  # the file is named by them (session 35's did not record them)
     if data.num_tokens < args.data_tokens and not data.exhausted:
-        widen_features(engine, layers)
+        engine.models.target_runner.feature_layers = tuple(layers)  # [layers a, b, c; final] a row, as train-head's
         start = time.perf_counter()
         data = collect(engine, max_tokens=args.data_tokens, seconds=args.data_minutes * 60,
                        reply_tokens=args.reply_tokens, batch=args.data_batch, resume=data,
