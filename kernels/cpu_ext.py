@@ -11,12 +11,12 @@ step's norms, RoPE, KV store, attention, SiLU).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
 import shutil
 import sys
-import time
 from pathlib import Path
 
 from kernels.cpu_features import cpu_flags
@@ -26,7 +26,6 @@ SOURCES = ("quant_matmul_cpu.cpp", "q4k_matmul_cpu.cpp", "decode_ops_cpu.cpp", "
            "cpu_ext_bindings.cpp")
 CPU_FLAGS = ("avx2", "fma", "f16c")
 NAME = "chatserve_cpu"
-STALE_LOCK_SECONDS = 600  # a build takes ~1-3 min; an older lock was left by a killed build
 
 
 def _build_directory() -> Path:
@@ -63,16 +62,28 @@ def _staged_sources(directory: Path) -> Path:
     return src
 
 
-def _clear_stale_lock(directory: Path) -> None:
-    """torch's builder waits, forever, while the build directory holds a `lock` file, which a
-    build killed midway (Ctrl-C at the first start) leaves behind: remove one that old."""
+@contextlib.contextmanager
+def _builder(directory: Path):
+    """Be the only chatserve process loading (and maybe building) in directory, and clear a dead
+    build's lock. torch's builder waits, forever, while the directory holds a `lock` file, which a
+    build killed midway (Ctrl-C at the first start, a killed test run) leaves behind. Every load
+    here holds an flock on directory/builder.flock, which the kernel releases when its holder
+    dies: once we hold it, no live build is under way, so a `lock` file is a dead one's."""
     try:
+        import fcntl
+    except ImportError:  # not POSIX: no flock, nothing cleared
+        yield
+        return
+    with open(directory / "builder.flock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # waits for a live build; a dead builder's flock is gone
         lock = directory / "lock"
-        if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_SECONDS:
-            print(f"chatserve: removing a stale build lock ({lock})", file=sys.stderr)
+        if lock.exists():
+            print(f"chatserve: removing a killed build's lock ({lock})", file=sys.stderr)
             lock.unlink(missing_ok=True)
-    except Exception:  # a private torch helper: never let this stop the build
-        pass
+        try:
+            yield
+        finally:
+            fcntl.flock(held, fcntl.LOCK_UN)
 
 
 @functools.lru_cache(maxsize=1)
@@ -89,17 +100,17 @@ def extension():
         from torch.utils.cpp_extension import load
 
         directory = _build_directory()
-        _clear_stale_lock(directory)
-        src = _staged_sources(directory)
-
-        print("chatserve: loading the C++ CPU kernels (built once per machine, ~1-2 min)", file=sys.stderr, flush=True)
-        # -fopenmp: at::parallel_for is a header template around `#pragma omp parallel`; without
-        # the flag the pragma is dropped and every kernel runs on one thread. The soname
-        # libgomp.so.1 resolves to the copy torch already loaded: one OpenMP runtime, one team.
-        return load(name=NAME, sources=[str(src / s) for s in SOURCES],
-                    extra_include_paths=[str(src)],
-                    extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"], extra_ldflags=["-fopenmp"],
-                    build_directory=str(directory), verbose=False)
+        with _builder(directory):
+            src = _staged_sources(directory)
+            print("chatserve: loading the C++ CPU kernels (built once per machine, ~1-2 min)", file=sys.stderr,
+                  flush=True)
+            # -fopenmp: at::parallel_for is a header template around `#pragma omp parallel`; without
+            # the flag the pragma is dropped and every kernel runs on one thread. The soname
+            # libgomp.so.1 resolves to the copy torch already loaded: one OpenMP runtime, one team.
+            return load(name=NAME, sources=[str(src / s) for s in SOURCES],
+                        extra_include_paths=[str(src)],
+                        extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                        build_directory=str(directory), verbose=False)
     except Exception as error:  # no compiler / ninja: the slow paths still work
         print(f"chatserve: the C++ CPU kernels could not be built ({type(error).__name__}: "
               f"{str(error).splitlines()[0] if str(error) else ''}); using the plain-torch paths",

@@ -220,19 +220,35 @@ def test_model_linear_takes_the_kernel_for_few_float32_rows(generator):
     assert torch.equal(layer(many), torch.nn.functional.linear(many, layer.weight, layer.bias))
 
 
-def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, monkeypatch):
-    """A build killed midway leaves `lock`, and torch's builder would wait on it forever."""
-    import os
-    import time
+def test_a_killed_builds_lock_is_removed_and_a_live_build_waited_for(tmp_path):
+    """A build killed midway leaves `lock`, and torch's builder would wait on it forever; a live
+    build (another process holding the builder flock) is waited for, and its lock left alone."""
+    import subprocess
+    import sys
+    import threading
 
     lock = tmp_path / "lock"
-    lock.touch()
-    cpu_ext._clear_stale_lock(tmp_path)
-    assert lock.exists()  # fresh: another process may be building right now
-    old = time.time() - cpu_ext.STALE_LOCK_SECONDS - 60
-    os.utime(lock, (old, old))
-    cpu_ext._clear_stale_lock(tmp_path)
-    assert not lock.exists()
+    lock.touch()  # however young: no live builder holds the flock
+    with cpu_ext._builder(tmp_path):
+        assert not lock.exists()
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl, sys; f = open(sys.argv[1], 'a'); fcntl.flock(f, fcntl.LOCK_EX); "
+         "open(sys.argv[2], 'w').close(); print('held', flush=True); sys.stdin.read()",
+         str(tmp_path / "builder.flock"), str(lock)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline() == "held\n" and lock.exists()  # a live build and its lock
+    entered = threading.Event()
+
+    def load():
+        with cpu_ext._builder(tmp_path):
+            entered.set()
+
+    waiter = threading.Thread(target=load)
+    waiter.start()
+    assert not entered.wait(0.5) and lock.exists()  # waits, and leaves the live build's lock
+    holder.kill()  # killed mid-build: its flock goes with it, its lock stays
+    holder.wait()
+    waiter.join(30)
+    assert entered.is_set() and not lock.exists()
 
 
 def test_the_build_directory_follows_the_sources_content(tmp_path, monkeypatch):
