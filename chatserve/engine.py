@@ -10,6 +10,7 @@ import dataclasses
 import itertools
 import json
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -304,19 +305,28 @@ class Engine:
         return None
 
     # -- conveniences ---------------------------------------------------------------------
-    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[dict]:
-        """Run a batch to completion; returns one dict per prompt (text, token_ids, logprobs, stats)."""
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                 deadline: float | None = None, on_step: Callable[[], None] | None = None) -> list[dict]:
+        """Run a batch to completion; returns one dict per prompt (text, token_ids, logprobs, stats).
+        deadline (a time.perf_counter() value): the requests still running after the step that
+        passes it are aborted, their dicts hold what they produced, finish_reason "abort".
+        on_step() is called after every step (a batch job's progress)."""
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
         results = {i: {"request_id": i, "text": "", "token_ids": [], "logprobs": [], "finish_reason": None, "stats": None} for i in ids}
         while self.has_unfinished():
-            for d in self.step():
+            deltas = self.step()
+            if deadline is not None and time.perf_counter() > deadline:
+                deltas += [d for i in ids if results[i]["finish_reason"] is None and (d := self.abort(i))]
+            for d in deltas:
                 r = results[d.request_id]
                 r["text"] += d.text
                 r["token_ids"] += d.token_ids
                 r["logprobs"] += d.logprobs or []
                 if d.finished:
                     r["finish_reason"], r["stats"] = d.finish_reason, d.stats
+            if on_step:
+                on_step()
         return [results[i] for i in ids]
 
     def pool_stats(self) -> dict:

@@ -219,8 +219,10 @@ class FeatureRecorder:
 
     def __init__(self):
         self.rows: dict[int, dict[int, torch.Tensor]] = {}  # request id -> position -> [width]
+        self.num_fed = 0  # rows observed (progress)
 
     def observe(self, scheduled, items, features: torch.Tensor) -> None:
+        self.num_fed += len(features)
         row = 0
         for s, item in zip(scheduled, items):
             kept = self.rows.setdefault(s.req.request_id, {})
@@ -265,8 +267,10 @@ def collect(engine, *, max_tokens: int, seconds: float, reply_tokens: int, seed:
             checkpoint_seconds: float = 300.0) -> Collected:
     """Sequences of about max_tokens tokens in all, collecting for at most `seconds`: each round
     answers `batch` prompts (greedy, up to reply_tokens each) and adds one plain source sequence.
-    progress(num_tokens) is called after each sequence. A reply's last token is never fed to the
-    target, so its sequence ends one token short (the feature before it predicts it).
+    The round in flight at the deadline is cut there: replies keep what was fed, prompts not yet
+    answered are dropped (asked again by a resumed run). progress(num_tokens) is called after
+    every engine step and every sequence. A reply's last token is never fed to the target, so its
+    sequence ends one token short (the feature before it predicts it).
     resume goes on from what an earlier call collected (killed, or out of time); checkpoint(state)
     is called every checkpoint_seconds and at the end, so a killed run loses minutes, not the phase."""
     tok = engine.tokenizer
@@ -300,27 +304,33 @@ def collect(engine, *, max_tokens: int, seconds: float, reply_tokens: int, seed:
         if progress:
             progress(num_tokens)
 
-    while num_tokens < max_tokens and time.perf_counter() - start < seconds and not state.exhausted:
+    deadline = start + seconds
+    while num_tokens < max_tokens and time.perf_counter() < deadline and not state.exhausted:
         texts = list(itertools.islice(turns, batch))
-        state.asked.update(prompt_key(t) for t in texts)
-        asked = [tok.apply_chat_template([{"role": "user", "content": m}]) for m in texts]
+        asked = [(t, tok.apply_chat_template([{"role": "user", "content": t}])) for t in texts]
         # a snippet is cut at blank lines, and a file without any (a data table) makes one longer
         # than the context: skip it rather than fail the run
-        prompts = [p for p in asked if len(p) + reply_tokens <= engine.models.max_model_len]
+        prompts = [(t, p) for t, p in asked if len(p) + reply_tokens <= engine.models.max_model_len]
+        state.asked.update(prompt_key(t) for t in texts)
         recorder = FeatureRecorder()
         engine.feature_observer = recorder.observe
-        try:
-            outs = engine.generate(prompts, params) if prompts else []
+        try:  # a round of 128 prompts takes minutes: progress every step, and it ends on time
+            outs = engine.generate([p for _, p in prompts], params, deadline=deadline,
+                                   on_step=lambda: progress and progress(num_tokens + recorder.num_fed))
         finally:
             engine.feature_observer = None
-        for prompt, out in zip(prompts, outs):
+        for (text, prompt), out in zip(prompts, outs):
             token_ids = (prompt + out["token_ids"])[:-1]
+            if not out["token_ids"]:  # cut off by the deadline before its reply began: asked again next time
+                state.asked.discard(prompt_key(text))
+                continue
             add(token_ids, len(prompt), recorder.features(out["request_id"], len(token_ids)))
-        text = next(raw, None)
+        out_of_time = time.perf_counter() >= deadline
+        text = None if out_of_time else next(raw, None)
         if text:
             add(text, len(text))
         state.rounds += 1
-        state.exhausted = not asked and not text
+        state.exhausted = not asked and not text and not out_of_time
         state.seconds = spent + time.perf_counter() - start
         if checkpoint and time.perf_counter() - last_save > checkpoint_seconds:
             checkpoint(state)

@@ -976,6 +976,46 @@ def test_training_data_records_features_while_generating(tiny_llama_dir, monkeyp
     assert_pool_empty(engine)
 
 
+def test_the_data_round_ends_at_the_deadline_and_shows_progress_every_step(tiny_llama_dir, monkeypatch):
+    """A round of 128 prompts takes minutes on 2 cores: collect() reports progress after every
+    step, and at its deadline it aborts the round's requests and keeps what they fed (a reply cut
+    short); a prompt cut off before its reply began is dropped and left to be asked again."""
+    import time
+
+    from chatserve import head_data
+
+    engine = Engine(EngineConfig(model=str(tiny_llama_dir), max_model_len=512, kv_cache_memory=8 << 20,
+                                 max_num_batched_tokens=64))
+    engine.generate([engine.tokenizer.encode("warm up")], SamplingParams(max_tokens=2))
+    long_one = "x " * 150  # ~320 tokens in chunks of at most 64: still prefilling at the deadline
+    turns = iter(["short question", "another short one", long_one, "never asked this round"])
+    monkeypatch.setattr(head_data, "user_turns", lambda seed, questions: turns)
+    monkeypatch.setattr(head_data, "plain_sources", lambda tok, seed: iter([[1, 2, 3, 4, 5]]))
+    step, steps = engine.step, []
+
+    def slow_fourth_step():
+        steps.append(1)
+        deltas = step()
+        if len(steps) == 4:
+            time.sleep(1.2)  # the deadline passes during this step
+        return deltas
+
+    monkeypatch.setattr(engine, "step", slow_fourth_step)
+    seen = []
+    state = head_data.collect(engine, max_tokens=10**6, seconds=1.0, reply_tokens=64, batch=3,
+                              progress=seen.append)
+    assert len(steps) == 4 and state.rounds == 1 and not state.exhausted
+    assert len(seen) >= 4 and seen[:4] == sorted(seen[:4]) and seen[0] > 0  # tokens fed, step by step
+    assert state.sequences  # replies cut short; no plain source after the deadline
+    for seq in state.sequences:
+        assert seq.num_prompt_tokens < len(seq.token_ids) < seq.num_prompt_tokens + 64
+        torch.testing.assert_close(seq.features.float(), target_features(engine, seq.token_ids.tolist()).float(),
+                                   atol=2e-2, rtol=2e-2)
+    # asked: the prompts kept; the long one (and any other without a reply yet) is asked again
+    assert len(state.asked) == len(state.sequences) and head_data.prompt_key(long_one) not in state.asked
+    assert_pool_empty(engine)
+
+
 def test_the_unrolled_training_passes_equal_drafting_in_a_chain(tiny_qwen_dir):
     """forward_unrolled's pass s at row i is what drafting computes for the (s+1)-th token of a
     chain from position i - s: rows up to it from the target's features, then each next row from

@@ -124,6 +124,21 @@ def test_stop_token_ids_and_max_tokens(tiny_llama_dir):
     assert out["token_ids"] == full["token_ids"][: full["token_ids"].index(target) + 1]
 
 
+def test_generate_aborts_what_runs_past_its_deadline(tiny_llama_dir, alone_outputs):
+    """generate(deadline=): the step that passes it is the last; unfinished requests end "abort"
+    with the tokens they had (a prefix of what they would have said), every block freed."""
+    import time
+
+    prompts, outputs = alone_outputs
+    engine = make_engine(tiny_llama_dir)
+    calls = []
+    outs = engine.generate(prompts[:2], GREEDY, deadline=time.perf_counter(), on_step=lambda: calls.append(1))
+    assert len(calls) == 1 and [o["finish_reason"] for o in outs] == ["abort", "abort"]
+    for out, alone in zip(outs, outputs):
+        assert len(out["token_ids"]) <= 1 and out["token_ids"] == alone[: len(out["token_ids"])]
+    assert_pool_empty(engine)
+
+
 def test_seeded_sampling_is_reproducible_and_batch_independent(tiny_llama_dir):
     engine = make_engine(tiny_llama_dir)
     ids = engine.tokenizer.encode("Hello")
