@@ -6,7 +6,7 @@ clock of each runner call, wrapped in-process; the best of --rounds.
 
     .venv/bin/python benchmarks/step_breakdown.py --model smollm2-135m-instruct \\
         --eagle-head ~/.cache/chatserve/heads/<hash>/eagle-head.pt \\
-        --out benchmarks/results/step_breakdown_smollm2_session37.json
+        --fixed-k 1 2 --out benchmarks/results/step_breakdown_smollm2_fused_session37.json
 """
 import argparse
 import collections
@@ -82,6 +82,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--fixed-k", type=int, nargs="*", default=[],
+                    help="also the head with adaptive k off at these chain lengths (eagle-k1, ...)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     torch.set_num_threads(2)
@@ -92,6 +94,9 @@ def main() -> None:
     common = dict(model=args.model, dtype="float32", quantization=args.quantization, kv_cache_memory=1 << 30,
                   kv_cache_dtype=_kv_cache_dtype("auto", "cpu", "float32"))
     configs = {"off": None, "eagle": SpecConfig(method="eagle", eagle_head=args.eagle_head, suffix_corpus_tokens=0)}
+    for k in args.fixed_k:
+        configs[f"eagle-k{k}"] = SpecConfig(method="eagle", eagle_head=args.eagle_head, suffix_corpus_tokens=0,
+                                            adaptive=False, num_draft_tokens=k)
     engines = {name: Engine(EngineConfig(**common, spec=spec)) for name, spec in configs.items()}
     tok = engines["off"].tokenizer
     prompts = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS[args.kind][: args.prompts]]
@@ -106,8 +111,11 @@ def main() -> None:
             if best is None or got["ms_per_token"] < best["ms_per_token"]:
                 results["runs"][name] = got
             print(name, json.dumps(got), file=sys.stderr)
+    off = results["runs"]["off"]["ms_per_token"]
     for name, got in results["runs"].items():
-        print(f"{name:6s} {got['ms_per_token']:6.2f} ms/token  {got['ms_per_step']:6.2f} ms/step  "
+        got["x_off"] = round(off / got["ms_per_token"], 3)
+        print(f"{name:9s} {got['ms_per_token']:6.2f} ms/token  x off {got['x_off']:.3f}  "
+              f"{got['ms_per_step']:6.2f} ms/step  "
               f"{got['tokens_per_step']:.2f} tokens/step  {got['target_rows_per_step']:.2f} rows/step  "
               f"parts {got['ms_per_step_parts']}  rest {got['ms_per_step_rest']:.2f}")
     if args.out:
