@@ -267,8 +267,8 @@ def collect(engine, *, max_tokens: int, seconds: float, reply_tokens: int, seed:
             checkpoint_seconds: float = 300.0) -> Collected:
     """Sequences of about max_tokens tokens in all, collecting for at most `seconds`: each round
     answers `batch` prompts (greedy, up to reply_tokens each) and adds one plain source sequence.
-    The round in flight at the deadline is cut there: replies keep what was fed, prompts not yet
-    answered are dropped (asked again by a resumed run). progress(num_tokens) is called after
+    The round in flight at the deadline is cut there: replies keep what was fed, prompts with no
+    reply token fed yet are dropped (asked again by a resumed run). progress(num_tokens) is called after
     every engine step and every sequence. A reply's last token is never fed to the target, so its
     sequence ends one token short (the feature before it predicts it).
     resume goes on from what an earlier call collected (killed, or out of time); checkpoint(state)
@@ -321,7 +321,8 @@ def collect(engine, *, max_tokens: int, seconds: float, reply_tokens: int, seed:
             engine.feature_observer = None
         for (text, prompt), out in zip(prompts, outs):
             token_ids = (prompt + out["token_ids"])[:-1]
-            if not out["token_ids"]:  # cut off by the deadline before its reply began: asked again next time
+            if out["finish_reason"] == "abort" and len(out["token_ids"]) < 2:
+                # cut off by the deadline before a reply token was fed: asked again next time
                 state.asked.discard(prompt_key(text))
                 continue
             add(token_ids, len(prompt), recorder.features(out["request_id"], len(token_ids)))

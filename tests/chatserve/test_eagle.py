@@ -997,12 +997,12 @@ def test_the_data_round_ends_at_the_deadline_and_shows_progress_every_step(tiny_
         steps.append(1)
         deltas = step()
         if len(steps) == 4:
-            time.sleep(1.2)  # the deadline passes during this step
+            time.sleep(3.2)  # the deadline passes during this step
         return deltas
 
     monkeypatch.setattr(engine, "step", slow_fourth_step)
     seen = []
-    state = head_data.collect(engine, max_tokens=10**6, seconds=1.0, reply_tokens=64, batch=3,
+    state = head_data.collect(engine, max_tokens=10**6, seconds=3.0, reply_tokens=64, batch=3,
                               progress=seen.append)
     assert len(steps) == 4 and state.rounds == 1 and not state.exhausted
     assert len(seen) >= 4 and seen[:4] == sorted(seen[:4]) and seen[0] > 0  # tokens fed, step by step
@@ -1011,7 +1011,7 @@ def test_the_data_round_ends_at_the_deadline_and_shows_progress_every_step(tiny_
         assert seq.num_prompt_tokens < len(seq.token_ids) < seq.num_prompt_tokens + 64
         torch.testing.assert_close(seq.features.float(), target_features(engine, seq.token_ids.tolist()).float(),
                                    atol=2e-2, rtol=2e-2)
-    # asked: the prompts kept; the long one (and any other without a reply yet) is asked again
+    # asked: the prompts kept; the long one (and any other without a reply token fed yet) is asked again
     assert len(state.asked) == len(state.sequences) and head_data.prompt_key(long_one) not in state.asked
     assert_pool_empty(engine)
 
