@@ -35,10 +35,8 @@ def main() -> None:
     head_path = Path(args.head) if args.head else default_head_path(weights_hash(model_dir))
     record = torch.load(head_path, weights_only=True)
     sequences = load_collected(head_path.with_name(head_path.stem + "-data.pt"), record["target_hash"]).sequences
-    state = record["state_dict"]
-    head = EagleHead(AutoConfig.from_pretrained(str(model_dir)), 8192, state["head_token_ids"],
-                     feature_layers=record.get("feature_layers", ())).float()
-    head.load_state_dict(state)
+    head = EagleHead.from_state(AutoConfig.from_pretrained(str(model_dir)), 8192, record["state_dict"],
+                                record.get("feature_layers", ())).float()
     name = "embed_tokens.weight"
     embed = torch.nn.Embedding.from_pretrained(read_tensor(model_dir, name))
     train, held_out = split_validation(sequences)

@@ -102,13 +102,10 @@ def load_head(path: Path | None, model: str, target_dir: Path, cfg, max_position
     if record["target_hash"] != target_hash:
         raise ValueError(f"the EAGLE head at {path} was trained for other weights ({record['target_hash'][:12]}; "
                          f"{model} has {target_hash[:12]}); {train_hint(model)}")
-    state = record["state_dict"]
     try:  # a head from before EAGLE-3's features has no feature_layers: it reads the final feature
-        head = EagleHead(cfg, max_positions, state["head_token_ids"], rotary=rotary,
-                         feature_layers=record.get("feature_layers", ()))
+        head = EagleHead.from_state(cfg, max_positions, record["state_dict"], record.get("feature_layers", ()), rotary)
     except ValueError as e:
         raise ValueError(f"{path}: {e}; {train_hint(model)}") from None
-    head.load_state_dict(state)
     head.info = record["info"]
     return head.to(dtype).eval()
 

@@ -538,18 +538,16 @@ def _load_servable(path: Path, engine, target_hash: str) -> EagleHead | None:
     record = torch.load(path, weights_only=True)
     if record.get("target_hash") != target_hash:
         return None
-    head = EagleHead(engine.models.target.config, engine.max_model_len, record["state_dict"]["head_token_ids"],
-                     feature_layers=record.get("feature_layers", ())).float()
+    head = EagleHead.from_state(engine.models.target.config, engine.max_model_len, record["state_dict"],
+                                record.get("feature_layers", ())).float()
     if head.feature_layers != engine.models.target_runner.feature_layers:
         return None  # for other features than the data's: not comparable
-    head.load_state_dict(record["state_dict"])
     return head.eval()
 
 
 def _resume(engine, ckpt: dict) -> tuple[EagleHead, dict]:
-    head = EagleHead(engine.models.target.config, engine.max_model_len, ckpt["head"]["head_token_ids"],
-                     feature_layers=ckpt.get("feature_layers", ())).float()
-    head.load_state_dict(ckpt["head"])
+    head = EagleHead.from_state(engine.models.target.config, engine.max_model_len, ckpt["head"],
+                                ckpt.get("feature_layers", ())).float()
     head.lm_head.weight.requires_grad_(False)
     return head, ckpt["state"]
 

@@ -200,4 +200,5 @@ class Q4KLinear(nn.Module):
 
     def extra_repr(self) -> str:
         pad = self.codes.shape[1] * SUPER - self.in_features
-        return f"in_features={self.in_features}, out_features={self.out_features}, Q4_K" + (f" (+{pad} padding)" if pad else "")
+        padding = f" (+{pad} padding)" if pad else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, Q4_K{padding}"

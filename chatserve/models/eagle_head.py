@@ -63,6 +63,16 @@ class EagleHead(nn.Module):
         self.register_buffer("head_token_ids", head_token_ids.long())  # [num_kept]
         self.stack = LayerStack(hidden, self.head_dim, cfg.intermediate_size)  # its layer in one C++ call
 
+    @classmethod
+    def from_state(cls, cfg, max_positions: int, state_dict: dict, feature_layers=(),
+                   rotary: Rotary | None = None) -> "EagleHead":
+        """A head holding `state_dict`'s weights (a saved head's or a training checkpoint's): its
+        LM head's rows are the state's head_token_ids. Raises ValueError for feature layers the
+        target does not have."""
+        head = cls(cfg, max_positions, state_dict["head_token_ids"], rotary=rotary, feature_layers=feature_layers)
+        head.load_state_dict(state_dict)
+        return head
+
     def reset_decode_stack(self) -> None:
         self.stack.reset()
 
