@@ -20,6 +20,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4_matmul", &q4_matmul, "int4 (groups of 32) weight x int8 activation matmul", NoGil());
   m.def("int4_linear", &int4_linear, "int4 linear layer (groups of 32): quantize, multiply, add the bias, in one call",
         py::arg("x"), py::arg("codes"), py::arg("params"), py::arg("bias") = py::none(), NoGil());
+  m.def("int4x8_linear", &int4x8_linear, "int4_linear for a weight interleaved by 8 output features, any rows",
+        py::arg("x"), py::arg("codes"), py::arg("params"), py::arg("bias") = py::none(), NoGil());
   m.def("f32_matmul", &f32_matmul, "float32 matmul for few rows, each row independent of the row count", NoGil());
   m.def("quantize_rows_k", &quantize_rows_k, "per-row, per-256 int8 quantization of activations (Q8_K)", NoGil());
   m.def("q4k_matmul", &q4k_matmul, "Q4_K weight x Q8_K activation matmul", NoGil());

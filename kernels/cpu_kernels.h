@@ -7,6 +7,8 @@
 std::vector<torch::Tensor> quantize_rows(torch::Tensor x);
 torch::Tensor q4_matmul(torch::Tensor xq, torch::Tensor xd, torch::Tensor xs, torch::Tensor codes, torch::Tensor params);
 torch::Tensor int4_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor params, c10::optional<torch::Tensor> bias);
+torch::Tensor int4x8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor params,
+                            c10::optional<torch::Tensor> bias);
 torch::Tensor q8_matmul(torch::Tensor xq, torch::Tensor xd, torch::Tensor qweight, torch::Tensor scales);
 torch::Tensor q8x8_matmul(torch::Tensor xq, torch::Tensor xd, torch::Tensor packed, torch::Tensor scales);
 torch::Tensor q4_dequantize(torch::Tensor codes, torch::Tensor params, torch::Tensor w);

@@ -25,7 +25,7 @@ from kernels import cpu_ext
 # DecodeStack (kernels/decode_stack_cpu.cpp): the decoder's layers in one call for steps of up to
 # STACK_MAX_ROWS float32 rows; a linear layer is (kind, a, b, c, bias), kinds as below.
 STACK_MAX_ROWS = 32
-LINEAR_INT4, LINEAR_Q4K, LINEAR_F32, LINEAR_INT8, LINEAR_INT8X8 = range(5)
+LINEAR_INT4, LINEAR_Q4K, LINEAR_F32, LINEAR_INT8, LINEAR_INT8X8, LINEAR_INT4X8 = range(6)
 NO_TENSOR = torch.empty(0)
 
 

@@ -12,7 +12,7 @@ namespace {
 
 // One weight layer, as the module that holds it computes it for few rows.
 struct LinearW {
-  enum Kind : int64_t { kInt4 = 0, kQ4K = 1, kF32 = 2, kInt8 = 3, kInt8x8 = 4 };
+  enum Kind : int64_t { kInt4 = 0, kQ4K = 1, kF32 = 2, kInt8 = 3, kInt8x8 = 4, kInt4x8 = 5 };
   int64_t kind;
   torch::Tensor a, b, c;  // int4: codes, params; Q4_K: codes, subs, dd; f32: weight; int8: qweight, scales
   c10::optional<torch::Tensor> bias;
@@ -21,6 +21,8 @@ struct LinearW {
     switch (kind) {
       case kInt4:
         return int4_linear(x, a, b, bias);
+      case kInt4x8:
+        return int4x8_linear(x, a, b, bias);
       case kQ4K:
         return q4k_linear(x, a, b, c, bias);
       case kF32: {  // models/layers.Linear: the matmul, then the bias added in place
@@ -58,7 +60,7 @@ class DecodeStack {
     TORCH_CHECK(linears.size() == 4, "add_layer: qkv, o, gate_up, down");
     std::vector<LinearW> w;
     for (auto& [kind, a, b, c, bias] : linears) {
-      TORCH_CHECK(kind >= LinearW::kInt4 && kind <= LinearW::kInt8x8, "add_layer: unknown linear kind");
+      TORCH_CHECK(kind >= LinearW::kInt4 && kind <= LinearW::kInt4x8, "add_layer: unknown linear kind");
       w.push_back(LinearW{kind, a, b, c, bias});
     }
     layers_.push_back(Layer{ln1, ln2, k_cache, v_cache, w[0], w[1], w[2], w[3]});

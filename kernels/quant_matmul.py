@@ -70,6 +70,19 @@ def int4_linear(x: torch.Tensor, codes: torch.Tensor, params: torch.Tensor,
     return _extension().int4_linear(x.contiguous(), codes, params, bias)
 
 
+def int4x8_linear(x: torch.Tensor, codes: torch.Tensor, params: torch.Tensor,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    """int4_linear for a weight interleaved by 8 output features (quant/int4.interleave: codes
+    [N/8, K/32, 128], params [N/8, K/32, 16]), for any number of rows."""
+    return _extension().int4x8_linear(x.contiguous(), codes, params, bias)
+
+
+def vnni_enabled() -> bool:
+    """Whether the matmuls take their AVX-512 VNNI tiles (kernels/cpu_simd.h)."""
+    ext = _extension()
+    return ext is not None and ext.vnni_enabled()
+
+
 def int8_matmul(x: torch.Tensor,  # [M, K] float32, K % 32 == 0
                 qweight: torch.Tensor,  # [N, K] int8, |q| <= 127
                 scales: torch.Tensor,  # [N] float32

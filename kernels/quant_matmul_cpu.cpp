@@ -167,6 +167,59 @@ void tile(const uint8_t* codes, const at::Half* params, const int8_t* xq, const 
 }
 
 
+// The same groups of 32 interleaved by 8 output features (quant/int4.interleave; N % 8 == 0), for
+// features 8 g .. 8 g + 8 and group b:
+//   codes8  [N/8, K/32, 128] uint8: step q (0..3) is 32 bytes at 32 q; byte 4 n + i holds feature
+//           n's code for k = 32 b + 4 q + i in its low nibble, k + 16 in its high one
+//   params8 [N/8, K/32, 16] fp16: d of the 8 features, then m
+// As in the Q4_K tile, vpmaddubsw of one step against 4 activation bytes broadcast gives the 8
+// features' pair sums, and the group's 8 steps add up in int16 (|sum| <= 8 * 2 * 15 * 127 =
+// 30480); then one vpmaddwd, one conversion and two multiply-adds per group and row (d * xd,
+// then m * xs, into one accumulator). The row-major tile spends a load, vpmaddubsw, vpmaddwd, a
+// conversion, a permute and an FMA per group, feature and row: from 2 rows up it ran ~2.5x
+// slower (docs/benchmarks.md, session 38). The 8 outputs are one vector: no horizontal sums.
+template <int R>
+void tile_x8(const uint8_t* codes, const at::Half* params, const int8_t* xq, const float* xd, const float* xs,
+             const float* bias, float* y, int64_t K, int64_t N, int64_t r0, int64_t g) {
+  const int64_t G = K / kGroup;
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  const uint8_t* cg = codes + g * G * 128;
+  const uint16_t* pg = reinterpret_cast<const uint16_t*>(params) + g * G * 16;
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < G; ++b) {
+    const uint8_t* cb = cg + b * 128;
+    prefetch(cb + kPrefetchAhead);
+    prefetch(cb + kPrefetchAhead + 64);
+    prefetch(pg + b * 16 + kPrefetchAhead / 8);  // the params' stream, 1/4 the codes' bytes
+    __m256i sum16[R];
+    for (int r = 0; r < R; ++r) sum16[r] = _mm256_setzero_si256();
+#pragma GCC unroll 1
+    for (int q = 0; q < 4; ++q) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cb + q * 32));
+      const __m256i lo = _mm256_and_si256(v, low4);
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+      for (int r = 0; r < R; ++r) {
+        const int8_t* xr = xq + (r0 + r) * K + b * kGroup + 4 * q;
+        sum16[r] = _mm256_add_epi16(sum16[r], _mm256_maddubs_epi16(lo, broadcast4(xr)));
+        sum16[r] = _mm256_add_epi16(sum16[r], _mm256_maddubs_epi16(hi, broadcast4(xr + 16)));
+      }
+    }
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pg + b * 16)));
+    const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pg + b * 16 + 8)));
+    for (int r = 0; r < R; ++r) {
+      const int64_t row = r0 + r;
+      const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum16[r], ones));
+      acc[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(xd[row * G + b])), acc[r]);
+      acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[row * G + b]), acc[r]);
+    }
+  }
+  const __m256 bv = bias != nullptr ? _mm256_loadu_ps(bias + g * 8) : _mm256_setzero_ps();
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + (r0 + r) * N + g * 8, _mm256_add_ps(acc[r], bv));
+}
+
+
 // tile on 512-bit registers where AVX-512 VNNI is: a pair of groups (32 bytes of codes, low nibbles
 // group a, high nibbles group b) in one register, the codes broadcast to both halves and shifted by
 // 0 and 4, against the two groups' 64 activation bytes in one load; vpdpbusd gives each group's
@@ -528,6 +581,48 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor pa
   auto y = torch::empty({M, N}, x.options());
   q4_run(q.data(), d.data(), s.data(), codes.data_ptr<uint8_t>(), params.data_ptr<at::Half>(), b, y.data_ptr<float>(),
          M, K, N);
+  return y;
+}
+
+// int4_linear for a weight interleaved by 8 output features (tile_x8), any number of rows: groups
+// of 8 features split over threads, each thread's in chunks that stay in L2, every row tile over
+// a chunk before the next (W read from memory once per call).
+torch::Tensor int4x8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor params,
+                            c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous());
+  TORCH_CHECK(codes.scalar_type() == torch::kUInt8 && params.scalar_type() == torch::kHalf &&
+              codes.is_contiguous() && params.is_contiguous() && codes.dim() == 3 && params.dim() == 3);
+  const int64_t M = x.size(0), K = x.size(1), G = K / kGroup, groups = codes.size(0), N = groups * 8;
+  TORCH_CHECK(K % (2 * kGroup) == 0 && codes.size(1) == G && codes.size(2) == 128 && params.size(0) == groups &&
+              params.size(1) == G && params.size(2) == 16,
+              "int4 weight interleaved by 8: codes [N/8, K/32, 128], params [N/8, K/32, 16] (quant/int4.interleave)");
+  const float* b = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == N);
+    b = bias->data_ptr<float>();
+  }
+  thread_local std::vector<int8_t> q;
+  thread_local std::vector<float> d, s;
+  q.resize(M * K);
+  d.resize(M * G);
+  s.resize(M * G);
+  quantize_rows_raw(x.data_ptr<float>(), M, K, q.data(), d.data(), s.data());
+  auto y = torch::empty({M, N}, x.options());
+  const uint8_t* c = codes.data_ptr<uint8_t>();
+  const at::Half* p = params.data_ptr<at::Half>();
+  float* out = y.data_ptr<float>();
+  // (pointers taken here: inside the region, q names the running thread's own thread_local)
+  const int8_t* xq = q.data();
+  const float *xd = d.data(), *xs = s.data();
+  const int64_t chunk = std::max<int64_t>(1, (128 * 1024) / (K / 2 * 8));
+  at::parallel_for(0, groups, 2, [&](int64_t g0, int64_t g1) {
+    for (int64_t gb = g0; gb < g1; gb += chunk) {
+      const int64_t ge = std::min(gb + chunk, g1);
+      chatserve::for_row_tiles(M, [&](auto rows, int64_t r) {
+        for (int64_t g = gb; g < ge; ++g) tile_x8<decltype(rows)::value>(c, p, xq, xd, xs, b, out, K, N, r, g);
+      });
+    }
+  });
   return y;
 }
 

@@ -15,6 +15,12 @@ Packed codes [N, K/2] uint8 (K % 64 == 0): groups 2p and 2p + 1 of a row share b
 [32p, 32p + 32), byte j = code(64p + j) in the low nibble and code(64p + 32 + j) in the high
 nibble, so the kernel splits one 32-byte load into two groups with two masks. Params
 [N, 2, K/32] float16: every group's d, then every group's m (8 groups load at once).
+
+Where the CPU has no AVX-512 VNNI and N % 8 == 0, Int4Linear keeps the same bytes interleaved by 8
+output features instead (`interleave`; laid out in kernels/quant_matmul_cpu.cpp, tile_x8), as
+quant/q4k.py does: one vpmaddubsw then serves 8 features and a group's sums add up in int16. From
+2 rows up (verification, prefill) that ran ~2-2.5x the row-major tile on a Zen 3 (docs/benchmarks.md,
+session 38). Where VNNI is, the row-major layout keeps its 512-bit VNNI tile.
 """
 
 from __future__ import annotations
@@ -69,6 +75,33 @@ def unpack_codes(packed: torch.Tensor) -> torch.Tensor:
     return torch.cat((pairs & 15, pairs >> 4), dim=2).reshape(n, 2 * half_k)
 
 
+INTERLEAVE = 8  # output features interleaved
+
+
+def interleave(packed: torch.Tensor, params: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The row-major layout -> codes [N/8, K/32, 128] and params [N/8, K/32, 16] (the kernel's
+    tile_x8 says where each byte goes). The same codes and float16 numbers, reordered."""
+    codes = unpack_codes(packed)
+    n, k = codes.shape
+    assert n % INTERLEAVE == 0, f"out_features {n} is not a multiple of {INTERLEAVE}"
+    g, groups = n // INTERLEAVE, k // GROUP_SIZE
+    c = codes.view(g, INTERLEAVE, groups, 2, 4, 4)  # [g, n, b, half, q, i]: k = 32 b + 16 half + 4 q + i
+    c = c.permute(0, 2, 4, 1, 5, 3)  # [g, b, q, n, i, half]
+    codes8 = (c[..., 0] | (c[..., 1] << 4)).reshape(g, groups, 128)
+    params8 = params.view(g, INTERLEAVE, 2, groups).permute(0, 3, 2, 1).reshape(g, groups, 16)
+    return codes8.contiguous(), params8.contiguous()
+
+
+def deinterleave(codes8: torch.Tensor, params8: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """interleave's inverse: (packed [N, K/2], params [N, 2, K/32])."""
+    g, groups = codes8.shape[:2]
+    c = codes8.view(g, groups, 4, INTERLEAVE, 4)  # [g, b, q, n, i]
+    c = torch.stack((c & 15, c >> 4), dim=-1)  # [g, b, q, n, i, half]
+    codes = c.permute(0, 3, 1, 5, 2, 4).reshape(g * INTERLEAVE, groups * GROUP_SIZE)
+    params = params8.view(g, groups, 2, INTERLEAVE).permute(0, 3, 2, 1).reshape(g * INTERLEAVE, 2, groups)
+    return pack_codes(codes).contiguous(), params.contiguous()
+
+
 def make_params(d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     """d, m [N, G] -> params [N, 2, G] float16."""
     return torch.stack((d, m), dim=1).to(torch.float16).contiguous()
@@ -85,16 +118,31 @@ def dequantize_int4(packed: torch.Tensor, params: torch.Tensor, dtype: torch.dty
 class Int4Linear(nn.Module):
     """Drop-in for nn.Linear (no training): y = x @ W.T + bias, W in 4-bit groups of 32.
 
-    Up to SMALL_M rows (decode, verification) go through the int4 kernel, whose rows are
-    independent of each other; longer chunks through a dense GEMM on the weight dequantized for
-    that call. Takes and returns the activations' dtype."""
+    Row-major (the module docstring): up to SMALL_M rows (decode, verification) go through the
+    int4 kernel, whose rows are independent of each other; longer chunks through a dense GEMM on
+    the weight dequantized for that call. Interleaved by 8 (`interleaved`, chosen where the CPU
+    has no VNNI): every row count through tile_x8, as the Q4_K layer does. Takes and returns the
+    activations' dtype."""
 
-    def __init__(self, packed: torch.Tensor, params: torch.Tensor, bias: torch.Tensor | None):
+    def __init__(self, packed: torch.Tensor, params: torch.Tensor, bias: torch.Tensor | None,
+                 interleaved: bool | None = None):
+        """packed [N, K/2], params [N, 2, K/32]: the row-major layout. `interleaved`: None = where
+        the kernel has no VNNI tile to run and N % 8 == 0."""
         super().__init__()
         self.out_features, self.in_features = packed.shape[0], packed.shape[1] * 2
-        self.register_buffer("packed", packed.contiguous())  # [N, K/2] uint8
-        self.register_buffer("params", params.contiguous())  # [N, 2, K/32] float16: d, then m
+        if interleaved is None:
+            interleaved = (self.out_features % INTERLEAVE == 0 and kernel.is_available()
+                           and not kernel.vnni_enabled())
+        self.interleaved = interleaved
+        if interleaved:
+            packed, params = interleave(packed, params)
+        self.register_buffer("packed", packed.contiguous())  # [N, K/2] uint8, or [N/8, K/32, 128]
+        self.register_buffer("params", params.contiguous())  # [N, 2, K/32] float16: d, then m; or [N/8, K/32, 16]
         self.register_buffer("bias", None if bias is None else bias.detach().float())
+
+    def layout(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The weight in the row-major layout (packed, params)."""
+        return deinterleave(self.packed, self.params) if self.interleaved else (self.packed, self.params)
 
     @classmethod
     def from_codes(cls, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bias: torch.Tensor | None) -> "Int4Linear":
@@ -114,7 +162,7 @@ class Int4Linear(nn.Module):
         return cls(pack_codes(codes), params.contiguous(), bias)
 
     def weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return dequantize_int4(self.packed, self.params, dtype)
+        return dequantize_int4(*self.layout(), dtype)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> "Int4Linear":
@@ -122,7 +170,9 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)  # [M, in]
-        if kernel.is_available() and rows.shape[0] <= SMALL_M:
+        if self.interleaved and kernel.is_available():
+            y = kernel.int4x8_linear(rows.float(), self.packed, self.params, self.bias).to(x.dtype)
+        elif kernel.is_available() and rows.shape[0] <= SMALL_M:
             y = kernel.int4_linear(rows.float(), self.packed, self.params, self.bias).to(x.dtype)  # [M, out]
         elif kernel.is_available():  # a prefill chunk: compute-bound, so a dense fp32 GEMM wins
             y = kernel.int4_dense_matmul(rows.float(), self.packed, self.params)
@@ -130,7 +180,7 @@ class Int4Linear(nn.Module):
                 y += self.bias
             y = y.to(x.dtype)
         else:
-            y = F.linear(rows, dequantize_int4(self.packed, self.params, rows.dtype),
+            y = F.linear(rows, self.weight(rows.dtype),
                          None if self.bias is None else self.bias.to(rows.dtype))
         return y.view(*x.shape[:-1], self.out_features)
 
@@ -138,7 +188,9 @@ class Int4Linear(nn.Module):
         """This layer as a DecodeStack linear (kernels/decode_ops.py), or None without the kernel."""
         if not kernel.is_available():
             return None
-        return decode_ops.LINEAR_INT4, self.packed, self.params, decode_ops.NO_TENSOR, self.bias
+        kind = decode_ops.LINEAR_INT4X8 if self.interleaved else decode_ops.LINEAR_INT4
+        return kind, self.packed, self.params, decode_ops.NO_TENSOR, self.bias
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int4 groups of {GROUP_SIZE}"
+        order = ", interleaved by 8" if self.interleaved else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, int4 groups of {GROUP_SIZE}{order}"

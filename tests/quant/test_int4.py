@@ -10,6 +10,7 @@ from torch import nn
 from chatserve.config import EngineConfig
 from chatserve.engine import Engine
 from chatserve.sampling_params import SamplingParams
+from kernels import decode_ops
 from kernels import quant_matmul as kernel
 from quant import int4
 from quant.apply import quantize_weights
@@ -109,7 +110,7 @@ def test_int4_linear_is_the_dequantized_matmul(rows, bias, dtype, generator):
     linear = nn.Linear(128, 96, bias=bias)
     layer = Int4Linear.from_linear(linear)
     x = torch.randn(2, rows, 128, generator=generator).to(dtype)
-    ref = x.float() @ dequantize_int4(layer.packed, layer.params).t()
+    ref = x.float() @ dequantize_int4(*layer.layout()).t()
     if bias:
         ref = ref + linear.bias.detach()
     out = layer(x)
@@ -118,12 +119,51 @@ def test_int4_linear_is_the_dequantized_matmul(rows, bias, dtype, generator):
     torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)
 
 
+def test_interleaving_by_8_keeps_every_code_and_its_place(generator):
+    packed = pack_codes(torch.randint(0, 16, (24, 128), generator=generator, dtype=torch.uint8))
+    params = torch.randn(24, 2, 4, generator=generator).half()
+    codes8, params8 = int4.interleave(packed, params)
+    assert codes8.shape == (3, 4, 128) and params8.shape == (3, 4, 16)
+    for got, want in zip(int4.deinterleave(codes8, params8), (packed, params)):
+        assert torch.equal(got, want)
+    plain = unpack_codes(packed)  # feature 8 g + n, group b, code index i: where tile_x8 reads it
+    g, n, b, i = 2, 5, 3, 21  # byte 32 q + 4 n + i % 4 of the group, q = (i % 16) // 4, high nibble if i >= 16
+    byte = codes8[g, b, 32 * ((i % 16) // 4) + 4 * n + i % 4]
+    assert ((byte >> 4) if i >= 16 else (byte & 15)) == plain[8 * g + n, 32 * b + i]
+    assert params8[g, b, n] == params[8 * g + n, 0, b] and params8[g, b, 8 + n] == params[8 * g + n, 1, b]
+
+
+@pytest.mark.parametrize("k", [64, 576])
+def test_the_interleaved_layer_equals_the_row_major_one(k, generator):
+    """Same codes and scales, another summation order: equal to the reference to float32 rounding,
+    and each row what it is alone (speculation's verification rows rely on it), for every row tile
+    and for a prefill-sized chunk (interleaved, every row count takes the kernel)."""
+    linear = nn.Linear(k, 48, bias=True)
+    layout = Int4Linear.from_linear(linear).layout()
+    x8 = Int4Linear(*layout, linear.bias, interleaved=True)
+    plain = Int4Linear(*layout, linear.bias, interleaved=False)
+    assert "interleaved by 8" in repr(x8) and torch.equal(x8.weight(), plain.weight())
+    x = torch.randn(140, k, generator=generator)
+    y = x8(x)
+    ref = kernel.int4_matmul_ref(x, plain.packed, plain.params) + linear.bias.detach()
+    assert (y - ref).abs().max() <= 1e-5 * ref.abs().max()
+    for rows in (1, 2, 3, 4, 5):
+        assert torch.equal(x8(x[:rows]), y[:rows])
+    assert torch.equal(x8(x[137:138]), y[137:138])
+    assert x8.stack_weights()[0] == decode_ops.LINEAR_INT4X8 and plain.stack_weights()[0] == decode_ops.LINEAR_INT4
+
+
+def test_the_layout_is_interleaved_where_the_cpu_has_no_vnni_and_features_come_in_eights():
+    assert Int4Linear.from_linear(nn.Linear(64, 16)).interleaved == (not kernel.vnni_enabled())
+    assert not Int4Linear.from_linear(nn.Linear(64, 12)).interleaved
+
+
 def test_without_the_kernel_the_layer_dequantizes(monkeypatch, generator):
     linear = nn.Linear(128, 40)
     layer = Int4Linear.from_linear(linear)
     x = torch.randn(3, 128, generator=generator)
     monkeypatch.setattr(kernel, "is_available", lambda: False)
-    expected = x @ dequantize_int4(layer.packed, layer.params).t() + linear.bias.detach()
+    expected = x @ dequantize_int4(*layer.layout()).t() + linear.bias.detach()
     torch.testing.assert_close(layer(x), expected)
 
 
