@@ -92,7 +92,6 @@ template <int R>
 inline void tile(const uint8_t* codes, const uint8_t* subs, const float* dd, const int8_t* xq, const float* xd,
                  const int16_t* bsums, const float* bias, float* y, int64_t K, int64_t N, int64_t r0, int64_t g) {
   const int64_t S = K / kSuper;
-  const __m256i low4 = _mm256_set1_epi8(0x0F);
   const uint8_t* cg = codes + g * S * kCodeBytes;
   const uint8_t* sg = subs + g * S * kSubBytes;
   const float* dg = dd + g * S * kDdFloats;
@@ -111,19 +110,7 @@ inline void tile(const uint8_t* codes, const uint8_t* subs, const float* dd, con
       const uint8_t* cj = cg + s * kCodeBytes + j * 128;
       prefetch(cj + kPrefetchAhead);
       prefetch(cj + kPrefetchAhead + 64);
-      // Not unrolled: unrolled, gcc hoisted every product of the sub-block and spilled them
-      // (1.2x slower at 4+ rows).
-#pragma GCC unroll 1
-      for (int q = 0; q < 4; ++q) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cj + q * 32));
-        const __m256i lo = _mm256_and_si256(v, low4);
-        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-        for (int r = 0; r < R; ++r) {
-          const int8_t* xr = xq + (r0 + r) * K + s * kSuper + j * kSub + 4 * q;
-          sum16[r] = _mm256_add_epi16(sum16[r], _mm256_maddubs_epi16(lo, broadcast4(xr)));
-          sum16[r] = _mm256_add_epi16(sum16[r], _mm256_maddubs_epi16(hi, broadcast4(xr + 16)));
-        }
-      }
+      chatserve::nibble_sub_block<R>(cj, xq + r0 * K + s * kSuper + j * kSub, K, sum16);
       for (int r = 0; r < R; ++r) sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(sum16[r], scale));
     }
     superblock_end<R>(sg + s * kSubBytes, dg + s * kDdFloats, xd, bsums, sumi, acc, K, r0, s);

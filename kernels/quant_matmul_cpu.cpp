@@ -182,7 +182,6 @@ template <int R>
 void tile_x8(const uint8_t* codes, const at::Half* params, const int8_t* xq, const float* xd, const float* xs,
              const float* bias, float* y, int64_t K, int64_t N, int64_t r0, int64_t g) {
   const int64_t G = K / kGroup;
-  const __m256i low4 = _mm256_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
   const uint8_t* cg = codes + g * G * 128;
   const uint16_t* pg = reinterpret_cast<const uint16_t*>(params) + g * G * 16;
@@ -195,17 +194,7 @@ void tile_x8(const uint8_t* codes, const at::Half* params, const int8_t* xq, con
     prefetch(pg + b * 16 + kPrefetchAhead / 8);  // the params' stream, 1/4 the codes' bytes
     __m256i sum16[R];
     for (int r = 0; r < R; ++r) sum16[r] = _mm256_setzero_si256();
-#pragma GCC unroll 1
-    for (int q = 0; q < 4; ++q) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cb + q * 32));
-      const __m256i lo = _mm256_and_si256(v, low4);
-      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-      for (int r = 0; r < R; ++r) {
-        const int8_t* xr = xq + (r0 + r) * K + b * kGroup + 4 * q;
-        sum16[r] = _mm256_add_epi16(sum16[r], _mm256_maddubs_epi16(lo, broadcast4(xr)));
-        sum16[r] = _mm256_add_epi16(sum16[r], _mm256_maddubs_epi16(hi, broadcast4(xr + 16)));
-      }
-    }
+    chatserve::nibble_sub_block<R>(cb, xq + r0 * K + b * kGroup, K, sum16);
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pg + b * 16)));
     const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pg + b * 16 + 8)));
     for (int r = 0; r < R; ++r) {
@@ -561,26 +550,46 @@ torch::Tensor q4_matmul(torch::Tensor xq, torch::Tensor xd, torch::Tensor xs, to
   return y;
 }
 
-// The int4 layer in one call: quantize x [M, K] float32 (thread-local scratch), multiply, add the
-// bias [N] float32 if given. The same numbers as quantize_rows + q4_matmul + bias, ~3 calls fewer.
-torch::Tensor int4_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor params, c10::optional<torch::Tensor> bias) {
+namespace {
+
+// x [M, K] float32 quantized by quantize_rows_raw into this thread's scratch: (q, d, s), valid
+// until this thread's next call (the int4 layers' one-call paths allocate nothing but their output).
+struct Int4Acts {
+  const int8_t* q;
+  const float* d;
+  const float* s;
+};
+Int4Acts quantize_to_scratch(const torch::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous());
-  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
-  check_q4_weight(codes, params, K);
-  const float* b = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == N);
-    b = bias->data_ptr<float>();
-  }
+  const int64_t M = x.size(0), K = x.size(1);
   thread_local std::vector<int8_t> q;
   thread_local std::vector<float> d, s;
   q.resize(M * K);
   d.resize(M * (K / kGroup));
   s.resize(M * (K / kGroup));
   quantize_rows_raw(x.data_ptr<float>(), M, K, q.data(), d.data(), s.data());
+  return {q.data(), d.data(), s.data()};
+}
+
+// The bias [N] float32, checked, or nullptr.
+const float* bias_of(const c10::optional<torch::Tensor>& bias, int64_t N) {
+  if (!bias.has_value()) return nullptr;
+  TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == N);
+  return bias->data_ptr<float>();
+}
+
+}  // namespace
+
+// The int4 layer in one call: quantize x [M, K] float32 (thread-local scratch), multiply, add the
+// bias [N] float32 if given. The same numbers as quantize_rows + q4_matmul + bias, ~3 calls fewer.
+torch::Tensor int4_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor params, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2);
+  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
+  check_q4_weight(codes, params, K);
+  const float* b = bias_of(bias, N);
+  const Int4Acts a = quantize_to_scratch(x);
   auto y = torch::empty({M, N}, x.options());
-  q4_run(q.data(), d.data(), s.data(), codes.data_ptr<uint8_t>(), params.data_ptr<at::Half>(), b, y.data_ptr<float>(),
-         M, K, N);
+  q4_run(a.q, a.d, a.s, codes.data_ptr<uint8_t>(), params.data_ptr<at::Half>(), b, y.data_ptr<float>(), M, K, N);
   return y;
 }
 
@@ -589,37 +598,25 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor pa
 // a chunk before the next (W read from memory once per call).
 torch::Tensor int4x8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor params,
                             c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous());
+  TORCH_CHECK(x.dim() == 2);
   TORCH_CHECK(codes.scalar_type() == torch::kUInt8 && params.scalar_type() == torch::kHalf &&
               codes.is_contiguous() && params.is_contiguous() && codes.dim() == 3 && params.dim() == 3);
   const int64_t M = x.size(0), K = x.size(1), G = K / kGroup, groups = codes.size(0), N = groups * 8;
   TORCH_CHECK(K % (2 * kGroup) == 0 && codes.size(1) == G && codes.size(2) == 128 && params.size(0) == groups &&
               params.size(1) == G && params.size(2) == 16,
               "int4 weight interleaved by 8: codes [N/8, K/32, 128], params [N/8, K/32, 16] (quant/int4.interleave)");
-  const float* b = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == N);
-    b = bias->data_ptr<float>();
-  }
-  thread_local std::vector<int8_t> q;
-  thread_local std::vector<float> d, s;
-  q.resize(M * K);
-  d.resize(M * G);
-  s.resize(M * G);
-  quantize_rows_raw(x.data_ptr<float>(), M, K, q.data(), d.data(), s.data());
+  const float* b = bias_of(bias, N);
+  const Int4Acts a = quantize_to_scratch(x);  // (pointers: inside the region below, a thread_local is that thread's)
   auto y = torch::empty({M, N}, x.options());
   const uint8_t* c = codes.data_ptr<uint8_t>();
   const at::Half* p = params.data_ptr<at::Half>();
   float* out = y.data_ptr<float>();
-  // (pointers taken here: inside the region, q names the running thread's own thread_local)
-  const int8_t* xq = q.data();
-  const float *xd = d.data(), *xs = s.data();
   const int64_t chunk = std::max<int64_t>(1, (128 * 1024) / (K / 2 * 8));
   at::parallel_for(0, groups, 2, [&](int64_t g0, int64_t g1) {
     for (int64_t gb = g0; gb < g1; gb += chunk) {
       const int64_t ge = std::min(gb + chunk, g1);
       chatserve::for_row_tiles(M, [&](auto rows, int64_t r) {
-        for (int64_t g = gb; g < ge; ++g) tile_x8<decltype(rows)::value>(c, p, xq, xd, xs, b, out, K, N, r, g);
+        for (int64_t g = gb; g < ge; ++g) tile_x8<decltype(rows)::value>(c, p, a.q, a.d, a.s, b, out, K, N, r, g);
       });
     }
   });
