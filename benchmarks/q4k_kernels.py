@@ -5,12 +5,6 @@ L3 cannot hold them), 2 threads. Rows 1-4 are decode and verification, 45+ prefi
     .venv/bin/python benchmarks/q4k_kernels.py --json benchmarks/results/q4k_kernels.json
     .venv/bin/python benchmarks/q4k_kernels.py --rows 16 32 64 128 256 512 --amx-int8 \
         --json benchmarks/results/q4k_kernels_amx_int8.json
-
-`--shapes 0.5b` times the 0.5B draft's shapes instead: in_features 896 is not a multiple of 256,
-so its Q4_K layers are padded to 1024 (quant/q4k.py) and read 14% more than the groups of 32.
-
-    .venv/bin/python benchmarks/q4k_kernels.py --shapes 0.5b --rows 1 2 3 4 5 64 256 \
-        --json benchmarks/results/q4k_kernels_padded.json
 """
 
 from __future__ import annotations
@@ -30,8 +24,7 @@ from kernels import quant_matmul as qm  # noqa: E402
 from quant.int4 import Int4Linear  # noqa: E402
 from quant.q4k import Q4KLinear  # noqa: E402
 
-SHAPES = {"1.5b": {"gate_up": (1536, 17920), "down": (8960, 1536), "qkv": (1536, 2048)},
-          "0.5b": {"gate_up": (896, 9728), "qkv": (896, 1152), "o": (896, 896)}}  # (its down's 4,864 is whole)
+SHAPES = {"gate_up": (1536, 17920), "down": (8960, 1536), "qkv": (1536, 2048)}
 
 
 def best_quarter(fn, runs: int) -> float:
@@ -46,7 +39,6 @@ def best_quarter(fn, runs: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shapes", choices=sorted(SHAPES), default="1.5b", help="whose layer shapes (K, N)")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 16, 45, 128, 512])
     ap.add_argument("--copies", type=int, default=12)
     ap.add_argument("--threads", type=int, default=2)
@@ -59,7 +51,7 @@ def main() -> None:
     ext = cpu_ext.extension()
     torch.set_num_threads(args.threads)
     results = []
-    for name, (k, n) in SHAPES[args.shapes].items():
+    for name, (k, n) in SHAPES.items():
         floats = [torch.nn.Linear(k, n, bias=False) for _ in range(args.copies)]
         g32 = [Int4Linear.from_linear(f) for f in floats]
         q4k = [Q4KLinear.from_linear(f) for f in floats]
@@ -83,8 +75,7 @@ def main() -> None:
             results.append(row)
             print(json.dumps(row), flush=True)
     if args.json:
-        args.json.write_text(json.dumps({"shapes": args.shapes, "threads": args.threads, "copies": args.copies,
-                                         "results": results}, indent=1))
+        args.json.write_text(json.dumps({"threads": args.threads, "copies": args.copies, "results": results}, indent=1))
 
 
 if __name__ == "__main__":

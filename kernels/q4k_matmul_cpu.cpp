@@ -581,18 +581,10 @@ torch::Tensor q4k_matmul(torch::Tensor xq, torch::Tensor xd, torch::Tensor bsums
 
 // The whole layer in one call: y [M, N] = x [M, K] @ W.T (+ bias), the activations quantized into
 // this thread's scratch (no tensors allocated but y): a decode step makes ~110 of these calls.
-// K may stop short of the weight's padded width (quant/q4k.py: in_features a multiple of 32, not
-// of 256): the rows are quantized as if zeros followed them, which leaves each superblock's
-// scale as it was (a zero does not raise a max) and adds nothing to any sum. The padding's codes
-// are read and multiplied like the rest (skipping them in the AVX2 tile made one row ~10% slower
-// on a Zen 3: the gaps cost the prefetchers more than the bytes).
 torch::Tensor q4k_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor subs, torch::Tensor dd,
                          c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous());
-  TORCH_CHECK(codes.dim() == 3, "Q4_K weight: interleaved codes [N/8, K/256, 1024] (quant/q4k.interleave)");
-  const int64_t M = x.size(0), in = x.size(1), K = codes.size(1) * kSuper;
-  TORCH_CHECK(in % kSub == 0 && in <= K && K - in < kSuper, "Q4_K weight of padded width ", K,
-              " against activations of width ", in);
+  const int64_t M = x.size(0), K = x.size(1);
   const int64_t N = check_weight(codes, subs, dd, K);
   const float* b = nullptr;
   if (bias.has_value()) {
@@ -602,17 +594,10 @@ torch::Tensor q4k_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor sub
   thread_local std::vector<int8_t> q;
   thread_local std::vector<float> d;
   thread_local std::vector<int16_t> bs;
-  thread_local std::vector<float> padded;
   q.resize(M * K);
   d.resize(M * (K / kSuper));
   bs.resize(M * (K / kSub));
-  const float* src = x.data_ptr<float>();
-  if (in < K) {
-    padded.assign(M * K, 0.f);
-    for (int64_t r = 0; r < M; ++r) std::memcpy(padded.data() + r * K, src + r * in, in * sizeof(float));
-    src = padded.data();
-  }
-  quantize_k(src, M, K, q.data(), d.data(), bs.data());
+  quantize_k(x.data_ptr<float>(), M, K, q.data(), d.data(), bs.data());
   auto y = torch::empty({M, N}, x.options());
   q4k_run(q.data(), d.data(), bs.data(), codes.data_ptr<uint8_t>(), subs.data_ptr<uint8_t>(), dd.data_ptr<float>(),
           b, y.data_ptr<float>(), M, K, N);

@@ -62,9 +62,8 @@ def prepare(scheme: str) -> None:
 def quantize_module(module: nn.Module, scheme: str, is_head: bool = False, file_rows=None) -> nn.Module:
     """The quantized twin of one layer, or the layer itself when the scheme leaves it alone.
 
-    int4: linear layers whose in_features is at least 256 and a multiple of 32 (and out_features
-    of 8) as Q4_K (padded to whole superblocks), other multiples of 64 in groups of 32 (the int4
-    kernel's pairs of groups), the rest as int8.
+    int4: linear layers whose in_features is a multiple of 256 (and out_features of 8) as Q4_K,
+    other multiples of 64 in groups of 32 (the int4 kernel's pairs of groups), the rest as int8.
     `file_rows` = (GGUF type, blocks) of this layer from the model's GGUF file: Q4_K blocks become
     the Q4_K layer, Q4_1 blocks the groups of 32, as they are, when they decode to the float
     weight read (a row order the converter changed, as llama's q and k, does not); else the

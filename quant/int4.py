@@ -18,8 +18,9 @@ nibble, so the kernel splits one 32-byte load into two groups with two masks. Pa
 
 Where the CPU has no AVX-512 VNNI and N % 8 == 0, Int4Linear keeps the same bytes interleaved by 8
 output features instead (`interleave`; laid out in kernels/quant_matmul_cpu.cpp, tile_x8), as
-quant/q4k.py does: one vpmaddubsw then serves 8 features and a group's sums add up in int16. From
-2 rows up (verification, prefill) that ran ~2-2.5x the row-major tile on a Zen 3 (docs/benchmarks.md,
+quant/q4k.py does: one vpmaddubsw then serves 8 features and a group's sums add up in int16. On a
+Zen 3 that ran 1.1-1.3x the row-major tile at one row and 1.4-2.2x from 3 rows and for prefill
+chunks, and 1.02-1.3x Q4_K padded to whole superblocks at in_features 576 and 896 (docs/benchmarks.md,
 session 38). Where VNNI is, the row-major layout keeps its 512-bit VNNI tile.
 """
 

@@ -20,11 +20,6 @@ sub-block sums add up in int16: ~1.5-1.8x faster than the plain layout from 2 ro
 A GGUF Q4_K tensor keeps its codes, its 6-bit scales and mins and its d, dmin exactly (no float
 round trip). Other tensors (the file's Q6_K ones, safetensors checkpoints) are quantized from
 float with 8-bit sub-block scales (quantize_q4k).
-
-An in_features that is a multiple of 32 but not of 256 (Qwen2.5-0.5B's 896) is padded with zero
-columns to the next superblock: the kernel reads the activations as if zeros followed them. The
-padding costs memory and reads (896 -> 1024: +14% for those layers), yet one row still ran as
-fast as in groups of 32 and 2-5 rows 1.2-1.9x faster (benchmarks/q4k_kernels.py --pad).
 """
 
 from __future__ import annotations
@@ -62,28 +57,21 @@ def blocks_to_layout(raw: np.ndarray | torch.Tensor) -> tuple[torch.Tensor, torc
     return codes.contiguous(), subs.contiguous(), dd.contiguous()
 
 
-def padded_width(in_features: int) -> int:
-    """The weight's width in the layout: in_features rounded up to a whole superblock."""
-    return -(-in_features // SUPER) * SUPER
-
-
 def quantize_q4k(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """weight [N, K] float -> (codes, subs, dd) with 8-bit sub-block scales and mins, K padded with
-    zero columns to padded_width(K) (K % 32 == 0; a zero sub-block gets scale and min 0).
+    """weight [N, K] float -> (codes, subs, dd) with 8-bit sub-block scales and mins.
 
     Per sub-block the range [min(w, 0), max(w)] maps onto codes 0..15 (as Q4_K: the min is an
     offset below zero); the 8 scales and mins of a superblock are then rounded to multiples of
     d = max(scale) / 255 and dmin = max(min) / 255, and the codes are taken against the rounded
     values."""
-    n, in_features = weight.shape
-    assert in_features % SUB == 0, f"in_features {in_features} is not a multiple of {SUB}"
-    k = padded_width(in_features)
+    n, k = weight.shape
+    assert k % SUPER == 0, f"in_features {k} is not a multiple of {SUPER}"
     s = k // SUPER
     codes = torch.empty(n, k // 2, dtype=torch.uint8)
     subs = torch.empty(n, s, 16, dtype=torch.uint8)
     dd = torch.empty(n, s, 2)
     for start in range(0, n, ROW_CHUNK):
-        w = F.pad(weight[start : start + ROW_CHUNK].float(), (0, k - in_features)).view(-1, s, 8, SUB)
+        w = weight[start : start + ROW_CHUNK].float().view(-1, s, 8, SUB)
         lo = w.amin(dim=3).clamp(max=0)  # [rows, S, 8]
         scale = (w.amax(dim=3) - lo) / 15
         d = scale.amax(dim=2) / 255  # [rows, S]
@@ -150,13 +138,10 @@ class Q4KLinear(nn.Module):
     Every row count goes through the kernel (decode, verification and prefill chunks alike), so
     a row's numbers never depend on the rows beside it. Takes and returns the activations' dtype."""
 
-    def __init__(self, codes: torch.Tensor, subs: torch.Tensor, dd: torch.Tensor, bias: torch.Tensor | None,
-                 in_features: int | None = None):
-        """From the plain layout (blocks_to_layout, quantize_q4k); in_features when the layout is
-        padded past it."""
+    def __init__(self, codes: torch.Tensor, subs: torch.Tensor, dd: torch.Tensor, bias: torch.Tensor | None):
+        """From the plain layout (blocks_to_layout, quantize_q4k)."""
         super().__init__()
-        self.out_features, self.in_features = codes.shape[0], in_features or codes.shape[1] * 2
-        assert padded_width(self.in_features) == codes.shape[1] * 2, (self.in_features, codes.shape)
+        self.out_features, self.in_features = codes.shape[0], codes.shape[1] * 2
         codes8, subs8, dd8 = interleave(codes, subs, dd)
         self.register_buffer("codes", codes8)
         self.register_buffer("subs", subs8)
@@ -165,12 +150,11 @@ class Q4KLinear(nn.Module):
 
     @staticmethod
     def fits(in_features: int, out_features: int) -> bool:
-        """Whole superblocks, or at least one with the last padded (in_features a multiple of 32)."""
-        return in_features >= SUPER and in_features % SUB == 0 and out_features % GROUP == 0
+        return in_features % SUPER == 0 and out_features % GROUP == 0
 
     @classmethod
     def from_linear(cls, linear: nn.Module) -> "Q4KLinear":
-        return cls(*quantize_q4k(linear.weight.data), linear.bias, in_features=linear.in_features)
+        return cls(*quantize_q4k(linear.weight.data), linear.bias)
 
     @classmethod
     def from_blocks(cls, raw, bias: torch.Tensor | None) -> "Q4KLinear":
@@ -182,7 +166,7 @@ class Q4KLinear(nn.Module):
         return deinterleave(self.codes, self.subs, self.dd)
 
     def weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return dequantize_q4k(*self.layout(), dtype)[:, : self.in_features]
+        return dequantize_q4k(*self.layout(), dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
@@ -199,6 +183,4 @@ class Q4KLinear(nn.Module):
         return decode_ops.LINEAR_Q4K, self.codes, self.subs, self.dd, self.bias
 
     def extra_repr(self) -> str:
-        pad = self.codes.shape[1] * SUPER - self.in_features
-        padding = f" (+{pad} padding)" if pad else ""
-        return f"in_features={self.in_features}, out_features={self.out_features}, Q4_K{padding}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, Q4_K"

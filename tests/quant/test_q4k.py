@@ -13,8 +13,7 @@ from chatserve.gguf_convert import GgufBlocks
 from kernels import quant_matmul as kernel
 from quant.apply import quantize_module
 from quant.int4 import Int4Linear, dequantize_int4, make_params, pack_codes, quantize_int4, unpack_codes
-from quant.q4k import (BLOCK_BYTES, Q4KLinear, blocks_to_layout, deinterleave, dequantize_q4k, interleave, padded_width,
-                       quantize_q4k)
+from quant.q4k import BLOCK_BYTES, Q4KLinear, blocks_to_layout, deinterleave, dequantize_q4k, interleave, quantize_q4k
 from tests.spec_equality import check_greedy_speculation_equals_plain
 from tests.tiny_models import make_tiny_model
 
@@ -93,45 +92,6 @@ def test_layer_paths_agree(generator, monkeypatch):
     assert (slow - (x @ layer.weight().t() + linear.bias)).abs().max() < 1e-4
 
 
-@pytest.mark.parametrize("k", [320, 896])
-def test_a_width_past_whole_superblocks_is_padded_with_zeros_and_reads_as_its_own(k, generator):
-    """in_features a multiple of 32 but not of 256 (Qwen2.5-0.5B's 896): the layout is padded with
-    zero columns; the layer takes activations of its own width, equals the reference on them
-    padded with zeros, and its rows do not depend on the row count (speculation relies on it)."""
-    linear = nn.Linear(k, 48, bias=True)
-    layer = Q4KLinear.from_linear(linear)
-    padded = padded_width(k)
-    assert padded % 256 == 0 and 0 < padded - k < 256 and layer.codes.shape[1] * 256 == padded
-    assert layer.in_features == k and layer.weight().shape == (48, k)
-    codes, subs, dd = layer.layout()
-    assert not unpack_codes(codes).view(48, padded)[:, k:].any()  # the padding quantizes to code 0 ...
-    assert not subs.view(48, -1, 16)[:, -1, (k % 256) // 32 : 8].any()  # ... with scale 0 ...
-    assert not subs.view(48, -1, 16)[:, -1, 8 + (k % 256) // 32 :].any()  # ... and min 0
-    x = torch.randn(9, k, generator=generator)
-    y = layer(x)
-    ref = kernel.q4k_matmul_ref(nn.functional.pad(x, (0, padded - k)), codes, subs, dd) + linear.bias
-    assert (y - ref).abs().max() <= 1e-5 * ref.abs().max()
-    for rows in (1, 2, 3, 4, 5):
-        assert torch.equal(layer(x[:rows]), y[:rows])
-    assert torch.equal(layer(x[6:7]), y[6:7])
-    # as close to the float layer as groups of 32 are
-    err = (y - linear(x)).norm() / linear(x).norm()
-    g32 = Int4Linear.from_linear(linear)
-    assert err < 1.1 * (g32(x) - linear(x)).norm() / linear(x).norm()
-    for wrong in (k - 256, padded + 32):  # a superblock short, or past the padding
-        with pytest.raises(RuntimeError, match="padded width"):
-            kernel.q4k_linear(torch.randn(2, wrong), layer.codes, layer.subs, layer.dd)
-
-
-def test_which_widths_take_q4k():
-    assert Q4KLinear.fits(896, 1152) and Q4KLinear.fits(576, 64) and Q4KLinear.fits(1536, 8)
-    assert not Q4KLinear.fits(128, 64)  # under one superblock: groups of 32, not 2x its bytes
-    assert not Q4KLinear.fits(880, 64)  # not whole sub-blocks
-    assert not Q4KLinear.fits(896, 60)  # not whole groups of 8 features
-    assert isinstance(quantize_module(nn.Linear(896, 64), "int4"), Q4KLinear)
-    assert isinstance(quantize_module(nn.Linear(128, 64), "int4"), Int4Linear)
-
-
 def test_quantize_module_takes_the_files_blocks_only_when_they_are_the_weight():
     raw = random_blocks(16, 512, seed=3)
     weight = torch.from_numpy(gguf.dequantize(raw, gguf.GGMLQuantizationType.Q4_K))
@@ -181,20 +141,6 @@ def test_greedy_speculation_equals_plain_on_q4k(tiny_q4k_dir, method):
     plain = check_greedy_speculation_equals_plain(tiny_q4k_dir, method, "float32", "int4",
                                                   ["Hello there", "def add(a, b):", "abcabcabcabc " * 20])
     assert sum(isinstance(m, Q4KLinear) for m in plain.models.target.modules()) == 2 * 4
-
-
-@pytest.fixture(scope="module")
-def tiny_padded_dir(tmp_path_factory):
-    """hidden 320: qkv, o and gate/up are Q4_K padded to 512; down (512) is whole."""
-    return make_tiny_model(tmp_path_factory.mktemp("tiny_q4k_padded"), "qwen2", seed=6, hidden_size=320,
-                           intermediate_size=512)
-
-
-def test_greedy_speculation_equals_plain_on_padded_q4k(tiny_padded_dir):
-    plain = check_greedy_speculation_equals_plain(tiny_padded_dir, "ngram", "float32", "int4",
-                                                  ["Hello there", "abcabcabcabc " * 20])
-    layers = [m for m in plain.models.target.modules() if isinstance(m, Q4KLinear)]
-    assert len(layers) == 2 * 4 and sum(m.in_features == 320 for m in layers) == 2 * 3
 
 
 def test_one_call_linear_equals_quantize_then_matmul_plus_bias(generator):
