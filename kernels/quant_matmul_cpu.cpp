@@ -176,8 +176,9 @@ void tile(const uint8_t* codes, const at::Half* params, const int8_t* xq, const 
 // features' pair sums, and the group's 8 steps add up in int16 (|sum| <= 8 * 2 * 15 * 127 =
 // 30480); then one vpmaddwd, one conversion and two multiply-adds per group and row (d * xd,
 // then m * xs, into one accumulator). The row-major tile spends a load, vpmaddubsw, vpmaddwd, a
-// conversion, a permute and an FMA per group, feature and row: from 2 rows up it ran ~2.5x
-// slower (docs/benchmarks.md, session 38). The 8 outputs are one vector: no horizontal sums.
+// conversion, a permute and an FMA per group, feature and row: on a Zen 3 it ran 1.1-1.3x slower
+// at one row and 1.4-2.2x from 3 rows (docs/benchmarks.md, session 38). The 8 outputs are one
+// vector: no horizontal sums.
 template <int R>
 void tile_x8(const uint8_t* codes, const at::Half* params, const int8_t* xq, const float* xd, const float* xs,
              const float* bias, float* y, int64_t K, int64_t N, int64_t r0, int64_t g) {
