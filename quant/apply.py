@@ -20,9 +20,9 @@ import torch
 from torch import nn
 
 from chatserve.models.loader import StreamedLinear
-from quant.int4 import Int4Linear
+from quant.int4 import Int4Linear, dequantize_int4, q4_1_layout
 from quant.int8 import Int8Embedding, Int8Linear
-from quant.q4k import Q4KLinear
+from quant.q4k import Q4KLinear, blocks_to_layout, dequantize_q4k
 
 WEIGHT_QUANT_SCHEMES = ("int4", "int8", "bnb-int8", "bnb-nf4")
 NATIVE_SCHEMES = ("int4", "int8")
@@ -104,13 +104,16 @@ def share_tied_rows(embedding: nn.Module | None, head: nn.Module) -> nn.Module:
 
 
 def _from_file(kind: str, rows, linear: nn.Module) -> nn.Module | None:
-    """The file's blocks as a layer, if they are exactly `linear`'s weight (else None)."""
+    """The file's blocks as a layer, if they are exactly `linear`'s weight (else None). Checked on
+    the plain layout, before the layer reorders it for its kernel (reading a Q4_K layer's weight
+    back through its interleaved bytes cost Qwen2.5-1.5B's load ~5 s)."""
     if kind == "Q4_K" and USE_Q4K and Q4KLinear.fits(linear.in_features, linear.out_features):
-        layer = Q4KLinear.from_blocks(rows, linear.bias)
+        layer, layout, dequantize = Q4KLinear, blocks_to_layout(rows), dequantize_q4k
     elif kind == "Q4_1" and linear.in_features % 64 == 0:
-        layer = Int4Linear.from_q4_1_blocks(rows, linear.bias)
+        layer, layout, dequantize = Int4Linear, q4_1_layout(rows), dequantize_int4
     else:
         return None
-    if layer.out_features != linear.out_features or layer.in_features != linear.in_features:
+    weight = dequantize(*layout)
+    if weight.shape != linear.weight.shape or not torch.equal(weight, linear.weight.float()):
         return None
-    return layer if torch.equal(layer.weight(), linear.weight.float()) else None
+    return layer(*layout, linear.bias)

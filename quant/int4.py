@@ -116,6 +116,19 @@ def dequantize_int4(packed: torch.Tensor, params: torch.Tensor, dtype: torch.dty
     return w.mul_(params[:, 0, :, None].to(dtype)).add_(params[:, 1, :, None].to(dtype)).view(n, k)
 
 
+def q4_1_layout(raw) -> tuple[torch.Tensor, torch.Tensor]:
+    """A GGUF Q4_1 tensor's bytes [N, K/32 * 20] -> the row-major (packed, params): per block d, m
+    (float16) and 16 bytes holding element j in the low nibble of byte j and element j + 16 in its
+    high nibble; the formula is this layout's (w = d * code + m), so only the codes are repacked."""
+    raw = torch.as_tensor(np.ascontiguousarray(raw))
+    n = raw.shape[0]
+    blocks = raw.view(n, -1, Q4_1_BLOCK_BYTES)  # [N, G, 20]
+    params = blocks[..., :4].contiguous().view(torch.float16).view(n, -1, 2).transpose(1, 2)  # [N, 2, G]
+    qs = blocks[..., 4:]
+    codes = torch.cat((qs & 15, qs >> 4), dim=2).reshape(n, -1)  # [N, K]
+    return pack_codes(codes), params.contiguous()
+
+
 class Int4Linear(nn.Module):
     """Drop-in for nn.Linear (no training): y = x @ W.T + bias, W in 4-bit groups of 32.
 
@@ -151,16 +164,8 @@ class Int4Linear(nn.Module):
 
     @classmethod
     def from_q4_1_blocks(cls, raw, bias: torch.Tensor | None) -> "Int4Linear":
-        """From a GGUF Q4_1 tensor's bytes [N, K/32 * 20]: per block d, m (float16) and 16 bytes
-        holding element j in the low nibble of byte j and element j + 16 in its high nibble; the
-        formula is this layer's (w = d * code + m), so only the codes are repacked."""
-        raw = torch.as_tensor(np.ascontiguousarray(raw))
-        n = raw.shape[0]
-        blocks = raw.view(n, -1, Q4_1_BLOCK_BYTES)  # [N, G, 20]
-        params = blocks[..., :4].contiguous().view(torch.float16).view(n, -1, 2).transpose(1, 2)  # [N, 2, G]
-        qs = blocks[..., 4:]
-        codes = torch.cat((qs & 15, qs >> 4), dim=2).reshape(n, -1)  # [N, K]
-        return cls(pack_codes(codes), params.contiguous(), bias)
+        """From a GGUF Q4_1 tensor's bytes (q4_1_layout)."""
+        return cls(*q4_1_layout(raw), bias)
 
     def weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return dequantize_int4(*self.layout(), dtype)
