@@ -12,8 +12,8 @@ import torch
 from chatserve.request import Request
 from spec.proposer import one_hot_draft_probs
 from spec.sampling import (apply_logit_bias, apply_presence_frequency_penalties, apply_repetition_penalty,
-                           exponential_noise, logits_to_probs, mask_logits, sample_from_probs, token_logprobs,
-                           uniform_noise)
+                           argmax_rows, logits_to_probs, mask_logits, sample_from_probs,
+                           token_logprobs, uniform_noise)
 from spec.verify import rejection_sample, verify_greedy
 
 
@@ -25,12 +25,11 @@ class Sampler:
         """rows: [1, vocab] logits of the last position -> one token."""
         logits = self._constrain(req, self._penalize(req, rows, []), [])
         if req.params.is_greedy:
-            out = [int(logits[0].argmax())]
+            out = [int(argmax_rows(logits[0]))]
             self._keep_logprobs(req, logits, None, out)
             return out
         probs = self.probs(req, logits)  # [1, vocab]
-        noise = exponential_noise(1, probs.shape[1], [req.generator])
-        out = [int(sample_from_probs(probs, noise)[0])]
+        out = [int(sample_from_probs(probs, uniform_noise(1, 1, [req.generator])[:, 0])[0])]
         self._keep_logprobs(req, logits, probs, out)
         return out
 
@@ -45,16 +44,16 @@ class Sampler:
         num_drafts = torch.tensor([k])
         target_probs = None
         if req.params.is_greedy:
-            out, num_accepted = verify_greedy(draft_ids, num_drafts, logits.argmax(-1).unsqueeze(0))
+            out, num_accepted = verify_greedy(draft_ids, num_drafts, argmax_rows(logits).unsqueeze(0))
         else:
             target_probs = self.probs(req, logits).unsqueeze(0)  # [1, k + 1, vocab]
             vocab = target_probs.shape[-1]
             if draft_probs is None:
                 draft_probs = one_hot_draft_probs(draft_ids, vocab)[0]
             draft_probs = _fit_vocab(draft_probs, vocab).unsqueeze(0)  # [1, k, vocab]
-            uniform = uniform_noise(1, k, [req.generator])
-            noise = exponential_noise(1, vocab, [req.generator])
-            out, num_accepted = rejection_sample(draft_ids, num_drafts, draft_probs, target_probs, uniform, noise)
+            uniform = uniform_noise(1, k + 1, [req.generator])  # k acceptance tests, then the sampled token
+            out, num_accepted = rejection_sample(draft_ids, num_drafts, draft_probs, target_probs, uniform[:, :k],
+                                                 uniform[:, k])
         n = int(num_accepted[0])
         emitted = out[0, : n + 1].tolist()
         self._keep_logprobs(req, logits, None if target_probs is None else target_probs[0], emitted)

@@ -8,7 +8,6 @@ from spec.ngram import NgramProposer
 from spec.proposer import Draft, Proposer, one_hot_draft_probs
 from spec.sampling import (
     apply_repetition_penalty,
-    exponential_noise,
     logits_to_probs,
     sample_from_probs,
     uniform_noise,
@@ -23,7 +22,6 @@ __all__ = [
     "Proposer",
     "SpecStats",
     "apply_repetition_penalty",
-    "exponential_noise",
     "logits_to_probs",
     "one_hot_draft_probs",
     "rejection_sample",

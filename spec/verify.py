@@ -44,7 +44,7 @@ def rejection_sample(
     draft_probs: torch.Tensor,  # [batch, k, vocab_size]: draft distribution of each draft token
     target_probs: torch.Tensor,  # [batch, k + 1, vocab_size]: target distribution per position
     uniform: torch.Tensor,  # [batch, k] float in [0, 1)
-    exp_noise: torch.Tensor,  # [batch, vocab_size] Exp(1) > 0, for the one sampled token
+    sample_uniform: torch.Tensor,  # [batch] float in [0, 1), for the one sampled token
 ) -> tuple[torch.Tensor, torch.Tensor]:  # ([batch, k + 1] long, -1 padded; [batch] long)
     """Speculative sampling (Leviathan et al., arXiv:2211.17192; Chen et al., arXiv:2302.01318).
 
@@ -76,7 +76,7 @@ def rejection_sample(
     else:
         probs_at_j = target_probs_at_j
     # No normalization needed: sample_from_probs is invariant to scaling a row.
-    sampled_token_ids = sample_from_probs(probs_at_j, exp_noise)  # [batch]
+    sampled_token_ids = sample_from_probs(probs_at_j, sample_uniform)  # [batch]
 
     positions = torch.arange(k, device=draft_token_ids.device)  # [k]
     is_kept = positions.unsqueeze(0) < num_accepted.unsqueeze(1)  # [batch, k]

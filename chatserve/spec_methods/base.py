@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, ClassVar, Protocol
 import torch
 
 from spec.adaptive import AcceptanceEMA
-from spec.sampling import exponential_noise, mask_logits, sample_from_probs
+from spec.sampling import argmax_rows, mask_logits, sample_from_probs, uniform_noise
 
 if TYPE_CHECKING:
     from chatserve.batch import BatchItem
@@ -126,7 +126,6 @@ def sample_draft(sampler, req: Request, logits: torch.Tensor) -> tuple[int, torc
             # of them evenly; any proper draft distribution keeps verification exact
             logits = mask_logits(torch.zeros_like(logits), allowed)
     if req.params.is_greedy:
-        return int(logits[0].argmax()), None
+        return int(argmax_rows(logits[0])), None
     probs = sampler.probs(req, logits)
-    noise = exponential_noise(1, probs.shape[1], [req.generator])
-    return int(sample_from_probs(probs, noise)[0]), probs
+    return int(sample_from_probs(probs, uniform_noise(1, 1, [req.generator])[:, 0])[0]), probs

@@ -75,12 +75,8 @@ def _step(
         draft_probs.expand(NUM_ROWS, -1, -1),
         target_probs.expand(NUM_ROWS, -1, -1),
         torch.rand(NUM_ROWS, k, generator=gen),
-        _exp_noise(gen),
+        torch.rand(NUM_ROWS, generator=gen),
     )
-
-
-def _exp_noise(gen: torch.Generator) -> torch.Tensor:  # [N, V]
-    return torch.empty(NUM_ROWS, VOCAB_SIZE).exponential_(generator=gen)
 
 
 @functools.cache

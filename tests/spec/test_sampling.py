@@ -6,7 +6,7 @@ import torch
 from spec import sampling
 from spec.sampling import (
     apply_repetition_penalty,
-    exponential_noise,
+    argmax_rows,
     logits_to_probs,
     sample_from_probs,
     uniform_noise,
@@ -54,6 +54,18 @@ def test_greedy_rows_are_one_hot_at_argmax():
     probs = _probs(logits, temperature=[0.0, 1.0], top_k=[1, 0], top_p=[0.5, 1.0])
     assert probs[0].tolist() == [0.0, 1.0, 0.0, 0.0]
     torch.testing.assert_close(probs[1], logits[1].softmax(-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_argmax_rows_is_torchs_argmax_with_ties_nans_and_infinities(dtype):
+    nan, inf = float("nan"), float("inf")
+    rows = torch.tensor([[1.0, 3.0, 3.0, 2.0], [nan, 5.0, nan, 1.0], [1.0, nan, 7.0, 7.0], [-inf] * 4,
+                         [inf, 1.0, inf, 0.0], [-2.0, -1.0, -1.0, -3.0]], dtype=dtype)
+    logits = torch.randn(5, 49152, generator=torch.Generator().manual_seed(3)).to(dtype)
+    for x in (rows, logits, logits[:, ::3], logits[2]):
+        got = argmax_rows(x)
+        assert got.dtype == torch.long and torch.equal(got, x.argmax(-1)), x.shape
+    assert argmax_rows(rows).tolist() == [1, 0, 1, 0, 0, 1]
 
 
 def test_top_k():
@@ -127,6 +139,7 @@ def test_top_k_top_p_matches_full_sort_reference(monkeypatch, nucleus_guess, log
     expected = _ref_top_k_top_p(logits, top_k, top_p)
 
     monkeypatch.setattr(sampling, "NUCLEUS_GUESS", nucleus_guess)
+    monkeypatch.setattr(sampling, "MAX_CANDIDATES", 0)  # the partial sorts (test_candidates_... for the rest)
     num_sorts = []
     real_sort = torch.Tensor.sort
     monkeypatch.setattr(torch.Tensor, "sort", lambda *a, **kw: num_sorts.append(1) or real_sort(*a, **kw))
@@ -134,6 +147,38 @@ def test_top_k_top_p_matches_full_sort_reference(monkeypatch, nucleus_guess, log
     probs = logits_to_probs(logits, ones, top_k, top_p, torch.zeros(num_rows))
     torch.testing.assert_close(probs, expected)
     assert len(num_sorts) == int(is_full_sort)
+
+
+@pytest.mark.parametrize("logit_scale", [1.0, 4.0, 12.0])
+@pytest.mark.parametrize("vocab_size", [200, 5000])
+def test_candidates_give_the_full_sorts_filters(monkeypatch, logit_scale, vocab_size):
+    """Rows whose candidates (logits within CANDIDATE_MARGIN of the row's largest) hold what their
+    filter keeps take the candidates' sort; the rest of the batch then the partial sorts: the same
+    probabilities as the full-sort reference either way, and for a batch of peaked rows no top-k over
+    a whole row."""
+    gen = torch.Generator().manual_seed(5)
+    num_rows = 12
+    logits = torch.randn(num_rows, vocab_size, generator=gen) * logit_scale
+    logits[:, :4] += 20.0 * torch.rand(num_rows, 1, generator=gen)  # some rows peaked
+    logits[0, 3] = logits[0, 2]  # a tie at a boundary
+    top_k = torch.tensor([0, 3, 4, 0, 40, 0, 2, 0, 10, 0, 0, 1])
+    top_p = torch.tensor([0.9, 1.0, 0.5, 0.99, 1.0, 0.3, 0.8, 1.0, 0.95, 0.7, 1e-6, 1.0])
+    expected = _ref_top_k_top_p(logits, top_k, top_p)
+    for rows in (slice(None), slice(0, 3), slice(9, 12)):
+        probs = logits_to_probs(logits[rows], torch.ones(12)[rows], top_k[rows], top_p[rows], torch.zeros(12)[rows])
+        torch.testing.assert_close(probs, expected[rows])
+    peaked = logits / logit_scale
+    peaked[:, :4] += 30.0  # every row's mass in its top 4, within the margin: the candidates are enough
+    real_topk, num_topk = torch.Tensor.topk, []
+    monkeypatch.setattr(torch.Tensor, "topk", lambda *a, **kw: num_topk.append(1) or real_topk(*a, **kw))
+    top_k = top_k.clamp_max(4)
+    probs = logits_to_probs(peaked, torch.ones(12), top_k, top_p, torch.zeros(12))
+    torch.testing.assert_close(probs, _ref_top_k_top_p(peaked, top_k, top_p))
+    assert num_topk == []
+    candidates = sampling._candidate_values(peaked, top_k, top_p, peaked.logsumexp(-1))
+    assert candidates is not None and candidates.shape[0] == 12 and (candidates[:, 0] == peaked.amax(-1)).all()
+    monkeypatch.setattr(sampling, "MAX_CANDIDATES", 2)  # more candidates than that: the partial sorts
+    assert sampling._candidate_values(peaked, top_k, top_p, peaked.logsumexp(-1)) is None
 
 
 def _ref_repetition_penalty(logits, seen_token_ids, penalties):
@@ -169,38 +214,38 @@ def test_repetition_penalty_all_ones_is_a_no_op():
     assert torch.equal(logits, before)
 
 
-def test_sample_from_probs_picks_argmax_of_probs_over_noise():
-    probs = torch.tensor([[0.2, 0.8], [0.5, 0.5], [0.0, 1.0]])
-    exp_noise = torch.tensor([[0.1, 1.0], [2.0, 1.0], [1e-30, 5.0]])
-    assert sample_from_probs(probs, exp_noise).tolist() == [0, 1, 1]
+def test_sample_from_probs_inverts_the_cumulative_sum():
+    probs = torch.tensor([[0.2, 0.8], [0.5, 0.5], [0.0, 1.0], [0.3, 0.0], [1.0, 0.0]])
+    uniform = torch.tensor([0.19, 0.5, 0.0, 0.99, 0.9999999])
+    assert sample_from_probs(probs, uniform).tolist() == [0, 1, 1, 0, 0]
+    # a zero-probability token is never drawn, at either side of it; rows need not be normalized
+    probs = torch.tensor([[0.0, 3.0, 0.0, 0.0, 1.0, 0.0]]).expand(5, 6)
+    uniform = torch.tensor([0.0, 0.7499, 0.75, 0.9, 1 - 2**-24])
+    assert sample_from_probs(probs, uniform).tolist() == [1, 1, 4, 4, 4]
 
 
 def test_sample_from_probs_distribution(generator):
-    probs = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    probs = torch.tensor([0.1, 0.0, 0.2, 0.3, 0.4])
     num_rows = 100_000
-    noise = exponential_noise(1, num_rows * 4, [generator]).view(num_rows, 4)
-    counts = torch.bincount(sample_from_probs(probs.expand(num_rows, 4), noise), minlength=4)
+    uniform = uniform_noise(1, num_rows, [generator])[0]
+    counts = torch.bincount(sample_from_probs(probs.expand(num_rows, 5) * 3, uniform), minlength=5)
     sigma = (probs * (1 - probs) / num_rows).sqrt()
-    assert ((counts / num_rows - probs).abs() < 5 * sigma).all()
+    assert counts[1] == 0 and ((counts / num_rows - probs).abs() <= 5 * sigma).all()
 
 
-def test_exponential_noise_per_row_seeds_are_reproducible():
+def test_uniform_noise_per_row_seeds_are_reproducible():
     def noise(seeds):
         generators = [None if s is None else torch.Generator().manual_seed(s) for s in seeds]
-        return exponential_noise(len(seeds), 32, generators)
+        return uniform_noise(len(seeds), 32, generators)
 
     first = noise([7, None, 8])
     second = noise([None, 8, None, 7])
     assert torch.equal(first[0], second[3])
     assert torch.equal(first[2], second[1])
     assert not torch.equal(first[0], first[2])
-    assert (first > 0).all() and first.shape == (3, 32)
-
-
-def test_unseeded_noise_is_exponential():
-    noise = exponential_noise(1000, 100, [None] * 1000)
-    assert noise.mean().item() == pytest.approx(1.0, abs=0.02)
-    assert (noise > 0).all()
+    assert first.shape == (3, 32)
+    with pytest.raises(ValueError, match="one generator"):
+        uniform_noise(2, 4, [None])
 
 
 def test_uniform_noise_seeded_and_in_range():

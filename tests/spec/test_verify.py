@@ -80,7 +80,7 @@ def test_rejection_sample_one_hot_target_and_draft_is_greedy():
         one_hot_draft_probs(draft_token_ids, 4),
         _one_hots(target, 4),
         uniform=torch.full((3, 3), 0.999),
-        exp_noise=torch.ones(3, 4),
+        sample_uniform=torch.zeros(3),
     )
     assert out.tolist() == [[1, 2, 3, 0], [1, 0, -1, -1], [3, -1, -1, -1]]
     assert num_accepted.tolist() == [3, 1, 0]
@@ -96,7 +96,7 @@ def test_rejection_sample_uses_uniform_threshold_and_residual():
         draft_probs,
         target_probs,
         uniform=torch.tensor([[0.49], [0.51]]),
-        exp_noise=torch.ones(2, 3),
+        sample_uniform=torch.zeros(2),
     )
     # Row 0: accepted, bonus from target position 1 = token 1. Row 1: residual is [0, 0, 0.5].
     assert out.tolist() == [[0, 1], [2, -1]]
@@ -108,9 +108,9 @@ def test_rejection_sample_zero_residual_falls_back_to_target():
     # unnormalized target) can leave target <= draft everywhere, so the residual is all zero.
     draft_probs = torch.tensor([[[0.5, 0.5]]])
     target_probs = torch.tensor([[[0.0, 0.5], [0.5, 0.5]]])  # unnormalized on purpose
-    uniform, exp_noise = torch.tensor([[0.0]]), torch.ones(1, 2)
+    uniform, sample_uniform = torch.tensor([[0.0]]), torch.zeros(1)
     out, num_accepted = rejection_sample(
-        torch.tensor([[0]]), torch.tensor([1]), draft_probs, target_probs, uniform, exp_noise
+        torch.tensor([[0]]), torch.tensor([1]), draft_probs, target_probs, uniform, sample_uniform
     )
     assert out.tolist() == [[1, -1]] and num_accepted.tolist() == [0]
 
@@ -123,7 +123,7 @@ def test_rejection_sample_k0_and_zero_draft_rows_emit_from_target():
         torch.zeros(1, 0, 3),
         target_probs,
         torch.zeros(1, 0),
-        torch.ones(1, 3),
+        torch.zeros(1),
     )
     assert out.tolist() == [[1]] and num_accepted.tolist() == [0]
 
@@ -134,7 +134,7 @@ def test_rejection_sample_k0_and_zero_draft_rows_emit_from_target():
         one_hot_draft_probs(draft_token_ids, 3),
         _one_hots([[2, 0, 1], [1, 2, 2]], 3),
         torch.zeros(2, 2),
-        torch.ones(2, 3),
+        torch.zeros(2),
     )
     assert out.tolist() == [[2, 0, -1], [1, -1, -1]]
     assert num_accepted.tolist() == [1, 0]
