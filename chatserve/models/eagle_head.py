@@ -108,8 +108,16 @@ class EagleHead(nn.Module):
     def compute_logits(self, predicted: torch.Tensor) -> torch.Tensor:
         """predicted features [N, hidden] (after self.norm) -> [N, vocab] float32 logits, -inf
         outside the head's vocabulary."""
-        kept = self.lm_head(predicted).float()  # [N, num_kept]
-        logits = kept.new_full((predicted.shape[0], self.vocab_size), float("-inf"))
+        return self.over_vocab(self.kept_logits(predicted))
+
+    def kept_logits(self, predicted: torch.Tensor) -> torch.Tensor:
+        """predicted features [N, hidden] -> [N, num_kept] float32 logits of head_token_ids (sorted,
+        so the first best of these is the first best of compute_logits' row)."""
+        return self.lm_head(predicted).float()
+
+    def over_vocab(self, kept: torch.Tensor) -> torch.Tensor:
+        """kept_logits' [N, num_kept] -> [N, vocab], -inf outside the head's vocabulary."""
+        logits = kept.new_full((kept.shape[0], self.vocab_size), float("-inf"))
         logits[:, self.head_token_ids] = kept
         return logits
 

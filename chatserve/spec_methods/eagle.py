@@ -52,6 +52,7 @@ from chatserve.request import Request, Status
 from chatserve.scheduler import ScheduledSeq
 from chatserve.spec_methods.base import Offer, sample_draft
 from spec.adaptive import AcceptanceEMA, geometric_gains
+from spec.sampling import argmax_rows
 
 FLUSH_ROWS = 16  # deferred head rows of a request that does not draft are written at this many
 
@@ -66,6 +67,7 @@ class EagleMethod:
 
     def __init__(self, runner, sampler):
         self.runner = runner  # chatserve.model_runner.HeadRunner
+        self.kept_ids: list[int] = runner.head.head_token_ids.tolist()  # a kept_logits column's token id
         self.sampler = sampler
         self.accept_rate = AcceptanceEMA(ema=0.05, prior=0.7)
 
@@ -154,21 +156,27 @@ class EagleMethod:
         probs: list[list[torch.Tensor]] = [[] for _ in reqs]
         active, features = list(range(len(reqs))), torch.cat(inputs)  # [rows, hidden]
         last_rows = torch.tensor([len(it.token_ids) for it in items]).cumsum(0) - 1  # each item's newest row
+        head = self.runner.head
         while active:
             out = self.runner.run(items, features)
-            predicted = self.runner.head.norm(out if last_rows is None else out[last_rows])  # [drafting, hidden]
+            predicted = head.norm(out if last_rows is None else out[last_rows])  # [drafting, hidden]
             last_rows = None
-            logits = self.runner.head.compute_logits(predicted).cpu()  # [drafting, vocab], on the host as the target's
+            kept = head.kept_logits(predicted).cpu()  # [drafting, num_kept], on the host as the target's
+            best = argmax_rows(kept).tolist()
             next_active, next_items, next_rows = [], [], []
             for row, i in enumerate(active):
                 req = reqs[i]
-                token, token_probs = sample_draft(self.sampler, req, logits[row : row + 1])
+                if req.params.is_greedy and req.grammar is None:  # the head's best: no [vocab] row to build
+                    token, token_probs = self.kept_ids[best[row]], None
+                else:
+                    token, token_probs = sample_draft(self.sampler, req, head.over_vocab(kept[row : row + 1]))
                 req.draft_token_ids.append(token)
                 if token_probs is not None:
                     probs[i].append(token_probs)
                 if len(req.draft_token_ids) < ks[i]:
                     next_active.append(i)
-                    next_items.append(BatchItem([token], items[row].start_pos + len(items[row].token_ids), req.table.block_ids, 1))
+                    position = items[row].start_pos + len(items[row].token_ids)
+                    next_items.append(BatchItem([token], position, req.table.block_ids, 1))
                     next_rows.append(row)
             active, items, features = next_active, next_items, predicted[next_rows]
         for req, rows in zip(reqs, probs):

@@ -1042,3 +1042,26 @@ def test_the_unrolled_training_passes_equal_drafting_in_a_chain(tiny_qwen_dir):
                 feats = torch.cat((feats, norm(y[:, -1:])), dim=1)  # the next row reads the prediction
                 y = head.forward_dense(feats, embeds[:, : anchor + 1 + s])
                 torch.testing.assert_close(passes[s][:, anchor + s], y[:, -1], atol=1e-4, rtol=1e-4)
+
+
+def test_a_greedy_draft_from_the_kept_logits_is_the_argmax_over_the_vocabulary(tiny_qwen_dir):
+    """EagleMethod.propose takes a greedy draft as head_token_ids[argmax(kept_logits)] instead of
+    building compute_logits' [vocab] row: the same token, ties included (the ids are sorted)."""
+    from transformers import AutoConfig
+
+    from spec.sampling import argmax_rows
+
+    cfg = AutoConfig.from_pretrained(str(tiny_qwen_dir))
+    torch.manual_seed(0)
+    kept_ids = torch.tensor(sorted(set(range(0, cfg.vocab_size, 3)) | {cfg.vocab_size - 1}))
+    head = EagleHead(cfg, 64, kept_ids).float()
+    with torch.no_grad():
+        head.lm_head.weight.copy_(torch.randn_like(head.lm_head.weight))
+        head.lm_head.weight[5:9] = head.lm_head.weight[4]  # tied rows: the first id among them wins
+        predicted = torch.randn(6, cfg.hidden_size)
+        predicted[0] = head.lm_head.weight[4] * 10
+        kept, full = head.kept_logits(predicted), head.compute_logits(predicted)
+    assert torch.equal(head.over_vocab(kept), full)
+    assert torch.isinf(full[:, 1]).all() and torch.equal(full[:, kept_ids], kept)
+    assert kept_ids[argmax_rows(kept)].tolist() == full.argmax(-1).tolist()
+    assert int(argmax_rows(kept)[0]) == 4

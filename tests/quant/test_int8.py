@@ -94,6 +94,30 @@ def test_a_layer_packs_where_the_kernel_runs_and_a_tied_table_reads_the_packed_r
     torch.testing.assert_close(layer(x), kernel.int8_matmul_ref(x, q, layer.scales), rtol=1e-5, atol=1e-4)
 
 
+def test_the_embedding_reads_the_same_rows_through_numpy_as_through_torch():
+    from quant.apply import share_tied_rows
+    from quant.int8 import Int8Embedding
+
+    table = nn.Embedding(64, 96)
+    head = nn.Linear(96, 64, bias=False)
+    head.weight = table.weight
+    embedding = Int8Embedding.from_embedding(table)
+    ids = torch.tensor([0, 7, 8, 63, 9, 7, 40])
+    q, scales = quantize_int8(table.weight.data)
+    want = q[ids].float() * scales[ids][:, None]
+    for packed in (False, True):
+        if packed:
+            share_tied_rows(embedding, Int8Linear.from_linear(head, keep_dense=False))
+        assert embedding.packed is packed
+        assert torch.equal(embedding.rows_torch(ids), want)
+        assert torch.equal(torch.from_numpy(embedding.rows_numpy(ids.numpy())), want)
+        assert torch.equal(embedding(ids.view(1, 7)), want.view(1, 7, 96))  # the CPU path is numpy's
+        assert embedding(ids[:0]).shape == (0, 96)
+        for bad in ([64], [-1], [3, 64]):
+            with pytest.raises(IndexError, match=r"\[0, 64\)"):
+                embedding(torch.tensor(bad))
+
+
 @pytest.mark.parametrize("rows", [1, 5, SMALL_M, SMALL_M + 7])
 @pytest.mark.parametrize("bias", [False, True])
 def test_int8_linear_is_the_dequantized_matmul(rows, bias, generator):
