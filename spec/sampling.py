@@ -233,7 +233,7 @@ def _candidate_values(
     for i, row in enumerate(logits):
         candidates = row[row >= row.max() - CANDIDATE_MARGIN]
         k, p = int(top_k[i]), float(top_p[i])
-        if len(candidates) > MAX_CANDIDATES or len(candidates) < k:
+        if not 0 < len(candidates) <= MAX_CANDIDATES or len(candidates) < k:  # none: a NaN row
             return None
         if k == 0 and p < 1.0 and float((candidates.logsumexp(0) - full_lse[i]).exp()) < p + CANDIDATE_MASS_SLACK:
             return None

@@ -1065,3 +1065,36 @@ def test_a_greedy_draft_from_the_kept_logits_is_the_argmax_over_the_vocabulary(t
     assert torch.isinf(full[:, 1]).all() and torch.equal(full[:, kept_ids], kept)
     assert kept_ids[argmax_rows(kept)].tolist() == full.argmax(-1).tolist()
     assert int(argmax_rows(kept)[0]) == 4
+
+
+@pytest.mark.parametrize("settings", [dict(temperature=0.0), dict(temperature=0.7), dict(temperature=0.9, top_p=0.8),
+                                      dict(temperature=1.2, top_k=3), dict(temperature=1.0, top_k=500, min_p=0.05)])
+def test_a_draft_over_the_kept_logits_has_the_distribution_of_one_over_the_vocabulary(tiny_qwen_dir, settings):
+    """EagleMethod._draft_over_kept (no grammar) draws from the request's distribution over the head's
+    kept logits: the distribution sample_draft gives over compute_logits' [vocab] row (-inf elsewhere),
+    handed over as [1, vocab]; a greedy draft is the kept argmax, with no distribution."""
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig
+
+    from chatserve.request import Request
+    from chatserve.sampler import Sampler
+    from chatserve.spec_methods.base import sample_draft
+    from chatserve.spec_methods.eagle import EagleMethod
+
+    cfg = AutoConfig.from_pretrained(str(tiny_qwen_dir))
+    torch.manual_seed(0)
+    kept_ids = torch.tensor(sorted(set(range(0, cfg.vocab_size, 3)) | {cfg.vocab_size - 1}))
+    head = EagleHead(cfg, 64, kept_ids).float()
+    method = EagleMethod(SimpleNamespace(head=head), Sampler((0,)))
+    kept = torch.randn(1, len(kept_ids)) * 3
+    full = head.over_vocab(kept)
+    params = SamplingParams(max_tokens=4, seed=3, **settings)
+    token, probs = method._draft_over_kept(Request("a", [1, 2], params), kept, int(kept.argmax()))
+    want_token, want_probs = sample_draft(method.sampler, Request("b", [1, 2], params), full)
+    if params.is_greedy:
+        assert probs is None and want_probs is None and token == want_token == int(kept_ids[kept.argmax()])
+        return
+    assert probs.shape == (1, cfg.vocab_size) and token in kept_ids.tolist() and probs[0, token] > 0
+    torch.testing.assert_close(probs, want_probs, atol=1e-6, rtol=1e-5)
+    assert float(probs[0, kept_ids].sum()) == pytest.approx(1.0, abs=1e-5) and not probs[0, 1].item()

@@ -177,6 +177,9 @@ def test_candidates_give_the_full_sorts_filters(monkeypatch, logit_scale, vocab_
     assert num_topk == []
     candidates = sampling._candidate_values(peaked, top_k, top_p, peaked.logsumexp(-1))
     assert candidates is not None and candidates.shape[0] == 12 and (candidates[:, 0] == peaked.amax(-1)).all()
+    nan_row = peaked.clone()
+    nan_row[3, 7] = float("nan")  # no candidates in that row (its max is NaN): the partial sorts
+    assert sampling._candidate_values(nan_row, top_k, top_p, nan_row.logsumexp(-1)) is None
     monkeypatch.setattr(sampling, "MAX_CANDIDATES", 2)  # more candidates than that: the partial sorts
     assert sampling._candidate_values(peaked, top_k, top_p, peaked.logsumexp(-1)) is None
 
