@@ -1,7 +1,9 @@
 """What sampling costs a decode step: the engine's Sampler.sample and Sampler.verify timed in-process
 (wall clock a call) beside the time per output token, at the sampling settings people chat with
 (temperature, top-p, top-k), on held-out chat prompts of chatserve/data/prompts.json, one request
-at a time, each seeded. Prints a line a prompt and the summary; --out writes JSON.
+at a time, unseeded as most are (--seed: seeded, which also fixes a speculative request's k, as
+adaptive k would make a seed's text depend on timings). Prints a line a prompt and the summary;
+--out writes JSON.
 
     .venv/bin/python benchmarks/sampling_cost.py --model qwen2.5-coder-1.5b-instruct \\
         --temperature 0.7 --top-p 0.9 --out benchmarks/results/sampling_cost_qwen_session39.json
@@ -55,6 +57,7 @@ def main() -> None:
     ap.add_argument("--kind", default="chat", choices=["code", "chat"])
     ap.add_argument("--prompts", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--seed", action="store_true", help="seed request i with i (a fixed k when speculating)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     torch.set_num_threads(2)
@@ -73,11 +76,13 @@ def main() -> None:
     settings = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
     tpot = []
     for i, prompt in enumerate(prompts):
-        out = engine.generate([prompt], SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, seed=i, **settings))
+        params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, seed=i if args.seed else None, **settings)
+        out = engine.generate([prompt], params)
         stats = out[0]["stats"]
         tpot.append((stats.finish_time - stats.first_token_time) / (args.max_tokens - 1) * 1e3)
         print(f"prompt {i}: {tpot[-1]:.2f} ms/token", file=sys.stderr)
-    result = {"model": args.model, "spec": args.spec, "sampling": settings, "max_tokens": args.max_tokens,
+    result = {"model": args.model, "spec": args.spec, "sampling": settings, "seeded": args.seed,
+              "max_tokens": args.max_tokens,
               "tpot_ms": [round(t, 3) for t in tpot], "mean_tpot_ms": round(sum(tpot) / len(tpot), 3),
               "sampler_ms_per_call": {k: round(spent[k] / calls[k] * 1e3, 3) for k in spent},
               "sampler_calls": dict(calls),

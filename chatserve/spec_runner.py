@@ -295,9 +295,10 @@ class SpecRunner:
             self.methods[name].propose(reqs, ks)
 
     def observe_forward(self, rows: int, seconds: float) -> None:
-        """A decode-only step's target forward over `rows` rows took `seconds`: measured costs
-        follow what service's forwards cost (spec_costs.ObservedForwards); assumed ones, in units
-        of a forward rather than seconds, stay as they are."""
+        """A decode-only step's target forward over `rows` rows, with the verification and sampling
+        of its rows, took `seconds`: measured costs follow what service's steps cost
+        (spec_costs.ObservedForwards); assumed ones, in units of a forward rather than seconds,
+        stay as they are."""
         if self._measured_costs is not None:
             self._observed.observe(rows, seconds)
             self._costs = self._observed.corrected(self._measured_costs)

@@ -1,6 +1,8 @@
 """The speculation cost tables are measured in scratch blocks that go back to the pool, and
 round up to the next measured row count; with no room to measure, a linear model stands in."""
 
+import time
+
 import pytest
 
 from chatserve.block_manager import BlockTable
@@ -254,6 +256,14 @@ def test_the_engine_reports_its_decode_forwards_and_costs_set_by_hand_stay(tiny_
     assert len(seen) >= 6 and all(1 <= rows <= 2 * 3 for rows in seen)  # decodes and drafts, never a prompt
     assert engine.spec.costs.target_seconds != measured.target_seconds
     assert sorted(engine.spec.costs.target_seconds) == sorted(measured.target_seconds)
+    slow = engine.sampler.verify, engine.sampler.sample  # the step's verification and sampling count too
+    engine.sampler.verify = lambda *a, **kw: (time.sleep(0.02), slow[0](*a, **kw))[1]
+    engine.sampler.sample = lambda *a, **kw: (time.sleep(0.02), slow[1](*a, **kw))[1]
+    times = []
+    engine.spec.observe_forward = lambda rows, seconds: (times.append(seconds), observe(rows, seconds))
+    engine.generate([[1, 5, 9, 5, 9, 5, 9, 2] * 4], params)
+    assert times and min(times) >= 0.02
+    engine.sampler.verify, engine.sampler.sample = slow
     pinned = SpecCosts({1: 1.0, 8: 1.3}, {})
     engine.spec.costs = pinned
     engine.generate([[1, 5, 9, 5, 9, 5, 9, 2] * 4], params)
