@@ -29,7 +29,7 @@ class Sampler:
             self._keep_logprobs(req, logits, None, out)
             return out
         probs = self.probs(req, logits)  # [1, vocab]
-        out = [int(sample_from_probs(probs, uniform_noise(1, 1, [req.generator])[:, 0])[0])]
+        out = [self.draw(req, probs)]
         self._keep_logprobs(req, logits, probs, out)
         return out
 
@@ -58,6 +58,10 @@ class Sampler:
         emitted = out[0, : n + 1].tolist()
         self._keep_logprobs(req, logits, None if target_probs is None else target_probs[0], emitted)
         return emitted, n
+
+    def draw(self, req: Request, probs: torch.Tensor) -> int:
+        """One token from probs [1, n] (need not be normalized), at a uniform from req's generator."""
+        return int(sample_from_probs(probs, uniform_noise(1, 1, [req.generator])[:, 0])[0])
 
     def probs(self, req: Request, logits: torch.Tensor) -> torch.Tensor:
         """[n, vocab] logits -> [n, vocab] probabilities under req's temperature/top-k/top-p/min-p."""

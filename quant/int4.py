@@ -162,11 +162,6 @@ class Int4Linear(nn.Module):
     def from_codes(cls, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bias: torch.Tensor | None) -> "Int4Linear":
         return cls(pack_codes(codes), make_params(d, m), bias)
 
-    @classmethod
-    def from_q4_1_blocks(cls, raw, bias: torch.Tensor | None) -> "Int4Linear":
-        """From a GGUF Q4_1 tensor's bytes (q4_1_layout)."""
-        return cls(*q4_1_layout(raw), bias)
-
     def weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return dequantize_int4(*self.layout(), dtype)
 

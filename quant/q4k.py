@@ -156,11 +156,6 @@ class Q4KLinear(nn.Module):
     def from_linear(cls, linear: nn.Module) -> "Q4KLinear":
         return cls(*quantize_q4k(linear.weight.data), linear.bias)
 
-    @classmethod
-    def from_blocks(cls, raw, bias: torch.Tensor | None) -> "Q4KLinear":
-        """From a GGUF Q4_K tensor's bytes [N, K/256 * 144]."""
-        return cls(*blocks_to_layout(raw), bias)
-
     def layout(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The weight in the plain layout (codes, subs, dd)."""
         return deinterleave(self.codes, self.subs, self.dd)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, ClassVar, Protocol
 import torch
 
 from spec.adaptive import AcceptanceEMA
-from spec.sampling import argmax_rows, mask_logits, sample_from_probs, uniform_noise
+from spec.sampling import argmax_rows, mask_logits
 
 if TYPE_CHECKING:
     from chatserve.batch import BatchItem
@@ -128,4 +128,4 @@ def sample_draft(sampler, req: Request, logits: torch.Tensor) -> tuple[int, torc
     if req.params.is_greedy:
         return int(argmax_rows(logits[0])), None
     probs = sampler.probs(req, logits)
-    return int(sample_from_probs(probs, uniform_noise(1, 1, [req.generator])[:, 0])[0]), probs
+    return sampler.draw(req, probs), probs

@@ -52,7 +52,7 @@ from chatserve.request import Request, Status
 from chatserve.scheduler import ScheduledSeq
 from chatserve.spec_methods.base import Offer, sample_draft
 from spec.adaptive import AcceptanceEMA, geometric_gains
-from spec.sampling import argmax_rows, sample_from_probs, uniform_noise
+from spec.sampling import argmax_rows
 
 FLUSH_ROWS = 16  # deferred head rows of a request that does not draft are written at this many
 
@@ -192,7 +192,7 @@ class EagleMethod:
         if req.params.is_greedy:
             return self.kept_ids[best], None
         probs = self.sampler.probs(req, kept)  # [1, num_kept]
-        i = int(sample_from_probs(probs, uniform_noise(1, 1, [req.generator])[:, 0])[0])
+        i = self.sampler.draw(req, probs)
         head = self.runner.head
         over_vocab = probs.new_zeros(1, head.vocab_size)
         over_vocab[:, head.head_token_ids] = probs

@@ -12,7 +12,7 @@ from torch import nn
 from chatserve.gguf_convert import GgufBlocks
 from kernels import quant_matmul as kernel
 from quant.apply import quantize_module
-from quant.int4 import Int4Linear, dequantize_int4, make_params, pack_codes, quantize_int4, unpack_codes
+from quant.int4 import Int4Linear, dequantize_int4, make_params, pack_codes, q4_1_layout, quantize_int4, unpack_codes
 from quant.q4k import BLOCK_BYTES, Q4KLinear, blocks_to_layout, deinterleave, dequantize_q4k, interleave, quantize_q4k
 from tests.spec_equality import check_greedy_speculation_equals_plain
 from tests.tiny_models import make_tiny_model
@@ -160,7 +160,7 @@ def test_q4_1_blocks_load_exactly_into_groups_of_32(generator):
     blocks[..., :4] = (rng.standard_normal((n, k // 32, 2)) * 0.01).astype(np.float16).view(np.uint8).reshape(n, k // 32, 4)
     raw = blocks.reshape(n, -1)
     reference = torch.from_numpy(gguf.dequantize(raw, gguf.GGMLQuantizationType.Q4_1))
-    layer = Int4Linear.from_q4_1_blocks(raw, None)
+    layer = Int4Linear(*q4_1_layout(raw), None)
     assert torch.equal(layer.weight(), reference)
     linear = nn.Linear(k, n, bias=False)
     with torch.no_grad():
