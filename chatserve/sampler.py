@@ -12,9 +12,9 @@ import torch
 from chatserve.request import Request
 from spec.proposer import one_hot_draft_probs
 from spec.sampling import (apply_logit_bias, apply_presence_frequency_penalties, apply_repetition_penalty,
-                           argmax_rows, logits_to_probs, mask_logits, sample_from_probs,
+                           argmax_rows, logits_to_probs, mask_logits, row_probs, RowDistribution, sample_from_probs,
                            token_logprobs, uniform_noise)
-from spec.verify import rejection_sample, verify_greedy
+from spec.verify import rejection_sample, rejection_sample_rows, verify_greedy
 
 
 class Sampler:
@@ -28,6 +28,8 @@ class Sampler:
             out = [int(argmax_rows(logits[0]))]
             self._keep_logprobs(req, logits, None, out)
             return out
+        if _by_row(req, logits):
+            return [self.row_probs(req, logits[0]).draw(self._uniforms(req, 1)[0])]
         probs = self.probs(req, logits)  # [1, vocab]
         out = [self.draw(req, probs)]
         self._keep_logprobs(req, logits, probs, out)
@@ -40,6 +42,11 @@ class Sampler:
         draft_probs: [k, vocab] or None (one-hot). -> (emitted tokens, num accepted)."""
         k = len(drafts)
         logits = self._constrain(req, self._penalize(req, rows, drafts), drafts)
+        if _by_row(req, logits):
+            if draft_probs is not None:
+                draft_probs = _fit_vocab(draft_probs, logits.shape[1])
+            return rejection_sample_rows(drafts, lambda i: self.row_probs(req, logits[i]), draft_probs,
+                                         self._uniforms(req, k + 1))
         draft_ids = torch.tensor([drafts], dtype=torch.long)  # [1, k]
         num_drafts = torch.tensor([k])
         target_probs = None
@@ -62,6 +69,24 @@ class Sampler:
     def draw(self, req: Request, probs: torch.Tensor) -> int:
         """One token from probs [1, n] (need not be normalized), at a uniform from req's generator."""
         return int(sample_from_probs(probs, uniform_noise(1, 1, [req.generator])[:, 0])[0])
+
+    def draw_row(self, req: Request, logits: torch.Tensor) -> tuple[int, torch.Tensor]:
+        """A sampled draft from logits [1, n] under req's settings, and the distribution it was drawn
+        from [1, n] for rejection sampling: by row_probs on the CPU, else by probs and draw."""
+        if logits.device.type != "cpu":
+            probs = self.probs(req, logits)
+            return self.draw(req, probs), probs
+        dist = self.row_probs(req, logits[0])
+        return dist.draw(self._uniforms(req, 1)[0]), dist.dense(logits.shape[1]).unsqueeze(0)
+
+    def row_probs(self, req: Request, logits: torch.Tensor) -> RowDistribution:
+        """[vocab] logits -> the distribution req's settings draw from, over the tokens they can draw."""
+        p = req.params
+        return row_probs(logits, p.temperature, p.top_k, p.top_p, p.min_p)
+
+    def _uniforms(self, req: Request, n: int) -> list[float]:
+        """n uniforms in [0, 1) from req's generator (the global one if unseeded)."""
+        return torch.rand(n, generator=req.generator).tolist()
 
     def probs(self, req: Request, logits: torch.Tensor) -> torch.Tensor:
         """[n, vocab] logits -> [n, vocab] probabilities under req's temperature/top-k/top-p/min-p."""
@@ -106,6 +131,12 @@ class Sampler:
         logprobs = torch.log_softmax(logits[:rows].float(), -1) if probs is None else probs[:rows].log()
         req.new_logprobs = [(tok, lp, top) for tok, (lp, top)
                             in zip(emitted, token_logprobs(logprobs, emitted, req.params.logprobs))]
+
+
+def _by_row(req: Request, logits: torch.Tensor) -> bool:
+    """Whether a sampled request's rows go one at a time over only the tokens they can draw
+    (spec.sampling.row_probs): on the CPU, without logprobs (which want the [vocab] rows)."""
+    return not req.params.is_greedy and req.params.logprobs is None and logits.device.type == "cpu"
 
 
 def _fit_vocab(probs: torch.Tensor, vocab: int) -> torch.Tensor:

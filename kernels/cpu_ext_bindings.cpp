@@ -39,4 +39,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention_on_tiles", &attention_on_tiles, "whether paged_attention_rows over this cache runs on the AMX tiles",
         pybind11::arg("k_cache"), pybind11::arg("head_dim"));
   m.def("paged_attention_rows", &paged_attention_rows, "one-query-row paged attention over a float32 / float16 / bfloat16 cache", NoGil());
+  m.def("row_kept", &row_kept,
+        "what top-k, top-p and min-p keep of one row of logits at a temperature, and their probabilities", NoGil());
+  m.def("row_softmax", &row_softmax, "one row's largest logit / temperature and its softmax's normalizer", NoGil());
+  m.def("row_draw", &row_draw,
+        "a token by inverse CDF from one row's softmax, or from its residual after another distribution", NoGil());
 }

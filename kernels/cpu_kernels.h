@@ -2,6 +2,7 @@
 // Python bindings (cpu_ext_bindings.cpp) and for kernels that call others (decode_stack_cpu.cpp).
 #pragma once
 #include <torch/extension.h>
+#include <tuple>
 #include <vector>
 
 std::vector<torch::Tensor> quantize_rows(torch::Tensor x);
@@ -26,6 +27,12 @@ void store_kv(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, tor
 void paged_attention_rows(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                           torch::Tensor block_tables, torch::Tensor seq, torch::Tensor ctx, double scale);
 bool attention_on_tiles(torch::Tensor k_cache, int64_t head_dim);
+std::tuple<double, double> row_softmax(torch::Tensor logits, double temperature);
+std::tuple<torch::Tensor, torch::Tensor> row_kept(torch::Tensor logits, double temperature, int64_t top_k,
+                                                  double top_p, double min_p_offset, double margin,
+                                                  int64_t nucleus_guess);
+int64_t row_draw(torch::Tensor logits, double temperature, double top, double total, double uniform,
+                 c10::optional<torch::Tensor> minus, int64_t minus_token);
 
 void bind_decode_stack(pybind11::module& m);
 

@@ -5,10 +5,16 @@ Pure torch on whatever device the inputs live on; no model, no request objects.
 
 from __future__ import annotations
 
+import bisect
+import itertools
+import math
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
+
+from kernels import sampling_ops
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:  # [..., n] -> [...] long
@@ -289,3 +295,127 @@ def uniform_noise(
         if generator is not None:
             out[i].uniform_(generator=generator)
     return out
+
+
+# RowProbs.draw takes rows up to this long in plain Python.
+SHORT_ROW = 64
+
+
+class RowProbs(NamedTuple):
+    """One row's sampling distribution on the CPU: probs [m] over the token ids [m] it can draw
+    (ascending), or over the whole vocabulary when ids is None. Normalized up to float rounding.
+    numpy: its ops on a few hundred numbers cost ~1 us where torch's cost ~10."""
+
+    ids: np.ndarray | None  # [m] int64
+    probs: np.ndarray  # [m] or [vocab_size] float
+
+    def prob(self, token: int) -> float:
+        if self.ids is None:
+            return float(self.probs[token])
+        i = int(np.searchsorted(self.ids, token))
+        return float(self.probs[i]) if i < len(self.ids) and self.ids[i] == token else 0.0
+
+    def dense(self, vocab_size: int) -> torch.Tensor:  # [vocab_size] float32
+        if self.ids is None:
+            return torch.from_numpy(self.probs).float()
+        out = torch.zeros(vocab_size)
+        out[torch.from_numpy(self.ids)] = torch.from_numpy(self.probs).float()
+        return out
+
+    def draw(self, uniform: float, minus: torch.Tensor | None = None, minus_token: int | None = None) -> int:
+        """A token by inverse CDF at uniform (the first whose float64 running sum exceeds uniform x the
+        total), from these probs or, with `minus` (a [vocab_size] CPU row of another distribution) or
+        `minus_token` (a one-hot one), from the residual max(probs - minus, 0) when it has any mass:
+        speculative sampling's recovered token."""
+        probs = self.probs
+        if minus is None and minus_token is None and len(probs) <= SHORT_ROW:
+            return self._draw_short(uniform)
+        if minus is not None:
+            q = minus.detach().numpy()
+            residual = np.maximum(probs - (q if self.ids is None else q[self.ids]), 0.0)
+            probs = residual if residual.sum() > 0 else probs
+        elif minus_token is not None:  # max(p - one-hot, 0): p without that token
+            residual = probs.copy()
+            if self.ids is None:
+                residual[minus_token] = 0.0
+            else:
+                residual[self.ids == minus_token] = 0.0
+            probs = residual if residual.sum() > 0 else probs
+        cdf = np.cumsum(probs, dtype=np.float64)
+        i = int(np.searchsorted(cdf, uniform * cdf[-1], side="right"))
+        i = min(i, int(np.flatnonzero(probs)[-1]))  # u x total rounding up to the total: the last drawable
+        return i if self.ids is None else int(self.ids[i])
+
+    def _draw_short(self, uniform: float) -> int:
+        """draw over a few probs in plain Python: right after a forward each numpy call costs tens of
+        microseconds of cold caches (the weights have just streamed through them), a list a few."""
+        cdf = list(itertools.accumulate(self.probs.tolist()))
+        i = min(bisect.bisect_right(cdf, uniform * cdf[-1]), len(cdf) - 1)
+        while i > 0 and cdf[i] == cdf[i - 1]:  # never a token of probability 0
+            i -= 1
+        return i if self.ids is None else int(self.ids[i])
+
+
+class SoftmaxRow(NamedTuple):
+    """softmax(logits / temperature) over the whole vocabulary (no filter narrows the row), kept as
+    the row, its largest scaled value and its normalizer: a probability is one exp, a draw one or
+    two passes over the row (kernels/sampling_ops.py), with no [vocab] tensor built."""
+
+    logits: torch.Tensor  # [vocab_size] float32
+    temperature: float
+    top: float  # the largest logits / temperature
+    total: float  # sum of exp(logits / temperature - top)
+
+    def prob(self, token: int) -> float:
+        scaled = np.float32(self.logits[token]) / np.float32(self.temperature)
+        return math.exp(float(scaled) - self.top) / self.total
+
+    def dense(self, vocab_size: int) -> torch.Tensor:  # [vocab_size]
+        return torch.softmax(self.logits.float() / torch.tensor(self.temperature, dtype=torch.float32), dim=0)
+
+    def draw(self, uniform: float, minus: torch.Tensor | None = None, minus_token: int | None = None) -> int:
+        """As RowProbs.draw."""
+        if minus is not None:
+            minus = minus.float().contiguous()
+        return sampling_ops.row_draw(self.logits, self.temperature, self.top, self.total, uniform, minus,
+                                     -1 if minus_token is None else minus_token)
+
+
+# One row's distribution: over the tokens it can draw, or a whole-vocabulary softmax kept as its normalizer.
+RowDistribution = RowProbs | SoftmaxRow
+
+
+def row_probs(
+    logits: torch.Tensor,  # [vocab_size] float, not modified
+    temperature: float,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
+) -> RowDistribution:
+    """logits_to_probs for one row without its [vocab] tensors, in one C++ call (kernels/sampling_ops.py):
+    a row whose filters keep fewer than all its tokens comes back over the ones kept (RowProbs), found
+    among its candidates, the logits within CANDIDATE_MARGIN of its largest after temperature (the same
+    kept tokens and probabilities, up to float rounding); a row only a temperature shapes comes back as
+    its largest value and its softmax's normalizer (SoftmaxRow). logits_to_probs is ~10 torch ops over
+    the whole row, with the draw's float64 cumulative sum: SmolLM2's plain sampling at T 0.7, top-p 0.9
+    cost ~2.2 ms a token in the engine and this ~0.35; speculation verified k + 1 such rows a step. A
+    greedy row, a CUDA row, and a row whose kept set reaches past its candidates (a nucleus holding
+    more than they do: a flat row over a large vocabulary) take logits_to_probs (RowProbs, ids None)."""
+    if temperature == 0 or logits.is_cuda:
+        return _dense_row(logits, temperature, top_k, top_p, min_p)
+    logits = logits.float().contiguous()
+    min_p_offset = -math.log(min_p) if min_p > 0.0 else math.inf
+    if top_k <= 0 and top_p >= 1.0 and min_p <= 0.0:  # every token drawable
+        top, total = sampling_ops.row_softmax(logits, temperature)
+        if not math.isnan(top):
+            return SoftmaxRow(logits, temperature, top, total)
+        return _dense_row(logits, temperature, top_k, top_p, min_p)
+    kept = sampling_ops.row_kept(logits, temperature, top_k, top_p, min_p_offset, CANDIDATE_MARGIN, NUCLEUS_GUESS)
+    if kept is None:
+        return _dense_row(logits, temperature, top_k, top_p, min_p)
+    return RowProbs(*kept)
+
+
+def _dense_row(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float) -> RowProbs:
+    settings = (torch.tensor([temperature]), torch.tensor([top_k]), torch.tensor([top_p]), torch.tensor([min_p]))
+    return RowProbs(None, logits_to_probs(logits.unsqueeze(0), *settings)[0].cpu().numpy())

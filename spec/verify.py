@@ -14,9 +14,11 @@ So every row emits num_accepted + 1 tokens, also when it had no draft tokens (k 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import torch
 
-from spec.sampling import sample_from_probs
+from spec.sampling import RowDistribution, sample_from_probs
 
 
 def verify_greedy(
@@ -94,3 +96,25 @@ def _count_accepted(
     positions = torch.arange(is_accepted.shape[1], device=is_accepted.device)  # [k]
     is_drafted = positions.unsqueeze(0) < num_draft_tokens.unsqueeze(1)  # [batch, k]
     return (is_accepted & is_drafted).long().cumprod(dim=1).sum(dim=1)
+
+
+def rejection_sample_rows(
+    draft_token_ids: list[int],  # k
+    target: Callable[[int], RowDistribution],  # i -> the target's distribution after the first i drafts
+    draft_probs: torch.Tensor | None,  # [k, vocab_size]: each draft token's distribution; None = one-hot
+    uniform: Sequence[float],  # [k + 1] in [0, 1): k acceptance tests, then the sampled token
+) -> tuple[list[int], int]:  # (emitted tokens, num_accepted)
+    """rejection_sample for one row, computing the target's distribution at a position only when the
+    row gets there (an early rejection leaves the later rows alone) and without [vocab] tensors
+    (RowDistribution: a filtered row's few tokens, or a softmax's normalizer). The same acceptance
+    tests, recovered and bonus tokens as rejection_sample at the same uniforms, up to float rounding
+    of the probabilities."""
+    k = len(draft_token_ids)
+    for i, token in enumerate(draft_token_ids):
+        probs = target(i)
+        draft_prob = 1.0 if draft_probs is None else float(draft_probs[i, token])
+        if not uniform[i] * draft_prob < probs.prob(token):  # draft 0 and target 0 rejects
+            if draft_probs is None:
+                return draft_token_ids[:i] + [probs.draw(uniform[k], minus_token=token)], i
+            return draft_token_ids[:i] + [probs.draw(uniform[k], minus=draft_probs[i])], i
+    return draft_token_ids + [target(k).draw(uniform[k])], k

@@ -127,5 +127,4 @@ def sample_draft(sampler, req: Request, logits: torch.Tensor) -> tuple[int, torc
             logits = mask_logits(torch.zeros_like(logits), allowed)
     if req.params.is_greedy:
         return int(argmax_rows(logits[0])), None
-    probs = sampler.probs(req, logits)
-    return sampler.draw(req, probs), probs
+    return sampler.draw_row(req, logits)

@@ -191,8 +191,7 @@ class EagleMethod:
         sampling as [1, vocab]."""
         if req.params.is_greedy:
             return self.kept_ids[best], None
-        probs = self.sampler.probs(req, kept)  # [1, num_kept]
-        i = self.sampler.draw(req, probs)
+        i, probs = self.sampler.draw_row(req, kept)  # probs [1, num_kept]
         head = self.runner.head
         over_vocab = probs.new_zeros(1, head.vocab_size)
         over_vocab[:, head.head_token_ids] = probs

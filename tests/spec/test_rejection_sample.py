@@ -12,8 +12,8 @@ import torch
 
 from tests.chi_square import chi_square_p_value
 
-from spec.sampling import logits_to_probs
-from spec.verify import rejection_sample
+from spec.sampling import RowProbs, SoftmaxRow, logits_to_probs, row_probs
+from spec.verify import rejection_sample, rejection_sample_rows
 
 VOCAB_SIZE = 16
 NUM_ROWS = 200_000
@@ -155,3 +155,38 @@ def test_emitted_tokens_stay_in_target_top_k():
     assert is_top_k[positions[is_emitted], out[is_emitted]].all()
     assert (num_accepted > 0).any() and (num_accepted < k).any()
     assert chi_square_p_value(out[:, 0], target_probs[0]) > MIN_P_VALUE
+
+
+@pytest.mark.parametrize("name, k", CASES)
+def test_one_row_at_a_time_equals_the_batch(name, k):
+    """rejection_sample_rows (one request, the target's rows as RowProbs or SoftmaxRow, built only up
+    to where the row stops) emits what rejection_sample does at the same uniforms: so it is lossless
+    too."""
+    gen = torch.Generator().manual_seed(99 + k)
+    target_probs, draft_probs = _make_case(name, k, gen)
+    num_trials = 400
+    cdfs = draft_probs.cumsum(-1)  # [k, V]
+    cdfs[:, -1] = 1.0
+    drafts = torch.searchsorted(cdfs, torch.rand(k, num_trials, generator=gen), right=True).T  # [trials, k]
+    uniform = torch.rand(num_trials, k + 1, generator=gen)
+    sparse = [RowProbs(p.nonzero().squeeze(1).numpy(), p[p > 0].numpy()) for p in target_probs]  # narrowed rows
+    dense = [RowProbs(None, p.numpy()) for p in target_probs]
+    softmax = [row_probs(p.log(), 1.0) for p in target_probs]  # a temperature alone: SoftmaxRow
+    assert all(isinstance(row, SoftmaxRow) for row in softmax)
+    is_one_hot = name == "one_hot_draft"
+    batch_out, batch_accepted = rejection_sample(drafts, torch.full((num_trials,), k),
+                                                 draft_probs.expand(num_trials, -1, -1),
+                                                 target_probs.expand(num_trials, -1, -1), uniform[:, :k], uniform[:, k])
+    for trial in range(num_trials):
+        built = []
+        rows = (dense, sparse, softmax)[trial % 3]
+
+        def target(i, rows=rows, built=built):
+            built.append(i)
+            return rows[i]
+
+        tokens, accepted = rejection_sample_rows(drafts[trial].tolist(), target, None if is_one_hot else draft_probs,
+                                                 uniform[trial].tolist())
+        assert accepted == int(batch_accepted[trial])
+        assert tokens == batch_out[trial, : accepted + 1].tolist()
+        assert built == list(range(accepted + 1))  # no row past the first rejection

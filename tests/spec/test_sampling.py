@@ -1,5 +1,6 @@
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -257,3 +258,63 @@ def test_uniform_noise_seeded_and_in_range():
     assert torch.equal(u[0], again[0])
     assert ((u >= 0) & (u < 1)).all()
     assert u.mean().item() == pytest.approx(0.5, abs=math.sqrt(1 / 12 / 2000) * 5)
+
+
+def _row_settings():
+    """(temperature, top_k, top_p, min_p) that narrow a row, and some that do not."""
+    return [(1.0, 0, 0.9, 0.0), (0.7, 0, 0.5, 0.0), (1.0, 3, 1.0, 0.0), (1.0, 40, 1.0, 0.0), (0.8, 40, 0.95, 0.05),
+            (1.0, 0, 1.0, 0.1), (1.0, 0, 1.0, 1e-9), (1.3, 5, 0.7, 0.0), (1.0, 0, 0.999, 0.0), (1.0, 0, 1e-6, 0.0),
+            (0.5, 0, 1.0, 0.0), (0.0, 0, 0.9, 0.0)]
+
+
+@pytest.mark.parametrize("logit_scale", [0.5, 4.0, 12.0])
+@pytest.mark.parametrize("vocab_size", [300, 5000])
+def test_row_probs_equal_logits_to_probs(logit_scale, vocab_size):
+    """A row's distribution over only the tokens it can draw: the same tokens and probabilities as
+    logits_to_probs over the whole row, for flat rows (many candidates, a long nucleus), peaked ones,
+    a top-k reaching past the margin, min-p's floor, ties at the boundary, a greedy row."""
+    gen = torch.Generator().manual_seed(11)
+    logits = torch.randn(8, vocab_size, generator=gen) * logit_scale
+    logits[:4, :5] += 25.0 * torch.rand(4, 1, generator=gen)  # peaked rows
+    logits[1, 7] = logits[1].max()  # a tie with the largest
+    logits[2, 9] = logits[2].topk(3).values[-1]  # a tie with the third largest
+    for temperature, top_k, top_p, min_p in _row_settings():
+        expected = _probs(logits, temperature, top_k, top_p, min_p)
+        for row, want in zip(logits, expected):
+            got = sampling.row_probs(row, temperature, top_k, top_p, min_p)
+            is_narrowed = temperature > 0 and (top_k > 0 or top_p < 1.0 or min_p > 0)
+            if temperature == 0:
+                assert got.ids is None  # logits_to_probs' one-hot
+            else:
+                assert isinstance(got, sampling.RowProbs if is_narrowed else sampling.SoftmaxRow), (top_k, top_p, min_p)
+            dense = got.dense(vocab_size)
+            # the same kept tokens, but for a flat row's long nucleus at top-p near 1, whose edge float32
+            # sums over thousands of tokens (logits_to_probs) and float64 ones (row_probs) may place one
+            # token apart
+            differs = (dense > 0) ^ (want > 0)
+            assert int(differs.sum()) <= (1 if top_p > 0.99 and logit_scale < 1 else 0), (temperature, top_k, top_p)
+            rtol = 1e-5 if not differs.any() else 1e-3
+            torch.testing.assert_close(dense[~differs], want[~differs], atol=1e-6, rtol=rtol)
+            assert float(want[differs].sum() + dense[differs].sum()) < 1e-4
+            if is_narrowed:
+                assert (np.diff(got.ids) > 0).all() and (got.probs > 0).all()
+
+
+def test_row_probs_prob_and_draw():
+    row = torch.tensor([0.0, 3.0, 2.0, -9.0, 3.0, 1.0])
+    narrowed = sampling.row_probs(row, 1.0, 0, 0.8)
+    whole = sampling.row_probs(row, 1.0)
+    dense = sampling.RowProbs(None, whole.dense(6).numpy())
+    assert narrowed.ids.tolist() == [1, 2, 4] and isinstance(whole, sampling.SoftmaxRow)
+    for dist in (narrowed, whole, dense):
+        full = dist.dense(6)
+        assert dist.prob(4) == pytest.approx(float(full[4])) and narrowed.prob(0) == 0.0
+        cdf = full.double().cumsum(0) / full.double().sum()
+        for u in (0.0, 0.2, 0.5, 0.999):
+            assert dist.draw(u) == int(torch.searchsorted(cdf, torch.tensor([u], dtype=torch.float64), right=True))
+        # the residual max(p - q, 0): here all of p's mass but token 1's
+        q = torch.zeros(6)
+        q[1] = 1.0
+        assert {dist.draw(u, minus=q) for u in torch.linspace(0, 0.999, 50).tolist()} <= {0, 2, 3, 4, 5}
+        assert {dist.draw(u, minus_token=1) for u in torch.linspace(0, 0.999, 50).tolist()} <= {0, 2, 3, 4, 5}
+        assert dist.draw(0.3, minus=full * 1.01) == dist.draw(0.3)  # no residual mass: p itself
