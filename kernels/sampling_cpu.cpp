@@ -130,7 +130,6 @@ int64_t count_nucleus(const std::vector<float>& ordered, double top, double top_
   return std::max<int64_t>(kept, 1);
 }
 
-
 }  // namespace
 
 // (top, total): the row's largest s (NaN if a value is NaN) and the sum of its weights exp(s - top).

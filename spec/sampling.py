@@ -297,7 +297,7 @@ def uniform_noise(
     return out
 
 
-# RowProbs.draw takes rows up to this long in plain Python.
+# Draws over rows up to this long run in plain Python (_inverse_cdf).
 SHORT_ROW = 64
 
 
@@ -328,8 +328,6 @@ class RowProbs(NamedTuple):
         `minus_token` (a one-hot one), from the residual max(probs - minus, 0) when it has any mass:
         speculative sampling's recovered token."""
         probs = self.probs
-        if minus is None and minus_token is None and len(probs) <= SHORT_ROW:
-            return self._draw_short(uniform)
         if minus is not None:
             q = minus.detach().numpy()
             residual = np.maximum(probs - (q if self.ids is None else q[self.ids]), 0.0)
@@ -341,19 +339,23 @@ class RowProbs(NamedTuple):
             else:
                 residual[self.ids == minus_token] = 0.0
             probs = residual if residual.sum() > 0 else probs
-        cdf = np.cumsum(probs, dtype=np.float64)
-        i = int(np.searchsorted(cdf, uniform * cdf[-1], side="right"))
-        i = min(i, int(np.flatnonzero(probs)[-1]))  # u x total rounding up to the total: the last drawable
+        i = _inverse_cdf(probs, uniform)
         return i if self.ids is None else int(self.ids[i])
 
-    def _draw_short(self, uniform: float) -> int:
-        """draw over a few probs in plain Python: right after a forward each numpy call costs tens of
-        microseconds of cold caches (the weights have just streamed through them), a list a few."""
-        cdf = list(itertools.accumulate(self.probs.tolist()))
+
+def _inverse_cdf(probs: np.ndarray, uniform: float) -> int:
+    """The first index whose float64 running sum of probs exceeds uniform x their total, or the last
+    of positive probability if rounding puts that at the total. A few probs in plain Python: right
+    after a forward each numpy call costs tens of microseconds of cold caches (the weights have just
+    streamed through them), a list a few."""
+    if len(probs) <= SHORT_ROW:
+        cdf = list(itertools.accumulate(probs.tolist()))
         i = min(bisect.bisect_right(cdf, uniform * cdf[-1]), len(cdf) - 1)
         while i > 0 and cdf[i] == cdf[i - 1]:  # never a token of probability 0
             i -= 1
-        return i if self.ids is None else int(self.ids[i])
+        return i
+    cdf = np.cumsum(probs, dtype=np.float64)
+    return min(int(np.searchsorted(cdf, uniform * cdf[-1], side="right")), int(np.flatnonzero(probs)[-1]))
 
 
 class SoftmaxRow(NamedTuple):
