@@ -6,7 +6,8 @@ where the CPU has them (same outputs; `CHATSERVE_NO_VNNI=1` or `extension().set_
 None where it cannot be built (no compiler or ninja), on a CPU without AVX2/FMA/F16C, or when
 CHATSERVE_NO_CPU_KERNELS is set; every caller then takes its plain-torch path (correct, slower).
 Users: kernels/quant_matmul.py (int4 / int8 weight matmuls), kernels/decode_ops.py (the decode
-step's norms, RoPE, KV store, attention, SiLU), kernels/sampling_ops.py (a row of logits at a temperature).
+step's norms, RoPE, KV store, attention, SiLU), kernels/sampling_ops.py (a row of logits at a temperature),
+spec/suffix.py (suffix decoding's draft).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from kernels.cpu_features import cpu_flags
 
 _DIR = Path(__file__).parent
 SOURCES = ("quant_matmul_cpu.cpp", "q4k_matmul_cpu.cpp", "decode_ops_cpu.cpp", "decode_stack_cpu.cpp",
-           "sampling_cpu.cpp", "cpu_ext_bindings.cpp")
+           "sampling_cpu.cpp", "suffix_cpu.cpp", "cpu_ext_bindings.cpp")
 CPU_FLAGS = ("avx2", "fma", "f16c")
 NAME = "chatserve_cpu"
 

@@ -44,4 +44,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("row_softmax", &row_softmax, "one row's largest logit / temperature and its softmax's normalizer", NoGil());
   m.def("row_draw", &row_draw,
         "a token by inverse CDF from one row's softmax, or from its residual after another distribution", NoGil());
+  m.def("suffix_draft", &suffix_draft,
+        "suffix decoding's draft from the longest earlier match of a context's suffix in a token array", NoGil());
 }

@@ -33,6 +33,9 @@ std::tuple<torch::Tensor, torch::Tensor> row_kept(torch::Tensor logits, double t
                                                   int64_t nucleus_guess);
 int64_t row_draw(torch::Tensor logits, double temperature, double top, double total, double uniform,
                  c10::optional<torch::Tensor> minus, int64_t minus_token);
+std::tuple<std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>, int64_t> suffix_draft(
+    torch::Tensor haystack, torch::Tensor ctx, bool is_self, int64_t max_tokens, int64_t max_depth,
+    double max_spec_factor, double min_prob, int64_t max_candidates);
 
 void bind_decode_stack(pybind11::module& m);
 

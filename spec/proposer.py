@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 
@@ -57,3 +58,27 @@ def one_hot_draft_probs(
     probs = torch.zeros(*draft_token_ids.shape, vocab_size, device=draft_token_ids.device)
     probs.scatter_(2, draft_token_ids.clamp_min(0).unsqueeze(-1), is_drafted.unsqueeze(-1).float())
     return probs
+
+
+class TokenArray:
+    """An int64 copy of an append-only list of token ids (a request's token_ids), brought up to date
+    by what was appended since the last call instead of converting the whole list each step
+    (np.fromiter: ~25 us at 1,500 tokens, ~65 at 4,000, hot). A list that got shorter is copied again."""
+
+    def __init__(self):
+        self._buf = np.empty(0, np.int64)
+        self._len = 0
+
+    def of(self, token_ids: list[int]) -> np.ndarray:
+        """[len(token_ids)] int64: a view of the copy (appending leaves it as it is)."""
+        n = len(token_ids)
+        if n < self._len:
+            self._len = 0
+        if n > len(self._buf):
+            grown = np.empty(max(2 * len(self._buf), n + 256), np.int64)
+            grown[: self._len] = self._buf[: self._len]
+            self._buf = grown
+        if n > self._len:
+            self._buf[self._len : n] = token_ids[self._len : n]
+            self._len = n
+        return self._buf[:n]

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, ClassVar, Protocol
 import torch
 
 from spec.adaptive import AcceptanceEMA
+from spec.proposer import TokenArray
 from spec.sampling import argmax_rows, mask_logits
 
 if TYPE_CHECKING:
@@ -60,6 +61,7 @@ class SpecState:
     num_catch_up_tokens: int = 0
     # the prices (SpecCosts) of its latest steps: what its client waits between deltas
     recent_steps: deque = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))
+    tokens: TokenArray = field(default_factory=TokenArray)  # its token_ids as int64, for the lookup methods
 
     @property
     def method(self) -> SpecMethod:

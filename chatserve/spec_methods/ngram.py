@@ -27,7 +27,7 @@ class NgramMethod:
         return cls(config)
 
     def offer(self, req: Request, cap: int, accept_rate: float) -> Offer | None:
-        tokens = self.lookup.propose_one(req.token_ids, cap)
+        tokens = self.lookup.propose_one(req.spec.tokens.of(req.token_ids), cap)
         return Offer(self, geometric_gains(accept_rate, len(tokens)), tokens) if tokens else None
 
     def propose(self, reqs: list[Request], ks: list[int]) -> None:

@@ -3,8 +3,6 @@ request's suffix, in its own tokens (the conversation) or in recent replies of a
 
 from __future__ import annotations
 
-import numpy as np
-
 from chatserve.config import SpecConfig
 from chatserve.request import Request
 from chatserve.spec_methods.base import Offer
@@ -36,12 +34,14 @@ class SuffixMethod:
         """The proposal with its confidence: position j's acceptance is estimated from how often
         its token followed (counts / totals), pulled toward the measured accept_rate by one
         pseudo-occurrence, so one lone match is not taken for a certainty."""
-        draft = self.proposer.propose(req.token_ids, cap, self.corpus)
+        draft = self.proposer.propose(req.spec.tokens.of(req.token_ids), cap, self.corpus)
         if not draft.token_ids:
             return None
-        counts, totals = np.asarray(draft.counts, float), np.asarray(draft.totals, float)
-        probs = (counts + PRIOR_WEIGHT * accept_rate) / (totals + PRIOR_WEIGHT)
-        return Offer(self, np.cumprod(probs).tolist(), draft.token_ids)
+        gains, gain = [], 1.0  # a few positions: plain floats (numpy's small calls cost more here)
+        for count, total in zip(draft.counts, draft.totals):
+            gain *= (count + PRIOR_WEIGHT * accept_rate) / (total + PRIOR_WEIGHT)
+            gains.append(gain)
+        return Offer(self, gains, draft.token_ids)
 
     def propose(self, reqs: list[Request], ks: list[int]) -> None:
         for req, k in zip(reqs, ks):

@@ -77,3 +77,56 @@ def test_propose_takes_an_array_and_is_quick_at_4k():
     draft = proposer.propose(ctx, 8, corpus)
     assert draft.token_ids == ctx[1010:1018].tolist() and draft.match_len == 10
     assert time.process_time() - start < 0.05
+
+
+def _random_case(rng: np.random.Generator) -> tuple[list[int], SuffixCorpus, int, SuffixProposer]:
+    """A context and corpus over a small vocabulary (so matches, ties and long runs happen), and a
+    proposer with random limits."""
+    vocab = int(rng.integers(2, 12))
+    ctx = rng.integers(0, vocab, size=int(rng.integers(0, 300))).tolist()
+    corpus = SuffixCorpus(max_tokens=int(rng.integers(1, 400)))
+    for _ in range(int(rng.integers(0, 6))):
+        corpus.add(rng.integers(0, vocab, size=int(rng.integers(0, 80))).tolist())
+    proposer = SuffixProposer(max_depth=int(rng.integers(1, 40)), max_spec_factor=float(rng.uniform(0.3, 3)),
+                              min_prob=float(rng.choice([0.0, 0.05, 0.1, 0.5])),
+                              max_candidates=int(rng.integers(1, 64)))
+    return ctx, corpus, int(rng.integers(-1, 10)), proposer
+
+
+def test_the_cpp_draft_is_the_numpy_reference():
+    from kernels.suffix_ops import suffix_draft
+
+    ids = np.arange(8, dtype=np.int64)
+    assert suffix_draft(ids, ids, True, 4, 8, 1.0, 0.1, 16) is not None  # the C++ path is the one tested
+    rng = np.random.default_rng(7)
+    for _ in range(3000):
+        ctx, corpus, max_tokens, proposer = _random_case(rng)
+        arr = np.fromiter(ctx, np.int64, len(ctx))
+        for haystack, is_self in ((arr, True), (corpus.tokens, False)):
+            fast = proposer._draft(haystack, arr, max_tokens, is_self)
+            assert fast == proposer._draft_ref(haystack, arr, max_tokens, is_self), (ctx, max_tokens, is_self)
+
+
+def test_the_cpp_draft_checks_its_arrays():
+    from kernels.suffix_ops import suffix_draft
+
+    ids = np.arange(8, dtype=np.int64)
+    with pytest.raises(RuntimeError, match="int64"):
+        suffix_draft(ids.astype(np.int32), ids, True, 4, 8, 1.0, 0.1, 16)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        suffix_draft(ids, ids[::2], True, 4, 8, 1.0, 0.1, 16)
+
+
+def test_token_array_follows_an_appended_list_and_starts_over_when_it_shrinks():
+    from spec.proposer import TokenArray
+
+    tokens, arr = [], TokenArray()
+    rng = np.random.default_rng(0)
+    views = []
+    for _ in range(200):
+        tokens += rng.integers(0, 50_000, size=int(rng.integers(0, 40))).tolist()
+        view = arr.of(tokens)
+        assert view.dtype == np.int64 and view.tolist() == tokens
+        views.append((view, list(tokens)))
+    assert all(v.tolist() == t for v, t in views)  # earlier views still hold their tokens
+    assert arr.of([3, 2, 1]).tolist() == [3, 2, 1] and arr.of([]).tolist() == []
