@@ -14,7 +14,7 @@ from spec.proposer import one_hot_draft_probs
 from spec.sampling import (apply_logit_bias, apply_presence_frequency_penalties, apply_repetition_penalty,
                            argmax_rows, logits_to_probs, mask_logits, row_probs, RowDistribution, sample_from_probs,
                            token_logprobs, uniform_noise)
-from spec.verify import rejection_sample, rejection_sample_rows, verify_greedy
+from spec.verify import rejection_sample, rejection_sample_rows, verify_greedy, verify_greedy_row
 
 
 class Sampler:
@@ -42,6 +42,10 @@ class Sampler:
         draft_probs: [k, vocab] or None (one-hot). -> (emitted tokens, num accepted)."""
         k = len(drafts)
         logits = self._constrain(req, self._penalize(req, rows, drafts), drafts)
+        if req.params.is_greedy and logits.device.type == "cpu":
+            emitted = verify_greedy_row(drafts, argmax_rows(logits).tolist())
+            self._keep_logprobs(req, logits, None, emitted)
+            return emitted, len(emitted) - 1
         if _by_row(req, logits):
             if draft_probs is not None:
                 draft_probs = _fit_vocab(draft_probs, logits.shape[1])

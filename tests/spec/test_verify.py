@@ -3,7 +3,9 @@
 import torch
 
 from spec.proposer import Draft, one_hot_draft_probs
-from spec.verify import rejection_sample, verify_greedy
+import pytest
+
+from spec.verify import rejection_sample, verify_greedy, verify_greedy_row
 
 VOCAB_SIZE = 100
 
@@ -64,6 +66,19 @@ def test_greedy_ignores_drafts_past_num_draft_tokens():
     target_argmax = torch.tensor([[1, 2, 3]])
     out, num_accepted = verify_greedy(draft_token_ids, torch.tensor([1]), target_argmax)
     assert out.tolist() == [[1, 2, -1]] and num_accepted.tolist() == [1]
+
+
+def test_one_rows_greedy_verification_is_the_batched_one():
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(500):
+        k = int(torch.randint(0, 6, (1,), generator=gen))
+        target = torch.randint(0, 3, (k + 1,), generator=gen).tolist()  # 3 ids: many matches
+        drafts = torch.randint(0, 3, (k,), generator=gen).tolist()
+        out, num_accepted = _greedy([drafts], [target])
+        emitted = verify_greedy_row(drafts, target)
+        assert emitted == [t for t in out[0] if t != -1] and len(emitted) == num_accepted[0] + 1
+    with pytest.raises(ValueError, match="k \\+ 1"):
+        verify_greedy_row([1, 2], [1, 2])
 
 
 def _one_hots(token_ids: list[list[int]], vocab_size: int) -> torch.Tensor:  # [batch, n, vocab_size]
