@@ -24,6 +24,16 @@ a different token at the same position). Speed-up estimates from the forward tim
 head's own steps counted at `--head-step-ms` each: (tokens per verification) x T(1) / (T(rows) +
 drafting).
 
+At T > 0 (`--temperature`, `--top-p`): the replies are sampled at that setting (seeded), and a
+sampled draft from the head's distribution q is accepted with probability sum_x min(p(x), q(x)), p the
+target's distribution under the same setting (rejection sampling; Leviathan et al.). Printed per
+workload and pass s: that expected acceptance along the reply (the head reading its own features
+for s > 0, as a chain whose drafts so far were accepted), its chain estimate 1 + sum_k prod_s alpha_s,
+and beside it the greedy agreement (the head's argmax against the target's) at the same positions.
+`--draft-temperatures` tries other q for the same p: the head's logits at temperature T x r (r = 0:
+its argmax, one-hot), any of which rejection sampling keeps lossless. (The chain lines above those then
+count drafts equal to the sampled reply's tokens.)
+
     .venv/bin/python benchmarks/head_acceptance.py --model smollm2-135m-instruct \
         --heads ~/.cache/chatserve/heads/<hash>/eagle-head.pt other.pt --out benchmarks/results/head_acceptance.json
 """
@@ -36,6 +46,7 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -46,6 +57,7 @@ from chatserve.head_store import load_head  # noqa: E402
 from chatserve.loading import read_config, resolve  # noqa: E402
 from chatserve.sampling_params import SamplingParams  # noqa: E402
 from chatserve.train_head import chain_hits  # noqa: E402
+from spec.sampling import logits_to_probs  # noqa: E402
 
 PROMPTS = json.loads((ROOT / "chatserve/data/prompts.json").read_text())
 LONG_CONTEXT = ROOT / "benchmarks/data/long_context.json"
@@ -64,15 +76,19 @@ def paste_prompts() -> list[str]:
     return prompts
 
 
-def replies(engine: Engine, kind: str, max_tokens: int) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
-    """(token ids, features, num prompt tokens) of the target's greedy answer to each prompt of `kind`."""
+def replies(engine: Engine, kind: str, max_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
+            seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+    """(token ids, features, num prompt tokens) of the target's answer to each prompt of `kind`:
+    greedy at temperature 0, else sampled (request i seeded seed + i)."""
     tok = engine.tokenizer
     texts = paste_prompts() if kind == "paste" else PROMPTS[kind]
     prompts = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in texts]
     recorder = FeatureRecorder()
     engine.feature_observer = recorder.observe
     try:
-        outs = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+        params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                                 seed=seed + i if temperature > 0 else None) for i in range(len(prompts))]
+        outs = engine.generate(prompts, params)
     finally:
         engine.feature_observer = None
     sequences = []
@@ -80,6 +96,49 @@ def replies(engine: Engine, kind: str, max_tokens: int) -> list[tuple[torch.Tens
         ids = (prompt + out["token_ids"])[:-1]  # the last token is never fed
         sequences.append((torch.tensor(ids), recorder.features(out["request_id"], len(ids)), len(prompt)))
     return sequences
+
+
+def probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """[rows, n] float32 logits -> the distribution sampling draws from at that setting (0: one-hot argmax)."""
+    rows = len(logits)
+    return logits_to_probs(logits, torch.full((rows,), temperature), torch.zeros(rows, dtype=torch.long),
+                           torch.full((rows,), top_p), torch.zeros(rows))
+
+
+@torch.no_grad()
+def sampled_acceptance(head, embed, lm_head, ids: torch.Tensor, features: torch.Tensor, num_prompt: int,
+                       depth: int, temperature: float, top_p: float, ratios: list[float]) -> dict:
+    """One reply's expected acceptance of a sampled draft at each reply anchor and pass s (the (s+1)-th
+    draft of a chain from that anchor, reading the head's own features as drafting does): for each
+    draft temperature ratio r, [anchors, depth] sum_x min(p, q_r) (nan past the reply), and "greedy":
+    whether the head's argmax is the target's at those rows. p: lm_head over the target's final feature
+    of the row, under (temperature, top_p); q_r: the head's kept logits under (temperature x r, top_p),
+    over the target's vocabulary."""
+    feats_in = torch.cat((torch.zeros_like(features[:1]), features[:-1])).float()[None]
+    passes = head.forward_unrolled(feats_in, embed(ids[None]).float(), depth)
+    t = len(ids)
+    anchors = torch.arange(num_prompt, t - 1)
+    out = {r: torch.full((len(anchors), depth), float("nan")) for r in [*ratios, "greedy"]}
+    kept = head.head_token_ids
+    for s, y in enumerate(passes):
+        rows = anchors + s
+        ok = rows < t - 1
+        predicted = F.rms_norm(y[0, rows[ok]], head.norm.weight.shape, head.norm.weight, head.norm.eps)
+        head_logits = head.lm_head(predicted).float()  # [ok rows, kept]
+        target_logits = lm_head(head.target_features(features[rows[ok]].float())).float()  # [ok rows, vocab]
+        p = probs(target_logits, temperature, top_p)[:, kept]  # q is 0 outside the kept ids
+        for r in ratios:
+            out[r][ok, s] = torch.minimum(p, probs(head_logits, temperature * r, top_p)).sum(-1)
+        out["greedy"][ok, s] = (kept[head_logits.argmax(-1)] == target_logits.argmax(-1)).float()
+    return out
+
+
+def chain_estimate(alpha: torch.Tensor, depth: int) -> list[float]:
+    """[anchors, depth] per-pass acceptance (nan past a reply) -> 1 + sum_{j<=k} mean prod_{s<=j} alpha_s,
+    k = 1..depth: a fixed chain's expected tokens per verification, each pass's acceptance taken
+    as independent of the others'."""
+    cum = torch.nan_to_num(alpha, nan=0.0).cumprod(dim=1)
+    return [round(1 + float(cum[:, :k].mean(0).sum()), 3) for k in range(1, depth + 1)]
 
 
 def walked_length(hits: list[torch.Tensor], k: int) -> float:
@@ -125,6 +184,11 @@ def main() -> None:
                     help="benchmarks/verify_rows.py JSON: estimate chain against tree speed-ups from its forward times")
     ap.add_argument("--context", type=int, default=1024, help="which context of --verify-costs to use")
     ap.add_argument("--head-step-ms", type=float, default=3.6, help="one head draft step (session 17, Qwen 1.5B)")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="> 0: replies sampled at it, and a sampled draft's expected acceptance measured")
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--draft-temperatures", type=float, nargs="+", default=[1.0],
+                    help="with --temperature: the head's drafts at temperature T x each (0: its argmax)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     target_ms = None
@@ -143,9 +207,10 @@ def main() -> None:
     if len(layers) > 1:
         raise SystemExit(f"--heads: EAGLE-3 heads of different layers ({sorted(layers)}) cannot share one recording")
     engine.models.target_runner.feature_layers = layers.pop() if layers else ()
-    data = {kind: replies(engine, kind, args.max_tokens) for kind in args.kinds}
+    data = {kind: replies(engine, kind, args.max_tokens, args.temperature, args.top_p) for kind in args.kinds}
     embed = engine.models.target.embed_tokens
     results = {"model": args.model, "max_tokens": args.max_tokens, "depth": args.depth, "top": args.top,
+               "temperature": args.temperature, "top_p": args.top_p, "draft_temperatures": args.draft_temperatures,
                "verify_costs": str(args.verify_costs) if args.verify_costs else None, "context": args.context,
                "target_ms_by_rows": target_ms, "head_step_ms": args.head_step_ms, "heads": {}}
     for path, head in heads.items():
@@ -174,11 +239,31 @@ def main() -> None:
                 print(f"{'':30s} {kind:5s} best chain {est['chain']['speedup']:.2f}x (k = {est['chain']['shape']}), "
                       f"best tree {est['tree']['speedup']:.2f}x (w, k = {est['tree']['shape']}), "
                       f"from T(rows) at context {args.context}", flush=True)
+            if args.temperature > 0:
+                rows[kind]["sampled"] = sampled_rows(head, embed, engine.models.target.lm_head, sequences, args)
+                for r, row in rows[kind]["sampled"].items():
+                    print(f"{'':30s} {kind:5s} T {args.temperature} top-p {args.top_p} draft "
+                          f"{'greedy agreement' if r == 'greedy' else f'at T x {r}':16s} per pass "
+                          f"{' '.join(f'{x:.2f}' for x in row['per_pass'])}  chain k=1..{args.depth} "
+                          f"{' '.join(f'{x:.2f}' for x in row['chain'])}", flush=True)
         results["heads"][str(path)] = {"info": {k: v for k, v in head.info.items() if k != "train_config"},
                                        "train_config": head.info.get("train_config"), "workloads": rows}
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=1, default=str))
+
+
+def sampled_rows(head, embed, lm_head, sequences, args) -> dict:
+    """sampled_acceptance over a workload's replies -> {ratio or "greedy": per-pass mean, chain estimate}."""
+    parts = [sampled_acceptance(head, embed, lm_head, ids, features[:, -head.feature_width :], num_prompt,
+                                args.depth, args.temperature, args.top_p, args.draft_temperatures)
+             for ids, features, num_prompt in sequences if len(ids) - 1 > num_prompt]
+    rows = {}
+    for r in [*args.draft_temperatures, "greedy"]:
+        alpha = torch.cat([part[r] for part in parts])
+        rows[str(r)] = {"per_pass": [round(float(x), 4) for x in alpha.nanmean(0)],
+                        "chain": chain_estimate(alpha, args.depth)}
+    return rows
 
 
 if __name__ == "__main__":
