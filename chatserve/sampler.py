@@ -14,7 +14,7 @@ from spec.proposer import one_hot_draft_probs
 from spec.sampling import (apply_logit_bias, apply_presence_frequency_penalties, apply_repetition_penalty,
                            argmax_rows, logits_to_probs, mask_logits, row_probs, RowDistribution, sample_from_probs,
                            token_logprobs, uniform_noise)
-from spec.verify import rejection_sample, rejection_sample_rows, verify_greedy, verify_greedy_row
+from spec.verify import rejection_sample, rejection_sample_rows, verify_greedy_row
 
 
 class Sampler:
@@ -42,7 +42,7 @@ class Sampler:
         draft_probs: [k, vocab] or None (one-hot). -> (emitted tokens, num accepted)."""
         k = len(drafts)
         logits = self._constrain(req, self._penalize(req, rows, drafts), drafts)
-        if req.params.is_greedy and logits.device.type == "cpu":
+        if req.params.is_greedy:
             emitted = verify_greedy_row(drafts, argmax_rows(logits).tolist())
             self._keep_logprobs(req, logits, None, emitted)
             return emitted, len(emitted) - 1
@@ -52,22 +52,17 @@ class Sampler:
             return rejection_sample_rows(drafts, lambda i: self.row_probs(req, logits[i]), draft_probs,
                                          self._uniforms(req, k + 1))
         draft_ids = torch.tensor([drafts], dtype=torch.long)  # [1, k]
-        num_drafts = torch.tensor([k])
-        target_probs = None
-        if req.params.is_greedy:
-            out, num_accepted = verify_greedy(draft_ids, num_drafts, argmax_rows(logits).unsqueeze(0))
-        else:
-            target_probs = self.probs(req, logits).unsqueeze(0)  # [1, k + 1, vocab]
-            vocab = target_probs.shape[-1]
-            if draft_probs is None:
-                draft_probs = one_hot_draft_probs(draft_ids, vocab)[0]
-            draft_probs = _fit_vocab(draft_probs, vocab).unsqueeze(0)  # [1, k, vocab]
-            uniform = uniform_noise(1, k + 1, [req.generator])  # k acceptance tests, then the sampled token
-            out, num_accepted = rejection_sample(draft_ids, num_drafts, draft_probs, target_probs, uniform[:, :k],
-                                                 uniform[:, k])
+        target_probs = self.probs(req, logits).unsqueeze(0)  # [1, k + 1, vocab]
+        vocab = target_probs.shape[-1]
+        if draft_probs is None:
+            draft_probs = one_hot_draft_probs(draft_ids, vocab)[0]
+        draft_probs = _fit_vocab(draft_probs, vocab).unsqueeze(0)  # [1, k, vocab]
+        uniform = uniform_noise(1, k + 1, [req.generator])  # k acceptance tests, then the sampled token
+        out, num_accepted = rejection_sample(draft_ids, torch.tensor([k]), draft_probs, target_probs, uniform[:, :k],
+                                             uniform[:, k])
         n = int(num_accepted[0])
         emitted = out[0, : n + 1].tolist()
-        self._keep_logprobs(req, logits, None if target_probs is None else target_probs[0], emitted)
+        self._keep_logprobs(req, logits, target_probs[0], emitted)
         return emitted, n
 
     def draw(self, req: Request, probs: torch.Tensor) -> int:

@@ -1,10 +1,9 @@
 """Hand-written verification cases (vLLM test_perfect_match / test_early_mismatch style)."""
 
+import pytest
 import torch
 
 from spec.proposer import Draft, one_hot_draft_probs
-import pytest
-
 from spec.verify import rejection_sample, verify_greedy, verify_greedy_row
 
 VOCAB_SIZE = 100
