@@ -325,7 +325,9 @@ def cmd_train_head(args) -> int:
                       seed=args.seed, unroll=args.unroll, feature_weight=args.feature_weight,
                       data_share=args.data_share, init=args.init, train_dtype=args.train_dtype,
                       data_batch=args.data_batch, feature_layers=_feature_layers(args.feature_layers),
-                      **{k: v for k, v in (("window", args.window), ("batch_tokens", args.batch_tokens)) if v})
+                      reply_only=args.loss_rows == "replies",
+                      **{k: v for k, v in (("window", args.window), ("batch_tokens", args.batch_tokens),
+                                            ("lr", args.lr)) if v})
     quantization = _quantization(args.quantization)
     dtype = _dtype(args.dtype, "cpu", quantization)
     engine = Engine(EngineConfig(
@@ -452,6 +454,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "to attend over; served, it attends over the whole conversation")
     t.add_argument("--batch-tokens", type=int, default=None,
                    help="positions per optimizer step (default 2048), in batch-tokens // window windows")
+    t.add_argument("--loss-rows", default="all", choices=["all", "replies"],
+                   help="positions the loss is taken over: all, or the replies' only (prompts stay context, "
+                        "as EAGLE's data masks the user's turns; a plain source file keeps all)")
+    t.add_argument("--lr", type=float, default=None,
+                   help="peak learning rate (default 3e-4): warm-up, then a cosine to a tenth over the run")
     t.add_argument("--feature-layers", nargs="+", default=None, metavar="LAYER",
                    help="the model layers a new head fuses as its input (EAGLE-3), or `final` for the final norm's "
                         "output alone (EAGLE-1); default: a resumed head's, else 2, L // 2 and L - 3")

@@ -72,6 +72,7 @@ class TrainConfig:
     unroll: int = 1  # passes of training-time test (EagleHead.forward_unrolled); 1 = EAGLE-1's training
     feature_weight: float = 1.0  # of the feature regression; 0 = the token loss alone (EAGLE-3)
     batch_tokens: int = 2048
+    reply_only: bool = False  # loss over reply positions only (prompts stay context); see batch_windows
     lr: float = 3e-4
     warmup_steps: int = 20
     min_lr_ratio: float = 0.1  # each run's lr follows a cosine from lr down to lr * this over its budget
@@ -193,10 +194,14 @@ def set_vocab(head: EagleHead, target, target_dir: Path, head_token_ids: torch.T
     head.head_token_ids = head_token_ids.long()
 
 
-def batch_windows(sequences: list[Sequence], num_windows: int, window: int, gen: torch.Generator):
+def batch_windows(sequences: list[Sequence], num_windows: int, window: int, gen: torch.Generator,
+                  reply_only: bool = False):
     """num_windows windows of up to `window` positions, sequences picked by length, padded at the
     end -> (features_in [B, W, width] f_{i-1}, token_ids [B, W] t_i, targets [B, W, width] f_i,
-    mask [B, W] bool); width is the data's (EagleHead.feature_width)."""
+    mask [B, W] bool: the rows the loss is taken over); width is the data's
+    (EagleHead.feature_width). reply_only: a prompt's positions are context, not loss rows, in a
+    sequence with a reply (a plain source has none: all its rows stay), as EAGLE's data masks the
+    user's turns: served, the head drafts replies."""
     lengths = torch.tensor([len(s.token_ids) for s in sequences], dtype=torch.float)
     hidden = sequences[0].features.shape[1]
     features_in = torch.zeros(num_windows, window, hidden)
@@ -206,13 +211,15 @@ def batch_windows(sequences: list[Sequence], num_windows: int, window: int, gen:
     for b, i in enumerate(torch.multinomial(lengths, num_windows, replacement=True, generator=gen).tolist()):
         seq = sequences[i]
         n = len(seq.token_ids)
-        start = int(torch.randint(max(n - window, 0) + 1, (1,), generator=gen))
+        replies = reply_only and seq.num_prompt_tokens < n  # loss rows from the reply's first on
+        low = min(max(seq.num_prompt_tokens - window + 1, 0), max(n - window, 0)) if replies else 0
+        start = low + int(torch.randint(max(n - window, 0) - low + 1, (1,), generator=gen))  # a loss row in it
         w = min(window, n - start)
         token_ids[b, :w] = seq.token_ids[start : start + w]
         targets[b, :w] = seq.features[start : start + w].float()
         lo = max(start - 1, 0)
         features_in[b, lo - start + 1 : w] = seq.features[lo : start + w - 1].float()  # row 0 at start 0: zeros
-        mask[b, :w] = True
+        mask[b, max(seq.num_prompt_tokens - start, 0) if replies else 0 : w] = True
     return features_in, token_ids, targets, mask
 
 
@@ -321,6 +328,8 @@ def loss_fn(head: EagleHead, embed, features_in, token_ids, targets, mask, noise
     for s, y in enumerate(outs):
         rows = mask.clone()
         rows[:, :s] = False  # a chain's (s+1)-th row needs its anchor inside the window
+        if s > 0 and not rows.any():  # reply_only: replies this short in every window
+            continue
         predicted = F.rms_norm(y.float(), head.norm.weight.shape, head.norm.weight, head.norm.eps)[rows]  # [rows, hidden]
         logp = F.log_softmax(F.linear(predicted, lm_weight).float(), -1)  # [rows, kept]
         feature_loss = F.smooth_l1_loss(predicted, targets[rows])
@@ -368,7 +377,8 @@ def train(head: EagleHead, embed, sequences: list[Sequence], cfg: TrainConfig, s
             group["lr"] = cfg.lr * lr_scale(cfg, state["step"], done)
         with torch.enable_grad():
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=use_bf16):
-                loss, metrics = loss_fn(head, embed, *batch_windows(sequences, num_windows, cfg.window, gen),
+                loss, metrics = loss_fn(head, embed, *batch_windows(sequences, num_windows, cfg.window, gen,
+                                                                         cfg.reply_only),
                                         noise_gen=gen, unroll=cfg.unroll, lm_weight=lm_weight,
                                         feature_weight=cfg.feature_weight)
             opt.zero_grad(set_to_none=True)

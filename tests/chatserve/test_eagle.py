@@ -410,6 +410,39 @@ def test_feature_weight_zero_leaves_the_feature_regression_out_of_the_loss(tiny_
     assert not torch.allclose(head.fc.weight.grad, by_tokens)
 
 
+def test_reply_only_windows_take_the_loss_over_replies_and_keep_the_prompt_as_context():
+    """batch_windows(reply_only=True): a window of a prompted sequence holds at least one reply
+    row, and its loss rows are exactly its reply positions (the prompt's tokens and features are
+    still in it); a plain source keeps every row; without the flag, the windows are the ones
+    every earlier run drew (same starts from the same generator)."""
+    width, window = 3, 16
+    lengths, prompts = [40, 40, 12, 30], [30, 5, 4, 30]  # the last: a plain source, no reply
+    sequences = [Sequence(torch.arange(n) + 100 * i, torch.arange(n * width, dtype=torch.float).view(n, width) + i,
+                          p) for i, (n, p) in enumerate(zip(lengths, prompts))]
+    features_in, ids, targets, mask = batch_windows(sequences, 400, window, torch.Generator().manual_seed(0),
+                                                    reply_only=True)
+    assert mask.any(1).all()
+    for b in range(len(ids)):
+        seq = sequences[int(ids[b, 0]) // 100]
+        start = int(ids[b, 0]) % 100
+        w = min(window, len(seq.token_ids) - start)
+        assert torch.equal(targets[b, :w], seq.features[start : start + w])  # the prompt's rows still in it
+        loss_rows = torch.arange(start, start + window)
+        expected = loss_rows < start + w
+        if seq.num_prompt_tokens < len(seq.token_ids):
+            expected &= loss_rows >= seq.num_prompt_tokens
+        assert torch.equal(mask[b], expected), (b, start)
+    starts = {int(ids[b, 0]) for b in range(len(ids)) if int(ids[b, 0]) // 100 == 0}
+    assert min(starts) == 30 - window + 1  # sequence 0's earliest window ends at its first reply row
+    plain = batch_windows(sequences, 400, window, torch.Generator().manual_seed(0))
+    assert plain[3].sum() > mask.sum()  # the prompts' rows are loss rows again
+    gen = torch.Generator().manual_seed(0)  # the windows earlier runs drew: the same starts
+    picks = torch.multinomial(torch.tensor(lengths, dtype=torch.float), 400, replacement=True, generator=gen)
+    for b, i in enumerate(picks.tolist()):
+        start = int(torch.randint(max(lengths[i] - window, 0) + 1, (1,), generator=gen))
+        assert int(plain[1][b, 0]) == 100 * i + start
+
+
 @pytest.fixture(scope="module")
 def oracle(tmp_path_factory):
     """(one-layer target dir, head path): fc passes the token's embedding through and ignores the
@@ -745,8 +778,9 @@ def test_train_head_command_saves_by_weight_hash_and_resumes(tiny_llama_dir, tmp
     assert 1.0 <= second["last_val_accepted"] <= 1.0 + VAL_DEPTH
     # resumed without --head-vocab-size: the head keeps its size (not the default's 32768)
     no_size = [a for a in args if a not in ("--head-vocab-size", "100")]
-    # (and in windows of another size: the flags reach the training loop)
-    assert main([*no_size, "--data-share", "0", "--max-steps", "5", "--window", "24", "--batch-tokens", "72"]) == 0
+    # (and in windows of another size, at another lr, the loss over replies: the flags reach the training loop)
+    assert main([*no_size, "--data-share", "0", "--max-steps", "5", "--window", "24", "--batch-tokens", "72",
+                 "--lr", "1e-3", "--loss-rows", "replies"]) == 0
     resumed = torch.load(path.with_name("eagle-head-checkpoint.pt"), weights_only=True)["head"]
     assert len(resumed["head_token_ids"]) == len(ids)
     # --data-share 1: the whole budget collects (another round), nothing is trained or written
