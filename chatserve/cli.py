@@ -453,12 +453,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="positions of each training window (default 256): the context the head's layer learns "
                         "to attend over; served, it attends over the whole conversation")
     t.add_argument("--batch-tokens", type=int, default=None,
-                   help="positions per optimizer step (default 2048), in batch-tokens // window windows")
+                   help="positions per optimizer step (default 512), in batch-tokens // window windows")
     t.add_argument("--loss-rows", default="all", choices=["all", "replies"],
                    help="positions the loss is taken over: all, or the replies' only (prompts stay context, "
-                        "as EAGLE's data masks the user's turns; a plain source file keeps all)")
+                        "as EAGLE's data masks the user's turns; a plain source file keeps all; on SmolLM2 "
+                        "its head drafted worse: the prompts' rows teach it what replies copy)")
     t.add_argument("--lr", type=float, default=None,
-                   help="peak learning rate (default 3e-4): warm-up, then a cosine to a tenth over the run")
+                   help="peak learning rate (default 6e-4): warm-up, then a cosine to a tenth over the run")
     t.add_argument("--feature-layers", nargs="+", default=None, metavar="LAYER",
                    help="the model layers a new head fuses as its input (EAGLE-3), or `final` for the final norm's "
                         "output alone (EAGLE-1); default: a resumed head's, else 2, L // 2 and L - 3")

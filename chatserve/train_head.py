@@ -71,9 +71,11 @@ class TrainConfig:
     window: int = 256
     unroll: int = 1  # passes of training-time test (EagleHead.forward_unrolled); 1 = EAGLE-1's training
     feature_weight: float = 1.0  # of the feature regression; 0 = the token loss alone (EAGLE-3)
-    batch_tokens: int = 2048
+    # 512 positions at lr 6e-4: on SmolLM2 (docs/benchmarks.md "Session 42") 4x the optimizer steps for
+    # the same compute, and a better head than 2048 at 3e-4 given 1.5x the positions
+    batch_tokens: int = 512
     reply_only: bool = False  # loss over reply positions only (prompts stay context); see batch_windows
-    lr: float = 3e-4
+    lr: float = 6e-4
     warmup_steps: int = 20
     min_lr_ratio: float = 0.1  # each run's lr follows a cosine from lr down to lr * this over its budget
     seed: int = 0
