@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from chatserve.catalog import DEFAULT_DRAFT, DEFAULT_TARGET, cache_dir
+from chatserve.catalog import DEFAULT_DRAFT, DEFAULT_TARGET, local_model_dir
 from chatserve.config import EngineConfig
 from chatserve.engine import Engine
 from chatserve.sampling_params import SamplingParams
@@ -24,11 +24,8 @@ TOOLS = parse_tools([{"type": "function", "function": {
 CHAT = [{"role": "user", "content": "What's the weather in Paris?"}]
 
 
-def _cached(name: str) -> bool:
-    return (cache_dir() / "models" / name / "config.json").exists()
-
-
-MODELS = [DEFAULT_DRAFT, DEFAULT_TARGET] if _cached(DEFAULT_TARGET) else [DEFAULT_DRAFT]  # 0.5B fetched if missing
+# the 0.5B fetched if missing; the 1.5B only if pulled already
+MODELS = [DEFAULT_DRAFT] + ([DEFAULT_TARGET] if local_model_dir(DEFAULT_TARGET) is not None else [])
 
 
 @pytest.fixture(scope="module", params=MODELS)
