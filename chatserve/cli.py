@@ -323,6 +323,7 @@ def cmd_train_head(args) -> int:
     cfg = TrainConfig(minutes=args.minutes, max_steps=args.max_steps, max_data_tokens=args.max_data_tokens,
                       reply_tokens=args.reply_tokens, head_vocab_size=args.head_vocab_size, fresh=args.fresh,
                       seed=args.seed, unroll=args.unroll, feature_weight=args.feature_weight,
+                      greedy_weight=args.greedy_weight,
                       data_share=args.data_share, init=args.init, train_dtype=args.train_dtype,
                       data_batch=args.data_batch, feature_layers=_feature_layers(args.feature_layers),
                       reply_only=args.loss_rows == "replies",
@@ -449,6 +450,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--feature-weight", type=float, default=1.0,
                    help="weight of the feature regression beside the token loss (EAGLE); 0 = the token loss alone "
                         "(EAGLE-3: the head's feature only serves its tokens), best with --unroll")
+    t.add_argument("--greedy-weight", type=float, default=0.0,
+                   help="weight of a cross-entropy on the model's top token beside the soft one over its "
+                        "distribution (T = 0 accepts exactly that token); 0 = the soft one alone")
     t.add_argument("--window", type=int, default=None,
                    help="positions of each training window (default 256): the context the head's layer learns "
                         "to attend over; served, it attends over the whole conversation")

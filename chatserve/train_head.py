@@ -71,6 +71,7 @@ class TrainConfig:
     window: int = 256
     unroll: int = 1  # passes of training-time test (EagleHead.forward_unrolled); 1 = EAGLE-1's training
     feature_weight: float = 1.0  # of the feature regression; 0 = the token loss alone (EAGLE-3)
+    greedy_weight: float = 0.0  # of the cross-entropy on the target's top token, beside the soft one (loss_fn)
     # 512 positions at lr 6e-4: on SmolLM2 (docs/benchmarks.md "Session 42") 4x the optimizer steps for
     # the same compute, and a better head than 2048 at 3e-4 given 1.5x the positions
     batch_tokens: int = 512
@@ -305,7 +306,7 @@ def validate_chain(head: EagleHead, embed, sequences: list[Sequence], depth: int
 
 
 def loss_fn(head: EagleHead, embed, features_in, token_ids, targets, mask, noise_gen=None, unroll: int = 1,
-            lm_weight: torch.Tensor | None = None, feature_weight: float = 1.0):
+            lm_weight: torch.Tensor | None = None, feature_weight: float = 1.0, greedy_weight: float = 0.0):
     """-> (loss, metrics): EAGLE's feature regression (x feature_weight) + 0.1 x token cross-entropy
     over the valid rows. feature_weight 0 is EAGLE-3's loss: the head's feature is only what its
     tokens need (it still feeds the next draft of a chain, which --unroll trains). unroll > 1 adds
@@ -315,7 +316,11 @@ def loss_fn(head: EagleHead, embed, features_in, token_ids, targets, mask, noise
     the softmaxes and the losses stay float32 (the .float() calls, no-ops in float32).
     lm_weight: the frozen LM head's weight as the matmuls take it (train() casts it to bf16 once:
     autocast re-casts a weight that needs no gradient at every use, 25M values three times a step);
-    default head.lm_head.weight."""
+    default head.lm_head.weight.
+    greedy_weight adds that many times the cross-entropy on the target's top token ("greedy"): at T = 0 a
+    draft is accepted when it is that token, so -log q(top) is the log of a greedy draft's acceptance, where
+    the soft cross-entropy (forward KL) also spends a small head's capacity on the target's tail (LK losses,
+    Samarin et al. 2026, make the same argument at T = 1)."""
     lm_weight = head.lm_head.weight if lm_weight is None else lm_weight
     targets = head.target_features(targets)  # the final feature (features_in stay raw: the head fuses them)
     if noise_gen is not None:
@@ -336,10 +341,14 @@ def loss_fn(head: EagleHead, embed, features_in, token_ids, targets, mask, noise
         logp = F.log_softmax(F.linear(predicted, lm_weight).float(), -1)  # [rows, kept]
         feature_loss = F.smooth_l1_loss(predicted, targets[rows])
         token_loss = -(target_p[rows] * logp).sum(-1).mean()
-        loss = loss + UNROLL_DECAY**s * (feature_weight * feature_loss + CE_WEIGHT * token_loss)
+        greedy_loss = -logp.gather(-1, target_top1[rows][:, None]).mean() if greedy_weight else 0.0
+        token_part = CE_WEIGHT * (token_loss + greedy_weight * greedy_loss)
+        loss = loss + UNROLL_DECAY**s * (feature_weight * feature_loss + token_part)
         agree = float((logp.detach().argmax(-1) == target_top1[rows]).float().mean())
         if s == 0:
             metrics = {"feature": float(feature_loss.detach()), "token": float(token_loss.detach()), "top1": agree}
+            if greedy_weight:
+                metrics["greedy"] = float(greedy_loss.detach())
         else:
             metrics[f"top1_{s}"] = agree
     return loss, {"loss": float(loss.detach()), **metrics}
@@ -382,7 +391,7 @@ def train(head: EagleHead, embed, sequences: list[Sequence], cfg: TrainConfig, s
                 loss, metrics = loss_fn(head, embed, *batch_windows(sequences, num_windows, cfg.window, gen,
                                                                          cfg.reply_only),
                                         noise_gen=gen, unroll=cfg.unroll, lm_weight=lm_weight,
-                                        feature_weight=cfg.feature_weight)
+                                        feature_weight=cfg.feature_weight, greedy_weight=cfg.greedy_weight)
             opt.zero_grad(set_to_none=True)
             loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 0.5)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from chatserve.batch import BatchItem
 from chatserve.config import EngineConfig, SpecConfig
@@ -410,6 +411,35 @@ def test_feature_weight_zero_leaves_the_feature_regression_out_of_the_loss(tiny_
     assert not torch.allclose(head.fc.weight.grad, by_tokens)
 
 
+def test_greedy_weight_adds_the_cross_entropy_on_the_targets_top_token(tiny_llama_dir):
+    """greedy_weight w adds w x -log q(the target's top token) to the token loss, the log of a greedy
+    draft's acceptance, computed here from the head's own forward; at 0 the loss is the soft one."""
+    engine = make_engine(tiny_llama_dir, method=None)
+    tok, target = engine.tokenizer, engine.models.target
+    sequences = [Sequence(torch.tensor(ids), target_features(engine, ids), 0) for ids in map(tok.encode, PROMPTS)]
+    head = new_head(target, tiny_llama_dir, engine.max_model_len,
+                    choose_vocab(sequences, target.vocab_size, 200, tok.special_token_ids), seed=0)
+    features_in, token_ids, targets, mask = batch_windows(sequences, 4, 16, torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        y = head.forward_dense(features_in, target.embed_tokens(token_ids).float())
+        predicted = F.rms_norm(y, head.norm.weight.shape, head.norm.weight, head.norm.eps)[mask]
+        top = F.linear(head.target_features(targets), head.lm_head.weight).argmax(-1)[mask]
+        expected = float(F.cross_entropy(F.linear(predicted, head.lm_head.weight), top))
+    soft = loss_fn(head, target.embed_tokens, features_in, token_ids, targets, mask, feature_weight=0.0)[1]
+    both = loss_fn(head, target.embed_tokens, features_in, token_ids, targets, mask, feature_weight=0.0,
+                   greedy_weight=2.0)[1]
+    assert "greedy" not in soft and both["greedy"] == pytest.approx(expected, rel=1e-5)
+    assert both["token"] == pytest.approx(soft["token"], rel=1e-6)
+    assert both["loss"] == pytest.approx(soft["loss"] + th.CE_WEIGHT * 2.0 * expected, rel=1e-5)
+    head.zero_grad()
+    loss_fn(head, target.embed_tokens, features_in, token_ids, targets, mask, feature_weight=0.0)[0].backward()
+    by_soft = head.fc.weight.grad.clone()
+    head.zero_grad()
+    loss_fn(head, target.embed_tokens, features_in, token_ids, targets, mask, feature_weight=0.0,
+            greedy_weight=2.0)[0].backward()
+    assert not torch.allclose(head.fc.weight.grad, by_soft)
+
+
 def test_reply_only_windows_take_the_loss_over_replies_and_keep_the_prompt_as_context():
     """batch_windows(reply_only=True): a window of a prompted sequence holds at least one reply
     row, and its loss rows are exactly its reply positions (the prompt's tokens and features are
@@ -778,9 +808,10 @@ def test_train_head_command_saves_by_weight_hash_and_resumes(tiny_llama_dir, tmp
     assert 1.0 <= second["last_val_accepted"] <= 1.0 + VAL_DEPTH
     # resumed without --head-vocab-size: the head keeps its size (not the default's 32768)
     no_size = [a for a in args if a not in ("--head-vocab-size", "100")]
-    # (and in windows of another size, at another lr, the loss over replies: the flags reach the training loop)
+    # (and in windows of another size, at another lr, the loss over replies, with the greedy term: the flags reach
+    # the training loop)
     assert main([*no_size, "--data-share", "0", "--max-steps", "5", "--window", "24", "--batch-tokens", "72",
-                 "--lr", "1e-3", "--loss-rows", "replies"]) == 0
+                 "--lr", "1e-3", "--loss-rows", "replies", "--greedy-weight", "0.5"]) == 0
     resumed = torch.load(path.with_name("eagle-head-checkpoint.pt"), weights_only=True)["head"]
     assert len(resumed["head_token_ids"]) == len(ids)
     # --data-share 1: the whole budget collects (another round), nothing is trained or written
