@@ -84,6 +84,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--fixed-k", type=int, nargs="*", default=[],
                     help="also the head with adaptive k off at these chain lengths (eagle-k1, ...)")
+    ap.add_argument("--no-stop", action="store_true",
+                    help="also the head with its chains run to adaptive k, not stopped on its confidence "
+                         "(eagle-nostop: SpecConfig.confidence_stop off)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     torch.set_num_threads(2)
@@ -94,6 +97,9 @@ def main() -> None:
     common = dict(model=args.model, dtype="float32", quantization=args.quantization, kv_cache_memory=1 << 30,
                   kv_cache_dtype=_kv_cache_dtype("auto", "cpu", "float32"))
     configs = {"off": None, "eagle": SpecConfig(method="eagle", eagle_head=args.eagle_head, suffix_corpus_tokens=0)}
+    if args.no_stop:
+        configs["eagle-nostop"] = SpecConfig(method="eagle", eagle_head=args.eagle_head, suffix_corpus_tokens=0,
+                                             confidence_stop=False)
     for k in args.fixed_k:
         configs[f"eagle-k{k}"] = SpecConfig(method="eagle", eagle_head=args.eagle_head, suffix_corpus_tokens=0,
                                             adaptive=False, num_draft_tokens=k)

@@ -21,7 +21,7 @@ from chatserve.sampler import Sampler
 from chatserve.scheduler import ScheduledSeq
 from chatserve.spec_costs import MAX_ROWS, ObservedForwards, SpecCosts, assumed_spec_costs, measure_spec_costs
 from chatserve.spec_methods import SPEC_METHODS, Offer, SpecMethod, SpecState
-from spec.adaptive import AdaptiveDraftLength, allocate_drafts, step_seconds
+from spec.adaptive import AdaptiveDraftLength, allocate_drafts, least_draft_gain, step_seconds
 from spec.stats import SpecStats
 
 # With draft_catch_up "decode": a catch-up chunk may add this share to the time of a step
@@ -116,7 +116,7 @@ class SpecRunner:
         for req in running:
             req.num_lookahead_tokens = 0
             if req.spec is not None:
-                req.spec.offer, req.spec.num_catch_up_tokens = None, 0
+                req.spec.offer, req.spec.num_catch_up_tokens, req.spec.least_gain = None, 0, 0.0
         decodes = [r for r in running if r.spec is not None and not r.is_prefilling]
         budget = self._catch_up_budget(len(decodes))
         priced: list[tuple[Request, list[Offer | None]]] = []
@@ -182,10 +182,12 @@ class SpecRunner:
                              self._max_step_seconds([r for r, _ in priced], target(len(priced))))
         ks = [self._probe_k(req, offer, k) for (req, _), offer, k in zip(priced, offers, ks)]
         price = step_seconds(ks, target, draft, runs_model, setup)
+        least_gain = least_draft_gain(target, draft, len(priced), sum(ks)) if self.config.confidence_stop else 0.0
         for req, _ in priced:
             req.spec.recent_steps.append(price)
         for (req, _), offer, k in zip(priced, offers, ks):
             req.spec.offer = offer if k else None
+            req.spec.least_gain = least_gain if k else 0.0
             req.num_lookahead_tokens = k
             for method in req.spec.methods:
                 self._controller(req, method).allocated(k if offer is not None and offer.method is method else 0)

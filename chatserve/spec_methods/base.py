@@ -62,6 +62,9 @@ class SpecState:
     # the prices (SpecCosts) of its latest steps: what its client waits between deltas
     recent_steps: deque = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))
     tokens: TokenArray = field(default_factory=TokenArray)  # its token_ids as int64, for the lookup methods
+    # a chain drafted by a method that knows its confidence stops once the probability that all its
+    # drafts so far are accepted falls below this (0: never; set by plan for adaptive requests)
+    least_gain: float = 0.0
 
     @property
     def method(self) -> SpecMethod:

@@ -577,6 +577,9 @@ def test_adaptive_k_prices_the_heads_steps(oracle):
 
     model_dir, head_path = oracle
     engine = make_engine(model_dir, head_path, adaptive=True)
+    # the pricing alone: the oracle is always right yet unsure (the random target's flat softmax),
+    # so its chains would stop on their confidence
+    engine.spec.config = dataclasses.replace(engine.spec.config, confidence_stop=False)
     measured = engine.spec.costs
     assert measured.head_seconds and all(t > 0 for t in measured.head_seconds.values())
     assert min(measured.head_seconds) == 1 and not measured.draft_seconds
@@ -602,6 +605,9 @@ def test_greedy_output_is_equal_over_turns(tiny_llama_dir, any_head, conversatio
     engine = make_engine(tiny_llama_dir, any_head, adaptive=adaptive)
     if adaptive:
         engine.spec.costs = FIXED_COSTS  # the tiny model's measured costs are noise on a busy machine
+        # chains run to their k: stopped on the tiny head's confidence, the few drafts kept are all
+        # accepted (test_a_greedy_chain_stops_... holds output equal with the stop)
+        engine.spec.config = dataclasses.replace(engine.spec.config, confidence_stop=False)
     outs = []
     for turn, (prompt, expected) in enumerate(conversation):
         outs.append(engine.generate([prompt], GREEDY)[0])
@@ -614,6 +620,79 @@ def test_greedy_output_is_equal_over_turns(tiny_llama_dir, any_head, conversatio
     assert [o["token_ids"] for o in outs[3:]] == [o["token_ids"] for o in plain.generate(prompts, GREEDY)]
     drafted, accepted = (sum(getattr(o["stats"], name) for o in outs) for name in ("num_drafted", "num_accepted"))
     assert drafted > accepted > 0  # both sides of verification
+    assert_pool_empty(engine)
+
+
+def test_a_greedy_chain_stops_where_the_heads_probability_of_it_falls_below_a_drafts_cost(
+        tiny_llama_dir, trained_head, monkeypatch):
+    """Adaptive greedy drafting keeps the drafts of a chain while the head's probability of the
+    whole chain (the product of its softmax probabilities of each draft) is at least what one more
+    draft costs (least_draft_gain, set here): a chain cut short stops at the first draft that
+    would bring it below. At 0 every chain runs to its k; above 1 nothing is drafted; a sampled
+    request's chain runs to its k whatever the cost, and so does every chain with
+    SpecConfig.confidence_stop off. Output equals speculation off throughout."""
+    import chatserve.spec_methods.eagle as eagle_module
+    import chatserve.spec_runner as spec_runner
+    from chatserve.spec_costs import SpecCosts
+
+    engine = make_engine(tiny_llama_dir, trained_head, adaptive=True)
+    engine.spec.costs = SpecCosts({r: 1.0 + 0.01 * (r - 1) for r in range(1, 65)}, {},
+                                  head_seconds={r: 0.01 for r in range(1, 17)})
+    method = engine.spec.methods["eagle"]
+    calls, probs = [], []
+    top_probs, propose = eagle_module._top_probs, method.propose
+
+    def recorded_top_probs(logits, best):
+        probs[-1].append(top_probs(logits, best))
+        return probs[-1][-1]
+
+    def recorded_propose(reqs, ks):
+        probs.append([])
+        propose(reqs, ks)
+        calls.append((ks, [len(r.draft_token_ids) for r in reqs], [r.params.is_greedy for r in reqs],
+                      [r.spec.least_gain for r in reqs]))
+
+    monkeypatch.setattr(eagle_module, "_top_probs", recorded_top_probs)
+    monkeypatch.setattr(method, "propose", recorded_propose)
+    plain = make_engine(tiny_llama_dir, method=None)
+    prompts = [engine.tokenizer.encode(p) for p in PROMPTS[:4]]
+    expected = [o["token_ids"] for o in plain.generate(prompts, GREEDY)]
+    drafted, firsts = {}, []
+    for least in (0.0, 1e-9, "median", 1.01):
+        if least == "median":  # of the first drafts' probabilities: some chains cut there, some go on
+            least = float(torch.tensor(firsts).median())
+        monkeypatch.setattr(spec_runner, "least_draft_gain", lambda *args, least=least: least)
+        calls.clear()
+        probs.clear()
+        for prompt, want in zip(prompts, expected):  # one at a time: a call's probabilities are one chain's
+            assert engine.generate([prompt], GREEDY)[0]["token_ids"] == want
+        drafted[least] = [(k, d) for ks, ds, _, _ in calls for k, d in zip(ks, ds)]
+        assert all(gains == [least] for _, _, _, gains in calls)
+        cut = 0
+        for (ks, (d,), _, _), chain in zip(calls, probs):
+            if least == 0.0:
+                assert chain == [] and d == ks[0]  # never asked
+                continue
+            product = torch.tensor([p for (p,) in chain]).cumprod(0)
+            assert len(chain) == min(d + 1, ks[0])  # a head step for each draft and the one cut
+            assert bool((product[:d] >= least).all())
+            assert d == ks[0] or float(product[d]) < least
+            cut += d < ks[0]
+        if least == 1e-9:
+            firsts = [chain[0][0] for chain in probs]
+            assert all(d == k for k, d in drafted[least])
+        elif 0 < least < 1:
+            assert cut > 0 and sum(d for _, d in drafted[least]) > 0, (least, drafted[least])
+    assert all(d == 0 for _, d in drafted[1.01]) and len(drafted[1.01]) > 0
+    sampled = dataclasses.replace(GREEDY, temperature=0.8)
+    calls.clear()
+    engine.generate(prompts[:1], sampled)
+    assert any(d > 0 for ks, (d,), greedy, _ in calls if greedy == [False])
+    assert all(d == ks[0] for ks, (d,), _, _ in calls)
+    engine.spec.config = dataclasses.replace(engine.spec.config, confidence_stop=False)  # the switch
+    calls.clear()
+    assert engine.generate(prompts[:1], GREEDY)[0]["token_ids"] == expected[0]
+    assert calls and all(d == ks[0] and gains == [0.0] for ks, (d,), _, gains in calls)
     assert_pool_empty(engine)
 
 
