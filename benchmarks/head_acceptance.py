@@ -15,6 +15,12 @@ every position and an easy one at every (a + 1)-th. Walked is what serving measu
 31 head on code at k = 4: 1.86 walked, 1.88 served, 2.09 over every anchor).
 The head runs in float32 here; served, its weights are quantized like the target's.
 
+Where should a chain stop? Printed per workload: how well the head's softmax probability of its
+draft predicts that the draft is accepted (bins, for the first and second draft), and walked chains
+of up to `--depth` drafts stopped where the product of those probabilities falls below each
+`--stop-at` value, as served greedy chains stop (SpecState.least_gain): tokens, drafts and head steps
+a verification.
+
 Would a draft tree pay? `--top 4` also counts how often the target's token is among the head's
 first 2..4 candidates at the first position, and with `--verify-costs` (the JSON of
 benchmarks/verify_rows.py: one target forward over 1..5 rows, measured) prints, per workload, the
@@ -113,12 +119,13 @@ def sampled_acceptance(head, embed, lm_head, ids: torch.Tensor, features: torch.
     draft temperature ratio r, [anchors, depth] sum_x min(p, q_r) (nan past the reply), and "greedy":
     whether the head's argmax is the target's at those rows. p: lm_head over the target's final feature
     of the row, under (temperature, top_p); q_r: the head's kept logits under (temperature x r, top_p),
-    over the target's vocabulary."""
+    over the target's vocabulary; "sure": the head's softmax probability of its argmax (at T = 1), what a
+    served chain stops on."""
     feats_in = torch.cat((torch.zeros_like(features[:1]), features[:-1])).float()[None]
     passes = head.forward_unrolled(feats_in, embed(ids[None]).float(), depth)
     t = len(ids)
     anchors = torch.arange(num_prompt, t - 1)
-    out = {r: torch.full((len(anchors), depth), float("nan")) for r in [*ratios, "greedy"]}
+    out = {r: torch.full((len(anchors), depth), float("nan")) for r in [*ratios, "greedy", "sure"]}
     kept = head.head_token_ids
     for s, y in enumerate(passes):
         rows = anchors + s
@@ -130,6 +137,7 @@ def sampled_acceptance(head, embed, lm_head, ids: torch.Tensor, features: torch.
         for r in ratios:
             out[r][ok, s] = torch.minimum(p, probs(head_logits, temperature * r, top_p)).sum(-1)
         out["greedy"][ok, s] = (kept[head_logits.argmax(-1)] == target_logits.argmax(-1)).float()
+        out["sure"][ok, s] = head_logits.softmax(-1).amax(-1)
     return out
 
 
@@ -152,6 +160,44 @@ def walked_length(hits: list[torch.Tensor], k: int) -> float:
         while p < len(accepted):
             tokens, steps, p = tokens + accepted[p] + 1, steps + 1, p + accepted[p] + 1
     return tokens / steps if steps else float("nan")
+
+
+def walked_stopped(hits: list[torch.Tensor], sure: list[torch.Tensor], cap: int, least: float) -> tuple[float, ...]:
+    """walked_length for chains that stop as served greedy chains do (EagleMethod.propose): up to
+    `cap` drafts while the product of the head's probabilities of them (sure[i], chain_hits) stays
+    >= least. -> (tokens, drafts, head steps) per verification; a head step is paid for each draft
+    and for the one cut."""
+    tokens = steps = drafts = head_steps = 0
+    for reply, probs in zip(hits, sure):
+        accepted = reply[:, :cap].sum(1).tolist()
+        kept = (probs[:, :cap].cumprod(dim=1) >= least).sum(1).tolist()  # a product only falls: a prefix
+        p = 0
+        while p < len(accepted):
+            a = min(accepted[p], kept[p])
+            tokens, steps, drafts = tokens + a + 1, steps + 1, drafts + kept[p]
+            head_steps += min(kept[p] + 1, cap)
+            p += a + 1
+    return tokens / steps, drafts / steps, head_steps / steps
+
+
+def calibration(hits: torch.Tensor, sure: torch.Tensor, passes: int = 2) -> list[list[tuple]]:
+    """[chains, depth] hits and head probabilities -> per pass s < passes, bins of the probability:
+    (low, high, drafts, mean probability, share accepted), pass s > 0 over the chains whose first s
+    drafts held (a served chain's later drafts are made only then)."""
+    out = []
+    for s in range(passes):
+        given = torch.ones(len(hits), dtype=torch.bool) if s == 0 else hits[:, s - 1].bool()
+        bins = []
+        for low, high in CALIBRATION_BINS:
+            m = given & (sure[:, s] >= low) & (sure[:, s] < high)
+            if m.any():
+                bins.append((low, high, int(m.sum()), round(float(sure[m, s].mean()), 3),
+                             round(float(hits[m, s].float().mean()), 3)))
+        out.append(bins)
+    return out
+
+
+CALIBRATION_BINS = ((0.0, 0.2), (0.2, 0.4), (0.4, 0.6), (0.6, 0.8), (0.8, 0.9), (0.9, 1.01))
 
 
 def chain_or_tree(first_s_right: list[float], top_n: list[float], target_ms: list[float], head_ms: float) -> dict:
@@ -184,6 +230,9 @@ def main() -> None:
                     help="benchmarks/verify_rows.py JSON: estimate chain against tree speed-ups from its forward times")
     ap.add_argument("--context", type=int, default=1024, help="which context of --verify-costs to use")
     ap.add_argument("--head-step-ms", type=float, default=3.6, help="one head draft step (session 17, Qwen 1.5B)")
+    ap.add_argument("--stop-at", type=float, nargs="*", default=[0.05, 0.1, 0.15, 0.2, 0.3],
+                    help="also walk chains of up to --depth drafts stopped where the head's probability of "
+                         "the chain falls below each of these (as served greedy chains stop)")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="> 0: replies sampled at it, and a sampled draft's expected acceptance measured")
     ap.add_argument("--top-p", type=float, default=1.0)
@@ -218,20 +267,33 @@ def main() -> None:
         for kind, sequences in data.items():
             both = [chain_hits(head, embed, ids, features[:, -head.feature_width :], num_prompt, args.depth, args.top)
                     for ids, features, num_prompt in sequences]
-            hits = torch.cat([h for h, _ in both]).float()
+            hits = torch.cat([h for h, _, _ in both]).float()
+            sure = torch.cat([p for _, _, p in both])
             all_first = hits.mean(0)  # P(first s+1 drafts right)
-            top_n = torch.cat([c for _, c in both]).float().mean(0)  # P(first token among the first n)
+            top_n = torch.cat([c for _, c, _ in both]).float().mean(0)  # P(first token among the first n)
             mean_len = [1 + float(all_first[:k].sum()) for k in range(1, args.depth + 1)]
-            walked = [walked_length([h for h, _ in both], k) for k in range(1, args.depth + 1)]
+            walked = [walked_length([h for h, _, _ in both], k) for k in range(1, args.depth + 1)]
+            stopped = {least: [round(x, 3) for x in walked_stopped([h for h, _, _ in both], [p for _, _, p in both],
+                                                                   args.depth, least)]
+                       for least in args.stop_at}
             rows[kind] = {"chains": len(hits), "first_s_right": [round(float(x), 4) for x in all_first],
                           "mean_accepted_length": [round(x, 3) for x in mean_len],
                           "walked_accepted_length": [round(x, 3) for x in walked],
-                          "first_in_top_n": [round(float(x), 4) for x in top_n]}
+                          "first_in_top_n": [round(float(x), 4) for x in top_n],
+                          "stopped_walked": {str(least): dict(zip(("tokens", "drafts", "head_steps"), v))
+                                             for least, v in stopped.items()},
+                          "calibration": calibration(hits, sure)}
             print(f"{Path(path).name:30s} {kind:5s} chains {len(hits):5d}  first 1..{args.depth} right "
                   f"{' '.join(f'{x:.2f}' for x in all_first)}  mean accepted length k=1..{args.depth} "
                   f"{' '.join(f'{x:.2f}' for x in mean_len)} (walked {' '.join(f'{x:.2f}' for x in walked)})  "
                   f"first token in top 1..{args.top} "
                   f"{' '.join(f'{x:.2f}' for x in top_n)}", flush=True)
+            for s, bins in enumerate(rows[kind]["calibration"]):
+                print(f"{'':30s} {kind:5s} draft {s + 1} by the head's probability: "
+                      + "  ".join(f"[{lo:.1f}, {hi:.1f}) {n} at {p:.2f} accepted {a:.2f}" for lo, hi, n, p, a in bins))
+            for least, (tokens, drafts, steps) in stopped.items():
+                print(f"{'':30s} {kind:5s} walked, up to {args.depth} drafts stopped below {least}: "
+                      f"{tokens:.3f} tokens a verification, {drafts:.2f} drafts, {steps:.2f} head steps", flush=True)
             if target_ms:
                 est = chain_or_tree(rows[kind]["first_s_right"], rows[kind]["first_in_top_n"], target_ms,
                                     args.head_step_ms)
@@ -246,6 +308,10 @@ def main() -> None:
                           f"{'greedy agreement' if r == 'greedy' else f'at T x {r}':16s} per pass "
                           f"{' '.join(f'{x:.2f}' for x in row['per_pass'])}  chain k=1..{args.depth} "
                           f"{' '.join(f'{x:.2f}' for x in row['chain'])}", flush=True)
+                    for s, bins in enumerate(row.get("calibration", [])):
+                        print(f"{'':30s} {kind:5s} draft {s + 1} at T x {r}, acceptance by the head's probability: "
+                              + "  ".join(f"[{lo:.1f}, {hi:.1f}) {n} at {p:.2f} accepted {a:.2f}"
+                                          for lo, hi, n, p, a in bins), flush=True)
         results["heads"][str(path)] = {"info": {k: v for k, v in head.info.items() if k != "train_config"},
                                        "train_config": head.info.get("train_config"), "workloads": rows}
     if args.out:
@@ -263,6 +329,13 @@ def sampled_rows(head, embed, lm_head, sequences, args) -> dict:
         alpha = torch.cat([part[r] for part in parts])
         rows[str(r)] = {"per_pass": [round(float(x), 4) for x in alpha.nanmean(0)],
                         "chain": chain_estimate(alpha, args.depth)}
+        if r != "greedy":  # does the probability a served chain stops on predict a sampled draft's acceptance?
+            sure = torch.cat([part["sure"] for part in parts])
+            rows[str(r)]["calibration"] = [
+                [(low, high, int(m.sum()), round(float(sure[m, s].mean()), 3), round(float(alpha[m, s].mean()), 3))
+                 for low, high in CALIBRATION_BINS
+                 if (m := (sure[:, s] >= low) & (sure[:, s] < high) & ~alpha[:, s].isnan()).any()]
+                for s in range(min(2, args.depth))]
     return rows
 
 

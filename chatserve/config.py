@@ -37,7 +37,7 @@ class SpecConfig:
     # An EAGLE head's file (chatserve train-head writes one); None = the cache's head for the
     # target's weights. Loaded when method is "eagle" or a head is named.
     eagle_head: str | None = None
-    # Adaptive greedy EAGLE chains stop where the head's probability of the chain falls below what
+    # Adaptive EAGLE chains stop where the head's probability of the chain falls below what
     # one more draft costs (SpecState.least_gain); False: each runs to the k adaptive pricing chose.
     confidence_stop: bool = True
     # Suffix decoding also matches against the most recent replies of all requests, up to this

@@ -259,17 +259,19 @@ def validate(head: EagleHead, embed, sequences: list[Sequence], max_positions: i
 
 @torch.no_grad()
 def chain_hits(head: EagleHead, embed, ids: torch.Tensor, features: torch.Tensor, num_prompt: int, depth: int,
-               top: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+               top: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One sequence's reply positions drafted from as serving drafts: ([anchors, depth] bool, whether
     the chain from each reply anchor p has its first s+1 drafts all equal to the target's greedy
     tokens; [anchors, top] bool, whether the first token is among the head's first n + 1
-    candidates). Pass s of EagleHead.forward_unrolled at row p + s is the (s+1)-th draft from p
+    candidates; [anchors, depth] the head's softmax probability of its (s+1)-th draft, what a
+    served greedy chain stops on, 0 past the reply). Pass s of EagleHead.forward_unrolled at row p + s is the (s+1)-th draft from p
     (tests/chatserve/test_eagle.py holds it equal to drafting)."""
     feats_in = torch.cat((torch.zeros_like(features[:1]), features[:-1])).float()[None]  # row i reads f_{i-1}
     passes = head.forward_unrolled(feats_in, embed(ids[None]).float(), depth)
     t = len(ids)
     anchors = torch.arange(num_prompt, t - 1)  # a reply token accepted at p; row p predicts t_{p+1}
     right = torch.zeros(len(anchors), depth, dtype=torch.bool)
+    sure = torch.zeros(len(anchors), depth)
     covered = torch.zeros(len(anchors), top, dtype=torch.bool)
     for s, y in enumerate(passes):
         rows = anchors + s
@@ -277,10 +279,11 @@ def chain_hits(head: EagleHead, embed, ids: torch.Tensor, features: torch.Tensor
         predicted = F.rms_norm(y[0, rows[ok]], head.norm.weight.shape, head.norm.weight, head.norm.eps)
         logits = head.lm_head(predicted)  # [ok rows, kept]
         right[ok, s] = head.head_token_ids[logits.argmax(-1)] == ids[rows[ok] + 1]
+        sure[ok, s] = logits.detach().float().softmax(-1).amax(-1)
         if s == 0:
             candidates = head.head_token_ids[logits.topk(top, dim=-1).indices]  # [anchors, top]
             covered = (candidates == ids[anchors + 1][:, None]).cumsum(dim=1).bool()
-    return right.cumprod(dim=1).bool(), covered
+    return right.cumprod(dim=1).bool(), covered, sure
 
 
 def validate_chain(head: EagleHead, embed, sequences: list[Sequence], depth: int = VAL_DEPTH,

@@ -37,8 +37,8 @@ Design choices:
   deferred rows and last token with its last feature, each next one the draft just made with
   the head's predicted feature. At T > 0 a draft is sampled from the head's distribution (the
   request's temperature / top-k / top-p, over the head's trimmed vocabulary: 0 elsewhere),
-  which rejection sampling is given: lossless for any draft distribution. An adaptive greedy
-  chain stops where the head's own probability of it falls below what a draft costs
+  which rejection sampling is given: lossless for any draft distribution. An adaptive chain
+  stops where the head's own probability of it falls below what a draft costs
   (SpecState.least_gain): k is then a cap, and a sure stretch drafts to it while a guess stops.
 - No catch-up (keeps_kv False), but each draft position costs a head step: measured at start
   with the target's forwards (SpecCosts.head) and priced by adaptive k as a draft model's are.
@@ -148,12 +148,14 @@ class EagleMethod:
         """Draft up to ks[i] tokens for reqs[i] in a chain: forward s feeds each still-drafting
         request's newest token at its position with the feature before it (the target's last one,
         then the head's own prediction) and drafts from the head's logits for the next position.
-        A greedy request's chain stops before a draft that would bring the head's probability of
-        the whole chain (the product of each draft's softmax probability) below
+        A chain stops before a draft that would bring the head's probability of the whole chain
+        (the product of each position's softmax probability of the head's argmax) below
         req.spec.least_gain: what one more draft costs in tokens. A trained head is well
-        calibrated (SmolLM2's, docs/benchmarks.md session 44: drafts it gives ~0.3 are accepted
-        ~0.3 of the time, ~0.96 ~0.95), so this keeps the sure drafts of a long chain and drops
-        the guesses."""
+        calibrated (SmolLM2's, docs/benchmarks.md session 44: greedy drafts it gives ~0.3 are
+        accepted ~0.3 of the time, ~0.96 ~0.95; at T = 0.7 the same probability predicts a
+        sampled draft's acceptance sum_x min(p, q)), so this keeps the sure drafts of a long
+        chain and drops the guesses. The stop reads the head alone, never the target: any
+        number of drafts so chosen keeps verification lossless."""
         items, inputs = [], []
         for req in reqs:
             assert self._has_last_feature(req), "offer() checked it"
@@ -162,9 +164,8 @@ class EagleMethod:
             items.append(BatchItem(req.token_ids[start : pos + 1], start, req.table.block_ids, 1))
             inputs.append(rows)
         probs: list[list[torch.Tensor]] = [[] for _ in reqs]
-        # greedy chains without a grammar may stop early (the probability is of the head's argmax)
-        stops_below = [req.spec.least_gain if req.params.is_greedy and req.grammar is None else 0.0
-                       for req in reqs]
+        # chains without a grammar may stop early (a grammar's mask changes what the head offers)
+        stops_below = [req.spec.least_gain if req.grammar is None else 0.0 for req in reqs]
         chain_probs = [1.0] * len(reqs)
         active, features = list(range(len(reqs))), torch.cat(inputs)  # [rows, hidden]
         last_rows = torch.tensor([len(it.token_ids) for it in items]).cumsum(0) - 1  # each item's newest row

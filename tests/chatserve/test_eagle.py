@@ -207,8 +207,10 @@ def test_a_chain_is_scored_by_the_tokens_it_gets_accepted(tiny_llama_dir, conver
         train(head, embed, sequences, cfg, 300.0, {})
         top1 = validate(head, embed, sequences)
         one, four = validate_chain(head, embed, sequences, depth=1), validate_chain(head, embed, sequences, depth=4)
-        hits = torch.cat([th.chain_hits(head, embed, s.token_ids, s.features, s.num_prompt_tokens, 4)[0]
-                          for s in sequences])
+        both = [th.chain_hits(head, embed, s.token_ids, s.features, s.num_prompt_tokens, 4) for s in sequences]
+    hits, sure = torch.cat([h for h, _, _ in both]), torch.cat([p for _, _, p in both])
+    # the head's softmax probability of each draft, 0 past the reply
+    assert sure.shape == hits.shape and bool(((sure >= 0) & (sure <= 1)).all()) and bool((sure[:, 0] > 0).all())
     assert top1 > 0.5 and one == pytest.approx(1.0 + top1)
     assert one < four <= 5.0 and four == pytest.approx(1.0 + float(hits.float().mean(0).sum()))
     assert all(hits[:, s].sum() >= hits[:, s + 1].sum() for s in range(3))  # a draft holds only after the ones before
@@ -628,9 +630,10 @@ def test_a_greedy_chain_stops_where_the_heads_probability_of_it_falls_below_a_dr
     """Adaptive greedy drafting keeps the drafts of a chain while the head's probability of the
     whole chain (the product of its softmax probabilities of each draft) is at least what one more
     draft costs (least_draft_gain, set here): a chain cut short stops at the first draft that
-    would bring it below. At 0 every chain runs to its k; above 1 nothing is drafted; a sampled
-    request's chain runs to its k whatever the cost, and so does every chain with
-    SpecConfig.confidence_stop off. Output equals speculation off throughout."""
+    would bring it below. At 0 every chain runs to its k; above 1 nothing is drafted, for a
+    sampled request too; with SpecConfig.confidence_stop off every chain runs to its k. Greedy
+    output equals speculation off throughout (test_sampled_tokens_follow_the_target: sampled
+    output follows the target with chains stopped)."""
     import chatserve.spec_methods.eagle as eagle_module
     import chatserve.spec_runner as spec_runner
     from chatserve.spec_costs import SpecCosts
@@ -684,11 +687,10 @@ def test_a_greedy_chain_stops_where_the_heads_probability_of_it_falls_below_a_dr
         elif 0 < least < 1:
             assert cut > 0 and sum(d for _, d in drafted[least]) > 0, (least, drafted[least])
     assert all(d == 0 for _, d in drafted[1.01]) and len(drafted[1.01]) > 0
-    sampled = dataclasses.replace(GREEDY, temperature=0.8)
+    sampled = dataclasses.replace(GREEDY, temperature=0.8)  # stops the same way (still at 1.01)
     calls.clear()
     engine.generate(prompts[:1], sampled)
-    assert any(d > 0 for ks, (d,), greedy, _ in calls if greedy == [False])
-    assert all(d == ks[0] for ks, (d,), _, _ in calls)
+    assert calls and all(d == 0 and greedy == [False] for ks, (d,), greedy, _ in calls)
     engine.spec.config = dataclasses.replace(engine.spec.config, confidence_stop=False)  # the switch
     calls.clear()
     assert engine.generate(prompts[:1], GREEDY)[0]["token_ids"] == expected[0]
@@ -764,15 +766,27 @@ def test_head_rows_deferred_by_an_aborted_request_are_written(tiny_llama_dir, tr
     assert_pool_empty(warm)
 
 
-def test_sampled_tokens_follow_the_target(tiny_llama_dir, trained_head):
-    """T = 0.5, 2000 seeded requests of one prompt, 3 tokens each: the first from the prefill,
-    the second from verifying one draft sampled from the head. The second must follow the
-    target's marginal sum_t1 P(t1) P(t2 | t1) (transformers computes it), drafts accepted and
-    rejected both."""
+@pytest.mark.parametrize("stop", [False, True])
+def test_sampled_tokens_follow_the_target(tiny_llama_dir, trained_head, monkeypatch, stop):
+    """T = 0.5, 2000 requests of one prompt, 3 tokens each: the first from the prefill, the second
+    from verifying one draft sampled from the head. The second must follow the target's marginal
+    sum_t1 P(t1) P(t2 | t1) (transformers computes it), drafts accepted and rejected both. Seeded
+    with a fixed k; or (stop) adaptive, unseeded, each chain stopped on the head's probability
+    at about its median: about half the requests draft, and still the target's distribution."""
     from transformers import AutoModelForCausalLM
 
+    import chatserve.spec_methods.eagle as eagle_module
+    import chatserve.spec_runner as spec_runner
+    from tests.chatserve.test_long_context import FIXED_COSTS
+
     temperature, n = 0.5, 2000
-    engine = make_engine(tiny_llama_dir, trained_head)
+    engine = make_engine(tiny_llama_dir, trained_head, adaptive=stop)
+    if stop:
+        engine.spec.costs = FIXED_COSTS
+        seen, top_probs = [], eagle_module._top_probs
+        monkeypatch.setattr(eagle_module, "_top_probs", lambda *a: seen.extend(top_probs(*a)) or seen[-len(a[1]):])
+        monkeypatch.setattr(spec_runner, "least_draft_gain", lambda *a: median)
+        median = 1e-12  # every draft kept, its probability seen
     prompt = engine.tokenizer.encode(PROMPTS[3])
     hf = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32).eval()
     vocab = engine.models.vocab_size
@@ -780,13 +794,19 @@ def test_sampled_tokens_follow_the_target(tiny_llama_dir, trained_head):
         first_probs = torch.softmax(hf(torch.tensor([prompt])).logits[0, -1].double() / temperature, -1)  # [vocab]
         seconds = torch.tensor([prompt + [t] for t in range(vocab)])  # [vocab, len(prompt) + 1]
         second_probs = torch.softmax(hf(seconds).logits[:, -1].double() / temperature, -1)  # [vocab, vocab]
-    params = [SamplingParams(max_tokens=3, temperature=temperature, seed=seed, ignore_eos=True) for seed in range(n)]
+    params = [SamplingParams(max_tokens=3, temperature=temperature, seed=None if stop else seed, ignore_eos=True)
+              for seed in range(n)]
     with one_thread():
+        if stop:  # the head's probabilities of its first draft here, then stopped at their median
+            engine.generate([prompt] * 50, params[:50])
+            median = float(torch.tensor(seen).median())
         outs = engine.generate([prompt] * n, params)
-    assert all(len(o["token_ids"]) == 3 and o["stats"].num_drafted == 1 for o in outs)
+    assert all(len(o["token_ids"]) == 3 for o in outs)
+    drafted = sum(o["stats"].num_drafted for o in outs) / n
+    assert 0.2 < drafted < 0.8 if stop else drafted == 1, drafted
     p_value = chi_square_p_value(torch.tensor([o["token_ids"][1] for o in outs]), first_probs @ second_probs)
     assert p_value > 1e-6, p_value
-    accepted = sum(o["stats"].num_accepted for o in outs) / n
+    accepted = sum(o["stats"].num_accepted for o in outs) / n / drafted
     assert 0.1 < accepted < 0.95, accepted
     assert_pool_empty(engine)
 
