@@ -1,7 +1,8 @@
 """Where a decode step's time goes, speculation off against an EAGLE head, at batch 1: the target's
 forward (with features when the head reads them), the head's forwards and its fuse, and the rest of
 Engine.step (scheduling, drafting glue, verification, sampling, detokenizing), per step and per
-generated token, on held-out prompts of chatserve/data/prompts.json (greedy, ignore_eos). Wall
+generated token, on held-out prompts of chatserve/data/prompts.json (greedy unless --temperature,
+ignore_eos). Wall
 clock of each runner call, wrapped in-process; the best of --rounds.
 
     .venv/bin/python benchmarks/step_breakdown.py --model smollm2-135m-instruct \\
@@ -45,8 +46,9 @@ def wrap_runners(spent: collections.Counter) -> None:
         setattr(cls, name, timed)
 
 
-def run(engine: Engine, prompts: list[list[int]], max_tokens: int, spent: collections.Counter) -> dict:
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+def run(engine: Engine, prompts: list[list[int]], max_tokens: int, spent: collections.Counter,
+        temperature: float = 0.0) -> dict:
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True)
     decode: collections.Counter = collections.Counter()  # runner time in decode steps alone
     steps = tokens = 0
     total = 0.0
@@ -82,6 +84,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="> 0: sampled replies (unseeded, so each run's text differs; compare rates, not tokens)")
     ap.add_argument("--fixed-k", type=int, nargs="*", default=[],
                     help="also the head with adaptive k off at these chain lengths (eagle-k1, ...)")
     ap.add_argument("--no-stop", action="store_true",
@@ -107,12 +111,13 @@ def main() -> None:
     tok = engines["off"].tokenizer
     prompts = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS[args.kind][: args.prompts]]
     results = {"model": args.model, "kind": args.kind, "prompts": len(prompts), "max_tokens": args.max_tokens,
+               "temperature": args.temperature,
                "rounds": args.rounds, "runs": {}}
     for engine in engines.values():
         engine.generate([prompts[0]], SamplingParams(max_tokens=16, temperature=0.0))
     for r in range(args.rounds):
         for name in (list(engines) if r % 2 == 0 else list(engines)[::-1]):  # alternated: drift hits both
-            got = run(engines[name], prompts, args.max_tokens, spent)
+            got = run(engines[name], prompts, args.max_tokens, spent, args.temperature)
             best = results["runs"].get(name)
             if best is None or got["ms_per_token"] < best["ms_per_token"]:
                 results["runs"][name] = got

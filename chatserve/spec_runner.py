@@ -106,6 +106,11 @@ class SpecRunner:
         drafts that maximize expected tokens per second of the whole step. A request that fixed
         num_draft_tokens, or any request when adaptive speculation is off, drafts its fixed k.
 
+        With SpecConfig.confidence_stop, req.spec.least_gain is what a draft costs in tokens
+        (spec.adaptive.least_draft_gain) and a method that stops on its confidence (EAGLE) is
+        given its whole cap whenever the pricing drafts at all: its chain stops where its own
+        probability falls below least_gain, a better guide per draft than one acceptance rate.
+
         prefill_rows (prompt tokens this step also feeds the target) change what draft rows
         cost: the rows past them, not past the decodes alone (SpecCosts.step_target).
         A draft model drafts only once it has seen all but a step's worth of a request's tokens
@@ -182,7 +187,11 @@ class SpecRunner:
                              self._max_step_seconds([r for r, _ in priced], target(len(priced))))
         ks = [self._probe_k(req, offer, k) for (req, _), offer, k in zip(priced, offers, ks)]
         price = step_seconds(ks, target, draft, runs_model, setup)
-        least_gain = least_draft_gain(target, draft, len(priced), sum(ks)) if self.config.confidence_stop else 0.0
+        least_gain = 0.0
+        if self.config.confidence_stop:
+            least_gain = least_draft_gain(target, draft, len(priced), sum(ks))
+            # the pricing says whether to draft; a chain that stops on its confidence finds how far
+            ks = [o.cap if k and o.method.stops_on_confidence else k for o, k in zip(offers, ks)]
         for req, _ in priced:
             req.spec.recent_steps.append(price)
         for (req, _), offer, k in zip(priced, offers, ks):

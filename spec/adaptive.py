@@ -121,16 +121,18 @@ def step_seconds(
 
 
 def least_draft_gain(target_seconds, draft_seconds, num_seqs: int, num_drafts: int) -> float:
-    """The least expected tokens that one more draft must add to pay in a step of num_seqs sequences
-    that feed num_drafts drafts so far (same arguments as allocate_drafts): what it costs, one more
-    verification row and one more draft step of one row, in tokens of plain decoding (num_seqs
-    tokens per target_seconds(num_seqs)). A proposer that knows how sure it is (an EAGLE head's
-    probability of its chain so far) stops a chain whose next draft would add less. Priced at plain
-    decoding's rate, which a drafting step beats: it errs towards one draft too many."""
-    extra = max(target_seconds(num_seqs + num_drafts + 1) - target_seconds(num_seqs + num_drafts), 0.0)
+    """The least expected tokens that a draft must add to pay in a step of num_seqs sequences that
+    were allocated num_drafts drafts (same arguments as allocate_drafts): what one of them costs, a
+    verification row (the drafts' rows' cost shared evenly: row by row the table steps at tile
+    edges) and a draft step of one row, in tokens of plain decoding (num_seqs tokens per
+    target_seconds(num_seqs)). A proposer that knows how sure it is (an EAGLE head's probability
+    of its chain so far) stops a chain whose next draft would add less. Priced at plain decoding's
+    rate, which a drafting step beats: it errs towards one draft too many."""
+    plain = target_seconds(num_seqs)
+    extra = max(target_seconds(num_seqs + num_drafts) - plain, 0.0) / max(num_drafts, 1)
     if draft_seconds is not None:
         extra += draft_seconds(1)
-    return extra * num_seqs / target_seconds(num_seqs)
+    return extra * num_seqs / plain
 
 
 def allocate_drafts(

@@ -631,7 +631,8 @@ def test_a_greedy_chain_stops_where_the_heads_probability_of_it_falls_below_a_dr
     whole chain (the product of its softmax probabilities of each draft) is at least what one more
     draft costs (least_draft_gain, set here): a chain cut short stops at the first draft that
     would bring it below. At 0 every chain runs to its k; above 1 nothing is drafted, for a
-    sampled request too; with SpecConfig.confidence_stop off every chain runs to its k. Greedy
+    sampled request too. A request that drafts at all is given the whole cap (4), which pricing
+    alone would not; with SpecConfig.confidence_stop off every chain runs to its priced k. Greedy
     output equals speculation off throughout (test_sampled_tokens_follow_the_target: sampled
     output follows the target with chains stopped)."""
     import chatserve.spec_methods.eagle as eagle_module
@@ -691,10 +692,17 @@ def test_a_greedy_chain_stops_where_the_heads_probability_of_it_falls_below_a_dr
     calls.clear()
     engine.generate(prompts[:1], sampled)
     assert calls and all(d == 0 and greedy == [False] for ks, (d,), greedy, _ in calls)
+    # rows dear past the second: pricing alone drafts one; a chain that stops itself is given the cap
+    engine.spec.costs = SpecCosts({r: 1.0 if r <= 2 else 0.5 + 0.5 * r for r in range(1, 65)}, {},
+                                  head_seconds={r: 0.01 for r in range(1, 17)})
+    monkeypatch.setattr(spec_runner, "least_draft_gain", lambda *args: 1e-9)
+    calls.clear()
+    assert engine.generate(prompts[:1], GREEDY)[0]["token_ids"] == expected[0]
+    assert max(ks[0] for ks, _, _, _ in calls) == 4
     engine.spec.config = dataclasses.replace(engine.spec.config, confidence_stop=False)  # the switch
     calls.clear()
     assert engine.generate(prompts[:1], GREEDY)[0]["token_ids"] == expected[0]
-    assert calls and all(d == ks[0] and gains == [0.0] for ks, (d,), _, gains in calls)
+    assert calls and all(d == ks[0] <= 1 and gains == [0.0] for ks, (d,), _, gains in calls)
     assert_pool_empty(engine)
 
 

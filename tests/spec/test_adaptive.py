@@ -258,18 +258,18 @@ def test_offer_pauses_at_low_acceptance_and_probes():
     assert offers == [0, 0, 0, 4, 0, 0, 0, 4]  # a probe every 4th step, at the initial rate
 
 
-def test_least_draft_gain_is_one_more_drafts_cost_in_tokens_of_plain_decoding():
+def test_least_draft_gain_is_a_drafts_cost_in_tokens_of_plain_decoding():
     def target(rows):
         return 1.0 + 0.05 * (rows - 1)
 
-    assert least_draft_gain(target, None, 1, 0) == pytest.approx(0.05)  # a row, free proposals
+    assert least_draft_gain(target, None, 1, 1) == pytest.approx(0.05)  # a row, free proposals
     assert least_draft_gain(target, lambda rows: 0.1, 1, 3) == pytest.approx(0.15)  # and a head step
     # two sequences decode 2 tokens a plain step: a draft's 0.15 s is worth more tokens
     assert least_draft_gain(target, lambda rows: 0.1, 2, 2) == pytest.approx(0.15 * 2 / 1.05)
 
-    def tiled(rows):  # int8 tiles of four rows: the fourth row is free, the fifth starts a tile
+    def tiled(rows):  # int8 tiles of four rows: a fifth row starts a tile, which the drafts share
         return 1.0 if rows <= 4 else 2.0
 
-    assert least_draft_gain(tiled, lambda rows: 0.1, 1, 2) == pytest.approx(0.1)
-    assert least_draft_gain(tiled, lambda rows: 0.1, 1, 3) == pytest.approx(1.1)
+    assert least_draft_gain(tiled, lambda rows: 0.1, 1, 3) == pytest.approx(0.1)
+    assert least_draft_gain(tiled, lambda rows: 0.1, 1, 4) == pytest.approx(0.25 + 0.1)
     assert least_draft_gain(lambda rows: 1.0 - 0.01 * rows, None, 1, 1) == 0.0  # noise never pays to draft
