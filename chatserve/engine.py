@@ -241,9 +241,11 @@ class Engine:
         drafts = req.draft_token_ids
         if drafts:
             new_tokens, num_accepted = self.sampler.verify(req, rows, drafts, req.draft_probs)
-            self.spec.record(req, len(drafts), num_accepted)
+            self.spec.record(req, len(drafts), num_accepted, s.num_lookahead_tokens)
             origins = ["accepted"] * num_accepted + ["bonus" if num_accepted == len(drafts) else "recovered"]
         else:
+            if s.num_lookahead_tokens and req.spec is not None and req.spec.offer is not None:
+                self.spec.record(req, 0, 0, s.num_lookahead_tokens)  # a chain stopped before its first draft
             new_tokens = self.sampler.sample(req, rows[-1:])
             origins = ["target"] * len(new_tokens)
         req.draft_token_ids, req.draft_probs = [], None

@@ -107,9 +107,9 @@ class SpecRunner:
         num_draft_tokens, or any request when adaptive speculation is off, drafts its fixed k.
 
         With SpecConfig.confidence_stop, req.spec.least_gain is what a draft costs in tokens
-        (spec.adaptive.least_draft_gain) and a method that stops on its confidence (EAGLE) is
-        given its whole cap whenever the pricing drafts at all: its chain stops where its own
-        probability falls below least_gain, a better guide per draft than one acceptance rate.
+        (spec.adaptive.least_draft_gain): an EAGLE chain stops before the priced k where the head's
+        own probability of it falls below that. (Given the whole cap instead whenever the pricing
+        drafts at all, SmolLM2's chains drafted more and ran slower: session 44.)
 
         prefill_rows (prompt tokens this step also feeds the target) change what draft rows
         cost: the rows past them, not past the decodes alone (SpecCosts.step_target).
@@ -187,11 +187,7 @@ class SpecRunner:
                              self._max_step_seconds([r for r, _ in priced], target(len(priced))))
         ks = [self._probe_k(req, offer, k) for (req, _), offer, k in zip(priced, offers, ks)]
         price = step_seconds(ks, target, draft, runs_model, setup)
-        least_gain = 0.0
-        if self.config.confidence_stop:
-            least_gain = least_draft_gain(target, draft, len(priced), sum(ks))
-            # the pricing says whether to draft; a chain that stops on its confidence finds how far
-            ks = [o.cap if k and o.method.stops_on_confidence else k for o, k in zip(offers, ks)]
+        least_gain = least_draft_gain(target, draft, len(priced), sum(ks)) if self.config.confidence_stop else 0.0
         for req, _ in priced:
             req.spec.recent_steps.append(price)
         for (req, _), offer, k in zip(priced, offers, ks):
@@ -338,14 +334,21 @@ class SpecRunner:
             if method.reads_features:
                 method.release(req)
 
-    def record(self, req: Request, num_drafted: int, num_accepted: int) -> None:
-        """A verification's outcome: the first num_accepted of num_drafted drafts were accepted."""
+    def record(self, req: Request, num_drafted: int, num_accepted: int, num_offered: int | None = None) -> None:
+        """A verification's outcome: the first num_accepted of num_drafted drafts were accepted, of
+        num_offered positions the step priced (default num_drafted). The stats count drafts; the
+        acceptance rates that price the next steps count positions, so a chain that stopped on
+        its confidence (num_drafted < num_offered) counts as rejected where it stopped: the rate
+        keeps meaning what the pricing assumes, the chance that a priced position is accepted
+        (counted on the kept drafts alone it rose, the pricing gave more drafts, and the stopped
+        chains ran more head steps for the same rows: session 44)."""
         method = req.spec.offer.method
         req.stats.spec.update(num_drafted, num_accepted)
         self.stats_by_method[method.name].update(num_drafted, num_accepted)
-        method.accept_rate.update(num_drafted, num_accepted)
+        num_offered = max(num_offered or 0, num_drafted)
+        method.accept_rate.update(num_offered, num_accepted)
         if method.name in req.spec.controllers:
-            req.spec.controllers[method.name].update(num_drafted, num_accepted)
+            req.spec.controllers[method.name].update(num_offered, num_accepted)
 
 
 def _within_grammar(req: Request, offer: Offer | None) -> Offer | None:

@@ -85,9 +85,6 @@ class SpecMethod(Protocol):
     step_cost: ClassVar[str | None]  # each draft position costs a forward: "draft" (model) or "head" (SpecCosts)
     reads_features: ClassVar[bool]  # observe()s the target's features after every step (an EAGLE head)
     mixable: ClassVar[bool]  # free proposals that a request whose drafts cost steps (step_cost) may take instead
-    # propose() stops a chain where its own probability of it falls below SpecState.least_gain: a
-    # request that drafts at all is given the method's whole cap, and the chain finds its length
-    stops_on_confidence: ClassVar[bool]
     accept_rate: AcceptanceEMA  # engine-wide, per method: the prior of new requests and probes
 
     @classmethod

@@ -20,7 +20,6 @@ class DraftModelMethod:
     name = "draft"
     label = "draft model"
     mixable = False
-    stops_on_confidence = False
     keeps_kv = True
     step_cost = "draft"
     reads_features = False

@@ -66,7 +66,6 @@ class EagleMethod:
     step_cost = "head"
     reads_features = True
     mixable = False
-    stops_on_confidence = True  # propose() cuts a chain at SpecState.least_gain
 
     def __init__(self, runner, sampler):
         self.runner = runner  # chatserve.model_runner.HeadRunner

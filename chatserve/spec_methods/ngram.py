@@ -13,7 +13,6 @@ class NgramMethod:
     name = "ngram"
     label = "n-gram"
     mixable = False
-    stops_on_confidence = False
     keeps_kv = False
     step_cost = None
     reads_features = False

@@ -20,7 +20,6 @@ class SuffixMethod:
     step_cost = None
     reads_features = False
     mixable = True  # a draft-model or EAGLE request takes a suffix proposal when it promises more
-    stops_on_confidence = False
 
     def __init__(self, config: SpecConfig):
         self.proposer = SuffixProposer()

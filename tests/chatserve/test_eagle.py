@@ -631,13 +631,14 @@ def test_a_greedy_chain_stops_where_the_heads_probability_of_it_falls_below_a_dr
     whole chain (the product of its softmax probabilities of each draft) is at least what one more
     draft costs (least_draft_gain, set here): a chain cut short stops at the first draft that
     would bring it below. At 0 every chain runs to its k; above 1 nothing is drafted, for a
-    sampled request too. A request that drafts at all is given the whole cap (4), which pricing
-    alone would not; with SpecConfig.confidence_stop off every chain runs to its priced k. Greedy
+    sampled request too, and the stops count as rejections in the acceptance rate that prices the
+    drafts; with SpecConfig.confidence_stop off every chain runs to its k. Greedy
     output equals speculation off throughout (test_sampled_tokens_follow_the_target: sampled
     output follows the target with chains stopped)."""
     import chatserve.spec_methods.eagle as eagle_module
     import chatserve.spec_runner as spec_runner
     from chatserve.spec_costs import SpecCosts
+    from spec.adaptive import AcceptanceEMA
 
     engine = make_engine(tiny_llama_dir, trained_head, adaptive=True)
     engine.spec.costs = SpecCosts({r: 1.0 + 0.01 * (r - 1) for r in range(1, 65)}, {},
@@ -668,6 +669,7 @@ def test_a_greedy_chain_stops_where_the_heads_probability_of_it_falls_below_a_dr
         monkeypatch.setattr(spec_runner, "least_draft_gain", lambda *args, least=least: least)
         calls.clear()
         probs.clear()
+        rate_before = method.accept_rate.rate
         for prompt, want in zip(prompts, expected):  # one at a time: a call's probabilities are one chain's
             assert engine.generate([prompt], GREEDY)[0]["token_ids"] == want
         drafted[least] = [(k, d) for ks, ds, _, _ in calls for k, d in zip(ks, ds)]
@@ -688,21 +690,19 @@ def test_a_greedy_chain_stops_where_the_heads_probability_of_it_falls_below_a_dr
         elif 0 < least < 1:
             assert cut > 0 and sum(d for _, d in drafted[least]) > 0, (least, drafted[least])
     assert all(d == 0 for _, d in drafted[1.01]) and len(drafted[1.01]) > 0
+    # a chain stopped before its first draft counts as rejected there in the rate that prices drafts
+    assert method.accept_rate.rate < rate_before
     sampled = dataclasses.replace(GREEDY, temperature=0.8)  # stops the same way (still at 1.01)
+    method.accept_rate = AcceptanceEMA(ema=0.05, prior=0.7)  # as new: priced to draft again
     calls.clear()
     engine.generate(prompts[:1], sampled)
     assert calls and all(d == 0 and greedy == [False] for ks, (d,), greedy, _ in calls)
-    # rows dear past the second: pricing alone drafts one; a chain that stops itself is given the cap
-    engine.spec.costs = SpecCosts({r: 1.0 if r <= 2 else 0.5 + 0.5 * r for r in range(1, 65)}, {},
-                                  head_seconds={r: 0.01 for r in range(1, 17)})
-    monkeypatch.setattr(spec_runner, "least_draft_gain", lambda *args: 1e-9)
-    calls.clear()
-    assert engine.generate(prompts[:1], GREEDY)[0]["token_ids"] == expected[0]
-    assert max(ks[0] for ks, _, _, _ in calls) == 4
     engine.spec.config = dataclasses.replace(engine.spec.config, confidence_stop=False)  # the switch
+    method.accept_rate = AcceptanceEMA(ema=0.05, prior=0.7)
     calls.clear()
-    assert engine.generate(prompts[:1], GREEDY)[0]["token_ids"] == expected[0]
-    assert calls and all(d == ks[0] <= 1 and gains == [0.0] for ks, (d,), _, gains in calls)
+    fresh = engine.tokenizer.encode(PROMPTS[4])  # no earlier reply for suffix decoding to offer instead
+    assert engine.generate([fresh], GREEDY)[0]["token_ids"] == plain.generate([fresh], GREEDY)[0]["token_ids"]
+    assert calls and all(d == ks[0] and gains == [0.0] for ks, (d,), _, gains in calls)
     assert_pool_empty(engine)
 
 
@@ -780,17 +780,17 @@ def test_sampled_tokens_follow_the_target(tiny_llama_dir, trained_head, monkeypa
     from verifying one draft sampled from the head. The second must follow the target's marginal
     sum_t1 P(t1) P(t2 | t1) (transformers computes it), drafts accepted and rejected both. Seeded
     with a fixed k; or (stop) adaptive, unseeded, each chain stopped on the head's probability
-    at about its median: about half the requests draft, and still the target's distribution."""
+    at about its median: some chains are cut, and still the target's distribution."""
     from transformers import AutoModelForCausalLM
 
     import chatserve.spec_methods.eagle as eagle_module
     import chatserve.spec_runner as spec_runner
-    from tests.chatserve.test_long_context import FIXED_COSTS
+    from chatserve.spec_costs import SpecCosts
 
     temperature, n = 0.5, 2000
     engine = make_engine(tiny_llama_dir, trained_head, adaptive=stop)
-    if stop:
-        engine.spec.costs = FIXED_COSTS
+    if stop:  # rows and head steps nearly free: priced to draft even as the stops pull the rate down
+        engine.spec.costs = SpecCosts({r: 1.0 + 0.001 * (r - 1) for r in range(1, 65)}, {})
         seen, top_probs = [], eagle_module._top_probs
         monkeypatch.setattr(eagle_module, "_top_probs", lambda *a: seen.extend(top_probs(*a)) or seen[-len(a[1]):])
         monkeypatch.setattr(spec_runner, "least_draft_gain", lambda *a: median)
@@ -808,10 +808,14 @@ def test_sampled_tokens_follow_the_target(tiny_llama_dir, trained_head, monkeypa
         if stop:  # the head's probabilities of its first draft here, then stopped at their median
             engine.generate([prompt] * 50, params[:50])
             median = float(torch.tensor(seen).median())
+            seen.clear()
         outs = engine.generate([prompt] * n, params)
     assert all(len(o["token_ids"]) == 3 for o in outs)
     drafted = sum(o["stats"].num_drafted for o in outs) / n
-    assert 0.2 < drafted < 0.8 if stop else drafted == 1, drafted
+    if stop:  # chains cut (a head step, no draft) and chains kept, enough of them to test
+        assert len(seen) > drafted * n > 0.05 * n, (len(seen), drafted)
+    else:
+        assert drafted == 1
     p_value = chi_square_p_value(torch.tensor([o["token_ids"][1] for o in outs]), first_probs @ second_probs)
     assert p_value > 1e-6, p_value
     accepted = sum(o["stats"].num_accepted for o in outs) / n / drafted
