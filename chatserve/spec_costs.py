@@ -155,8 +155,9 @@ def _head_step(head_runner, table: BlockTable, context: int, num_rows: int):
     """One EAGLE draft step over `num_rows` sequences, as EagleMethod.propose runs it: the head's
     layer over one row each, its norm, its LM head over the kept ids and their argmax (the rows
     stand for different requests at the same position of the table; only the time is used).
-    Not compute_logits' [vocab] rows, which propose no longer builds: on SmolLM2 those made a
-    step cost ~0.9 ms against ~0.2 served (session 44)."""
+    Not compute_logits' [vocab] rows, which propose no longer builds. (On SmolLM2 this still
+    times ~1 ms a row, where the step takes ~0.46 ms in a loop: the rounds run it after target
+    forwards, its weights out of cache; docs/benchmarks.md session 44.)"""
     items = [BatchItem([0], context, table.block_ids, 1) for _ in range(num_rows)]
     features = head_runner.block_features.new_zeros(num_rows, head_runner.head.hidden_size)
     head = head_runner.head

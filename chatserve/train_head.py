@@ -264,8 +264,8 @@ def chain_hits(head: EagleHead, embed, ids: torch.Tensor, features: torch.Tensor
     the chain from each reply anchor p has its first s+1 drafts all equal to the target's greedy
     tokens; [anchors, top] bool, whether the first token is among the head's first n + 1
     candidates; [anchors, depth] the head's softmax probability of its (s+1)-th draft, what a
-    served greedy chain stops on, 0 past the reply). Pass s of EagleHead.forward_unrolled at row p + s is the (s+1)-th draft from p
-    (tests/chatserve/test_eagle.py holds it equal to drafting)."""
+    served chain stops on, 0 past the reply). Pass s of EagleHead.forward_unrolled at row p + s
+    is the (s+1)-th draft from p (tests/chatserve/test_eagle.py holds it equal to drafting)."""
     feats_in = torch.cat((torch.zeros_like(features[:1]), features[:-1])).float()[None]  # row i reads f_{i-1}
     passes = head.forward_unrolled(feats_in, embed(ids[None]).float(), depth)
     t = len(ids)
