@@ -18,7 +18,7 @@ The head runs in float32 here; served, its weights are quantized like the target
 Where should a chain stop? Printed per workload: how well the head's softmax probability of its
 draft predicts that the draft is accepted (bins, for the first and second draft), and walked chains
 of up to `--depth` drafts stopped where the product of those probabilities falls below each
-`--stop-at` value, as served greedy chains stop (SpecState.least_gain): tokens, drafts and head steps
+`--stop-at` value, as served chains stop (SpecState.least_gain): tokens, drafts and head steps
 a verification.
 
 Would a draft tree pay? `--top 4` also counts how often the target's token is among the head's
@@ -163,7 +163,7 @@ def walked_length(hits: list[torch.Tensor], k: int) -> float:
 
 
 def walked_stopped(hits: list[torch.Tensor], sure: list[torch.Tensor], cap: int, least: float) -> tuple[float, ...]:
-    """walked_length for chains that stop as served greedy chains do (EagleMethod.propose): up to
+    """walked_length for chains that stop as served chains do (EagleMethod.propose): up to
     `cap` drafts while the product of the head's probabilities of them (sure[i], chain_hits) stays
     >= least. -> (tokens, drafts, head steps) per verification; a head step is paid for each draft
     and for the one cut."""
@@ -181,20 +181,22 @@ def walked_stopped(hits: list[torch.Tensor], sure: list[torch.Tensor], cap: int,
 
 
 def calibration(hits: torch.Tensor, sure: torch.Tensor, passes: int = 2) -> list[list[tuple]]:
-    """[chains, depth] hits and head probabilities -> per pass s < passes, bins of the probability:
-    (low, high, drafts, mean probability, share accepted), pass s > 0 over the chains whose first s
-    drafts held (a served chain's later drafts are made only then)."""
-    out = []
-    for s in range(passes):
-        given = torch.ones(len(hits), dtype=torch.bool) if s == 0 else hits[:, s - 1].bool()
-        bins = []
-        for low, high in CALIBRATION_BINS:
-            m = given & (sure[:, s] >= low) & (sure[:, s] < high)
-            if m.any():
-                bins.append((low, high, int(m.sum()), round(float(sure[m, s].mean()), 3),
-                             round(float(hits[m, s].float().mean()), 3)))
-        out.append(bins)
-    return out
+    """[chains, depth] hits and head probabilities -> probability_bins per pass s < passes, pass s > 0
+    over the chains whose first s drafts held (a served chain's later drafts are made only then)."""
+    return [probability_bins(sure[:, s], hits[:, s].float(),
+                             torch.ones(len(hits), dtype=torch.bool) if s == 0 else hits[:, s - 1].bool())
+            for s in range(passes)]
+
+
+def probability_bins(sure: torch.Tensor, accepted: torch.Tensor, given: torch.Tensor) -> list[tuple]:
+    """[n] head probabilities, acceptances (0/1, or expected) and a mask -> the masked rows in
+    CALIBRATION_BINS of the probability: (low, high, drafts, mean probability, mean acceptance)."""
+    bins = []
+    for low, high in CALIBRATION_BINS:
+        m = given & (sure >= low) & (sure < high)
+        if m.any():
+            bins.append((low, high, int(m.sum()), round(float(sure[m].mean()), 3), round(float(accepted[m].mean()), 3)))
+    return bins
 
 
 CALIBRATION_BINS = ((0.0, 0.2), (0.2, 0.4), (0.4, 0.6), (0.6, 0.8), (0.8, 0.9), (0.9, 1.01))
@@ -232,7 +234,7 @@ def main() -> None:
     ap.add_argument("--head-step-ms", type=float, default=3.6, help="one head draft step (session 17, Qwen 1.5B)")
     ap.add_argument("--stop-at", type=float, nargs="*", default=[0.05, 0.1, 0.15, 0.2, 0.3],
                     help="also walk chains of up to --depth drafts stopped where the head's probability of "
-                         "the chain falls below each of these (as served greedy chains stop)")
+                         "the chain falls below each of these (as served chains stop)")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="> 0: replies sampled at it, and a sampled draft's expected acceptance measured")
     ap.add_argument("--top-p", type=float, default=1.0)
@@ -331,11 +333,8 @@ def sampled_rows(head, embed, lm_head, sequences, args) -> dict:
                         "chain": chain_estimate(alpha, args.depth)}
         if r != "greedy":  # does the probability a served chain stops on predict a sampled draft's acceptance?
             sure = torch.cat([part["sure"] for part in parts])
-            rows[str(r)]["calibration"] = [
-                [(low, high, int(m.sum()), round(float(sure[m, s].mean()), 3), round(float(alpha[m, s].mean()), 3))
-                 for low, high in CALIBRATION_BINS
-                 if (m := (sure[:, s] >= low) & (sure[:, s] < high) & ~alpha[:, s].isnan()).any()]
-                for s in range(min(2, args.depth))]
+            rows[str(r)]["calibration"] = [probability_bins(sure[:, s], alpha[:, s], ~alpha[:, s].isnan())
+                                           for s in range(min(2, args.depth))]
     return rows
 
 
