@@ -91,6 +91,9 @@ def main() -> None:
     ap.add_argument("--no-stop", action="store_true",
                     help="also the head with its chains run to adaptive k, not stopped on its confidence "
                          "(eagle-nostop: SpecConfig.confidence_stop off)")
+    ap.add_argument("--startup-head-costs", action="store_true",
+                    help="also the head priced by its start-up table alone, not corrected by its served "
+                         "steps (eagle-startup)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     torch.set_num_threads(2)
@@ -107,7 +110,12 @@ def main() -> None:
     for k in args.fixed_k:
         configs[f"eagle-k{k}"] = SpecConfig(method="eagle", eagle_head=args.eagle_head, suffix_corpus_tokens=0,
                                             adaptive=False, num_draft_tokens=k)
+    if args.startup_head_costs:
+        configs["eagle-startup"] = configs["eagle"]
     engines = {name: Engine(EngineConfig(**common, spec=spec)) for name, spec in configs.items()}
+    if args.startup_head_costs:
+        engines["eagle-startup"].spec.step_observers.clear()  # the head's table stays as timed at start
+    startup = {name: e.spec.costs for name, e in engines.items() if e.spec is not None and e.spec.costs}
     tok = engines["off"].tokenizer
     prompts = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS[args.kind][: args.prompts]]
     results = {"model": args.model, "kind": args.kind, "prompts": len(prompts), "max_tokens": args.max_tokens,
@@ -122,13 +130,19 @@ def main() -> None:
             if best is None or got["ms_per_token"] < best["ms_per_token"]:
                 results["runs"][name] = got
             print(name, json.dumps(got), file=sys.stderr)
+    for name, table in startup.items():  # one row's target forward and head step: timed at start, in service
+        now = engines[name].spec.costs
+        results["runs"][name]["costs_ms"] = {
+            "target_1": [round(table.target(1) * 1e3, 3), round(now.target(1) * 1e3, 3)],
+            "head_1": [round(table.head(1) * 1e3, 3), round(now.head(1) * 1e3, 3)]}
     off = results["runs"]["off"]["ms_per_token"]
     for name, got in results["runs"].items():
         got["x_off"] = round(off / got["ms_per_token"], 3)
         print(f"{name:9s} {got['ms_per_token']:6.2f} ms/token  x off {got['x_off']:.3f}  "
               f"{got['ms_per_step']:6.2f} ms/step  "
               f"{got['tokens_per_step']:.2f} tokens/step  {got['target_rows_per_step']:.2f} rows/step  "
-              f"parts {got['ms_per_step_parts']}  rest {got['ms_per_step_rest']:.2f}")
+              f"parts {got['ms_per_step_parts']}  rest {got['ms_per_step_rest']:.2f}  "
+              f"costs (start, served) {got.get('costs_ms')}")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=2) + "\n")

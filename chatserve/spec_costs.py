@@ -14,7 +14,10 @@ and 4 rows took 55, 72 and 90 ms in the engine where a table of best timings sai
 (the typical forward of 3-5 rows is 20-40% above the best one), and speculation at batch 2 lost
 10-27% buying rows at half their price. So the table takes the median of its rounds, and
 ObservedForwards keeps the engine's own decode forwards per row count and rescales the table
-where they say otherwise.
+where they say otherwise. The same goes for an EAGLE head's draft positions: propose times each
+(the head's step with its drafting glue, beside a target forward that left the caches cold) and
+a second ObservedForwards rescales the head's table: on SmolLM2 a position cost 1.2-1.6 ms served
+where the start-up table said 1.0-1.3 (and 0.6 ms in a loop; docs/benchmarks.md session 45).
 """
 
 from __future__ import annotations
@@ -155,9 +158,9 @@ def _head_step(head_runner, table: BlockTable, context: int, num_rows: int):
     """One EAGLE draft step over `num_rows` sequences, as EagleMethod.propose runs it: the head's
     layer over one row each, its norm, its LM head over the kept ids and their argmax (the rows
     stand for different requests at the same position of the table; only the time is used).
-    Not compute_logits' [vocab] rows, which propose no longer builds. (On SmolLM2 this still
-    times ~1 ms a row, where the step takes ~0.46 ms in a loop: the rounds run it after target
-    forwards, its weights out of cache; docs/benchmarks.md session 44.)"""
+    Not compute_logits' [vocab] rows, which propose no longer builds. (On SmolLM2 this times
+    ~1 ms a row, where the step takes ~0.6 ms in a loop: the rounds run it after target forwards,
+    its weights out of cache; served positions take more, and correct it: ObservedForwards.)"""
     items = [BatchItem([0], context, table.block_ids, 1) for _ in range(num_rows)]
     features = head_runner.block_features.new_zeros(num_rows, head_runner.head.hidden_size)
     head = head_runner.head
@@ -191,8 +194,9 @@ def median_of_rounds(forwards: dict, rounds: dict) -> dict:
 class ObservedForwards:
     """The target's decode-only forwards as the engine times them (with their rows' verification
     and sampling, which the start-up table leaves out: at T > 0 a row's sampling is a real share of
-    a step): the latest `window` per row count. corrected(costs) rescales the start-up table by
-    what service says: a row count seen at least MIN_SEEN times costs the median of its forwards;
+    a step), or with table="head_seconds" an EAGLE head's draft steps as propose times them (with
+    their drafting glue), keyed by the sequences drafting: the latest `window` per row count.
+    corrected(costs) rescales that start-up table by what service says: a row count seen at least MIN_SEEN times costs the median of its forwards;
     one not seen takes the ratio (seen / table) of the nearest row count seen, so the table's shape
     stands where nothing says otherwise; and the result never falls as rows grow (a cheap-looking
     6 rows beside dear 5 would buy a row for nothing). A median of a window, not a running mean: one slow forward
@@ -204,8 +208,8 @@ class ObservedForwards:
     WINDOW = 9
     MIN_SEEN = 3
 
-    def __init__(self, window: int = WINDOW):
-        self.window = window
+    def __init__(self, window: int = WINDOW, table: str = "target_seconds"):
+        self.window, self.table = window, table  # table: the SpecCosts field corrected
         self._seen: dict[int, deque[float]] = {}
         self._nearest: tuple[tuple, list[tuple[int, int]]] = ((), [])  # ((seen, table rows), [(rows, nearest)])
 
@@ -213,23 +217,27 @@ class ObservedForwards:
         self._seen.setdefault(rows, deque(maxlen=self.window)).append(seconds)
 
     def corrected(self, costs: SpecCosts) -> SpecCosts:
-        ratios = {rows: statistics.median(times) / costs.target(rows)
+        seconds = getattr(costs, self.table)
+        if not seconds:
+            return costs
+        points = sorted(seconds)
+        ratios = {rows: statistics.median(times) / _lookup(seconds, points, rows)
                   for rows, times in self._seen.items() if len(times) >= self.MIN_SEEN}
         if not ratios:
             return costs
-        target, floor = {}, 0.0
-        for rows, nearest in self._nearest_seen(tuple(sorted(ratios)), costs):
-            floor = max(floor, costs.target_seconds[rows] * ratios[nearest])
-            target[rows] = floor
-        return dataclasses.replace(costs, target_seconds=target)
+        table, floor = {}, 0.0
+        for rows, nearest in self._nearest_seen(tuple(sorted(ratios)), points):
+            floor = max(floor, seconds[rows] * ratios[nearest])
+            table[rows] = floor
+        return dataclasses.replace(costs, **{self.table: table})
 
-    def _nearest_seen(self, seen: tuple[int, ...], costs: SpecCosts) -> list[tuple[int, int]]:
+    def _nearest_seen(self, seen: tuple[int, ...], points: list[int]) -> list[tuple[int, int]]:
         """(rows, the nearest seen row count) for each of the table's rows, a tie to the smaller;
         kept while the seen counts stay (they change rarely, the engine asks every step: the
         search took ~0.1 ms of a step on a 2-core VM)."""
-        key = (seen, tuple(costs.target_seconds))
+        key = (seen, tuple(points))
         if self._nearest[0] != key:
-            pairs = [(rows, min(seen, key=lambda r: (abs(r - rows), r))) for rows in sorted(costs.target_seconds)]
+            pairs = [(rows, min(seen, key=lambda r: (abs(r - rows), r))) for rows in points]
             self._nearest = (key, pairs)
         return self._nearest[1]
 

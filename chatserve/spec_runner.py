@@ -71,6 +71,8 @@ class SpecRunner:
     @costs.setter
     def costs(self, costs: SpecCosts | None) -> None:
         self._costs, self._measured_costs, self._observed = costs, None, ObservedForwards()
+        # a draft position's forward as the methods whose drafts cost one time it (step_cost -> observer)
+        self.step_observers = {"head": ObservedForwards(table="head_seconds")}
 
     @property
     def stats(self) -> SpecStats:
@@ -299,7 +301,13 @@ class SpecRunner:
                 reqs.append(s.req)
                 ks.append(0)
         for name, (reqs, ks) in work.items():
-            self.methods[name].propose(reqs, ks)
+            method = self.methods[name]
+            timed = method.propose(reqs, ks)
+            observer = self.step_observers.get(method.step_cost)
+            if timed and observer is not None and self._measured_costs is not None:
+                for rows, seconds in timed:
+                    observer.observe(rows, seconds)
+                self._costs = self._corrected(observer)
 
     def observe_forward(self, rows: int, seconds: float) -> None:
         """A decode-only step's target forward over `rows` rows, with the verification and sampling
@@ -308,7 +316,13 @@ class SpecRunner:
         stay as they are."""
         if self._measured_costs is not None:
             self._observed.observe(rows, seconds)
-            self._costs = self._observed.corrected(self._measured_costs)
+            self._costs = self._corrected(self._observed)
+
+    def _corrected(self, observer: ObservedForwards) -> SpecCosts:
+        """The costs in use with observer's table corrected afresh from the start-up one (the
+        other tables as their own observers left them: one correction per observation, ~30 us)."""
+        table = observer.table
+        return dataclasses.replace(self._costs, **{table: getattr(observer.corrected(self._measured_costs), table)})
 
     @property
     def reads_features(self) -> bool:

@@ -97,9 +97,11 @@ class SpecMethod(Protocol):
         knows better; None when it has nothing to offer."""
         ...
 
-    def propose(self, reqs: list[Request], ks: list[int]) -> None:
+    def propose(self, reqs: list[Request], ks: list[int]) -> list[tuple[int, float]] | None:
         """Set req.draft_token_ids (at most ks[i]) and req.draft_probs ([k, vocab], or None for
-        one-hot drafts) for the requests this step drafts with this method."""
+        one-hot drafts) for the requests this step drafts with this method. A method whose drafts
+        cost a step (step_cost) may return each draft position's (sequences drafting, seconds):
+        SpecRunner rescales that step's start-up cost table by them."""
         ...
 
     def finish(self, req: Request) -> None:

@@ -41,10 +41,13 @@ Design choices:
   stops where the head's own probability of it falls below what a draft costs
   (SpecState.least_gain): k is then a cap, and a sure stretch drafts to it while a guess stops.
 - No catch-up (keeps_kv False), but each draft position costs a head step: measured at start
-  with the target's forwards (SpecCosts.head) and priced by adaptive k as a draft model's are.
+  with the target's forwards (SpecCosts.head), corrected by the steps propose times, and priced
+  by adaptive k as a draft model's are.
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -144,7 +147,7 @@ class EagleMethod:
         assert start % self.runner.block_size == 0, "no feature for the position before a step"
         return features[block_ids[start // self.runner.block_size - 1]][None]
 
-    def propose(self, reqs: list[Request], ks: list[int]) -> None:
+    def propose(self, reqs: list[Request], ks: list[int]) -> list[tuple[int, float]]:
         """Draft up to ks[i] tokens for reqs[i] in a chain: forward s feeds each still-drafting
         request's newest token at its position with the feature before it (the target's last one,
         then the head's own prediction) and drafts from the head's logits for the next position.
@@ -155,7 +158,10 @@ class EagleMethod:
         accepted ~0.3 of the time, ~0.96 ~0.95; at T = 0.7 the same probability predicts a
         sampled draft's acceptance sum_x min(p, q)), so this keeps the sure drafts of a long
         chain and drops the guesses. The stop reads the head alone, never the target: any
-        number of drafts so chosen keeps verification lossless."""
+        number of drafts so chosen keeps verification lossless.
+
+        Returns each draft position's (requests drafting, seconds): the head's forward, norm and
+        kept logits with the drafting glue of its rows, what SpecRunner prices a position at."""
         items, inputs = [], []
         for req in reqs:
             assert self._has_last_feature(req), "offer() checked it"
@@ -169,8 +175,9 @@ class EagleMethod:
         chain_probs = [1.0] * len(reqs)
         active, features = list(range(len(reqs))), torch.cat(inputs)  # [rows, hidden]
         last_rows = torch.tensor([len(it.token_ids) for it in items]).cumsum(0) - 1  # each item's newest row
-        head = self.runner.head
+        head, timed = self.runner.head, []
         while active:
+            start = time.perf_counter()
             out = self.runner.run(items, features)
             predicted = head.norm(out if last_rows is None else out[last_rows])  # [drafting, hidden]
             last_rows = None
@@ -196,9 +203,11 @@ class EagleMethod:
                     position = items[row].start_pos + len(items[row].token_ids)
                     next_items.append(BatchItem([token], position, req.table.block_ids, 1))
                     next_rows.append(row)
+            timed.append((len(active), time.perf_counter() - start))
             active, items, features = next_active, next_items, predicted[next_rows]
         for req, rows in zip(reqs, probs):
             req.draft_probs = torch.cat(rows) if rows else None  # [k, vocab]
+        return timed
 
     def _draft_over_kept(self, req: Request, kept: torch.Tensor, best: int) -> tuple[int, torch.Tensor | None]:
         """sample_draft for a request without a grammar, over the head's kept logits [1, num_kept]

@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -597,6 +598,49 @@ def test_adaptive_k_prices_the_heads_steps(oracle):
         assert engine.generate([prompt], params)[0]["token_ids"] == expected
         drafted[name] = engine.spec.stats_by_method["eagle"].num_draft_tokens - before  # suffix drafts apart
     assert drafted["free"] >= 20 and drafted["dear"] <= 40 // 16 + 1, drafted
+    assert_pool_empty(engine)
+
+
+def test_the_heads_served_steps_reprice_its_start_up_table(oracle, monkeypatch):
+    """propose times each draft position (the head's step with its drafting glue) and the engine's
+    head table follows them, as the target's follows its forwards: a head timed at start-up as
+    nearly free, then slowed by 30 ms a step, is priced at >= 30 ms once its steps are seen, and
+    the allocator stops buying its drafts. Costs set by hand stay as set."""
+    from chatserve import spec_runner
+    from chatserve.spec_costs import ObservedForwards
+
+    measure = spec_runner.measure_spec_costs
+
+    def nearly_free_head(*args, **kwargs):
+        costs = measure(*args, **kwargs)
+        return dataclasses.replace(costs, head_seconds={r: t / 100 for r, t in costs.head_seconds.items()})
+
+    monkeypatch.setattr(spec_runner, "measure_spec_costs", nearly_free_head)
+    model_dir, head_path = oracle
+    engine = make_engine(model_dir, head_path, adaptive=True)
+    engine.spec.config = dataclasses.replace(engine.spec.config, confidence_stop=False)  # see above
+    measured = engine.spec.costs
+    prompt = engine.tokenizer.encode(HISTORY)
+    runner = engine.spec.methods["eagle"].runner
+    run = runner.run
+    timed = []
+    observe = engine.spec.step_observers["head"].observe
+    engine.spec.step_observers["head"].observe = lambda rows, seconds: (timed.append(rows), observe(rows, seconds))
+    runner.run = lambda *a, **kw: (time.sleep(0.03), run(*a, **kw))[1]
+    params = dataclasses.replace(GREEDY, max_tokens=48)
+    engine.generate([prompt], params)
+    assert len(timed) >= ObservedForwards.MIN_SEEN and set(timed) == {1}
+    assert sorted(engine.spec.costs.head_seconds) == sorted(measured.head_seconds)
+    assert engine.spec.costs.head(1) >= 0.03 > measured.head(1)
+    assert engine.spec.costs.target_seconds.keys() == measured.target_seconds.keys()
+    before = engine.spec.stats_by_method["eagle"].num_draft_tokens
+    engine.generate([prompt], params)
+    # a draft now costs 30 ms beside a few-ms target step: only the probes draft (1 in 16 steps)
+    assert engine.spec.stats_by_method["eagle"].num_draft_tokens - before <= 48 // 16 + 1
+    by_hand = dataclasses.replace(measured)
+    engine.spec.costs = by_hand
+    engine.generate([prompt], dataclasses.replace(GREEDY, max_tokens=8))
+    assert engine.spec.costs is by_hand
     assert_pool_empty(engine)
 
 

@@ -210,6 +210,20 @@ def test_service_forwards_reprice_the_table():
     assert seen.corrected(table).target(3) == pytest.approx(2.0)
 
 
+def test_a_head_observer_reprices_the_head_table_alone():
+    from chatserve.spec_costs import ObservedForwards
+
+    table = SpecCosts({1: 1.0, 2: 1.1}, {}, head_seconds={1: 0.3, 2: 0.4, 3: 0.5})
+    seen = ObservedForwards(table="head_seconds")
+    for _ in range(ObservedForwards.MIN_SEEN):
+        seen.observe(1, 0.1)  # a third of the start-up price
+    costs = seen.corrected(table)
+    assert costs.head(1) == pytest.approx(0.1) and costs.head(3) == pytest.approx(0.5 / 3)
+    assert costs.target_seconds == table.target_seconds
+    without = SpecCosts({1: 1.0}, {})
+    assert seen.corrected(without) is without  # no head: nothing to correct
+
+
 def test_corrected_prices_never_fall_as_rows_grow():
     from chatserve.spec_costs import ObservedForwards
 
