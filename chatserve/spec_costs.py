@@ -203,8 +203,7 @@ class ObservedForwards:
     nothing). A median of a window, not a running mean: one slow forward moves nothing, a slow
     minute moves the price while it lasts. Rows that service never buys are never measured again,
     but the rows that are bought are: a batch that stops drafting because drafts looked dear
-    measures its plain steps, and the probes of free proposals keep
-    one more row measured."""
+    measures its plain steps, and the probes of free proposals keep one more row measured."""
 
     WINDOW = 9
     MIN_SEEN = 3
