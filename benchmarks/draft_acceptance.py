@@ -33,14 +33,15 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from head_acceptance import PROMPTS, calibration, walked_length, walked_stopped  # noqa: E402
+from head_acceptance import PROMPTS, calibration, walk_rule, walked_length, walked_stopped  # noqa: E402
 
 from chatserve.batch import BatchItem  # noqa: E402
 from chatserve.block_manager import BlockTable  # noqa: E402
 from chatserve.config import EngineConfig, SpecConfig  # noqa: E402
 from chatserve.engine import Engine  # noqa: E402
 from chatserve.sampling_params import SamplingParams  # noqa: E402
-from chatserve.spec_costs import measure_spec_costs  # noqa: E402
+from chatserve.spec_costs import SpecCosts, measure_spec_costs  # noqa: E402
+from spec.adaptive import allocate_drafts, chain_stop_gains, geometric_gains  # noqa: E402
 
 
 def greedy_replies(engine: Engine, kind: str, max_tokens: int) -> list[tuple[list[int], int]]:
@@ -82,33 +83,6 @@ def chains(hit: torch.Tensor, prob: torch.Tensor, depth: int) -> tuple[torch.Ten
     return pad_hit[index].int().cumprod(dim=1).bool(), pad_prob[index]
 
 
-def walk_rule(hits: list[torch.Tensor], sure: list[torch.Tensor], cap: int, keep_below, go_on_below,
-              rate: float = 1.0) -> list[tuple[int, int, int]]:
-    """Chains as a rule walks them: each forward computes a draft and its probability; draft s (from
-    0) is kept while the chain's probability P (the product so far) >= keep_below[s], and the next
-    forward runs while P x rate >= go_on_below[s], up to cap drafts (thresholds: a number for every
-    depth, or a list by depth). -> (tokens, drafts, forwards) of each verification."""
-    keep_below = keep_below if isinstance(keep_below, list) else [keep_below] * cap
-    go_on_below = go_on_below if isinstance(go_on_below, list) else [go_on_below] * cap
-    steps = []
-    for reply, probs in zip(hits, sure):
-        accepted, probs = reply[:, :cap].sum(1).tolist(), probs[:, :cap].cumprod(dim=1).tolist()
-        p = 0
-        while p < len(accepted):
-            kept = forwards = 0
-            for s in range(cap):
-                forwards += 1
-                if probs[p][s] < keep_below[s]:
-                    break
-                kept += 1
-                if probs[p][s] * rate < go_on_below[s]:
-                    break
-            a = min(accepted[p], kept)
-            steps.append((a + 1, kept, forwards))
-            p += a + 1
-    return steps
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
@@ -119,6 +93,10 @@ def main() -> None:
     ap.add_argument("--depth", type=int, default=6)
     ap.add_argument("--stop-at", type=float, nargs="*", default=[0.1, 0.2, 0.3, 0.4, 0.5, 0.6])
     ap.add_argument("--costs", action="store_true", help="time the forwards and estimate speed-ups (quiet machine)")
+    ap.add_argument("--target-ms", type=float, nargs="*", default=None,
+                    help="estimate with these target forward times for 1, 2, ... rows (another machine's)")
+    ap.add_argument("--draft-ms", type=float, default=None, help="with --target-ms: one draft forward")
+    ap.add_argument("--cap", type=int, default=4, help="the engine's num_draft_tokens, the served rules' cap")
     ap.add_argument("--reads", type=Path, default=None,
                     help="keep the draft's reads (and the timed costs) in this file, or take them from it")
     ap.add_argument("--out", type=Path, default=None)
@@ -137,6 +115,8 @@ def main() -> None:
     results = {"model": args.model, "draft": args.draft, "max_tokens": args.max_tokens, "depth": args.depth,
                "workloads": {}}
     costs = saved["costs"]
+    if args.target_ms:
+        costs = SpecCosts({r: t / 1e3 for r, t in enumerate(args.target_ms, start=1)}, {1: args.draft_ms / 1e3})
     if costs is not None:
         target_ms = [costs.target(r) * 1e3 for r in range(1, args.depth + 2)]
         results["target_ms_by_rows"], results["draft_ms"] = target_ms, costs.draft(1) * 1e3
@@ -172,8 +152,23 @@ def main() -> None:
             go_on = [scale * (row[s + 1] + draft / t1) for s in range(args.depth)]
             walks[f"marginal x{scale}: keep >= its row, go on at rate {rate:.2f}"] = walk_rule(
                 hits, sure, args.depth, row[: args.depth], go_on, rate)
+        # as served: adaptive k prices the cap at this rate (allocate_drafts), then the chain stops
+        # below one price (session 44's EagleMethod.propose), or keeps and goes on at two (this session's)
+        for cap in sorted({args.cap, args.depth}):
+            k = allocate_drafts([geometric_gains(rate, cap)], costs.target, costs.draft, [True])[0]
+            least = chain_stop_gains(costs.target, costs.draft, 1, k, 1.0)[1]
+            walks[f"served cap {cap}: adaptive k = {k}"] = walk_rule(hits, sure, k, 0.0, 0.0) if k else []
+            walks[f"served cap {cap}: k = {k}, stop below {least:.2f}"] = walk_rule(hits, sure, k, least, 0.0)
+            go_on = [row[s + 1] + draft / t1 for s in range(cap)]
+            walks[f"served cap {cap}: marginal to the cap"] = walk_rule(hits, sure, cap, row[:cap], go_on, rate)
+            walks[f"served cap {cap}: marginal to the cap, rate 1"] = walk_rule(hits, sure, cap, row[:cap], go_on)
+            keep = (costs.target(1 + k) - costs.target(1)) / max(k, 1) / t1  # chain_stop_gains' keep
+            walks[f"served cap {cap}: keep >= {keep:.2f}, go on >= {least:.2f}"] = walk_rule(
+                hits, sure, cap, keep, least)
         estimates = {}
         for name, steps in walks.items():
+            if not steps:
+                continue
             tokens = sum(t for t, _, _ in steps)
             seconds = sum(costs.target(1 + d) + f * draft for _, d, f in steps)
             estimates[name] = [round(x, 3) for x in (tokens / len(steps), sum(d for _, d, _ in steps) / len(steps),

@@ -180,6 +180,33 @@ def walked_stopped(hits: list[torch.Tensor], sure: list[torch.Tensor], cap: int,
     return tokens / steps, drafts / steps, head_steps / steps
 
 
+def walk_rule(hits: list[torch.Tensor], sure: list[torch.Tensor], cap: int, keep_below, go_on_below,
+              rate: float = 1.0) -> list[tuple[int, int, int]]:
+    """Chains as a rule walks them: each forward computes a draft and its probability; draft s (from
+    0) is kept while the chain's probability P (the product so far) >= keep_below[s], and the next
+    forward runs while P x rate >= go_on_below[s], up to cap drafts (thresholds: a number for every
+    depth, or a list by depth). -> (tokens, drafts, forwards) of each verification."""
+    keep_below = keep_below if isinstance(keep_below, list) else [keep_below] * cap
+    go_on_below = go_on_below if isinstance(go_on_below, list) else [go_on_below] * cap
+    steps = []
+    for reply, probs in zip(hits, sure):
+        accepted, probs = reply[:, :cap].sum(1).tolist(), probs[:, :cap].cumprod(dim=1).tolist()
+        p = 0
+        while p < len(accepted):
+            kept = forwards = 0
+            for s in range(cap):
+                forwards += 1
+                if probs[p][s] < keep_below[s]:
+                    break
+                kept += 1
+                if probs[p][s] * rate < go_on_below[s]:
+                    break
+            a = min(accepted[p], kept)
+            steps.append((a + 1, kept, forwards))
+            p += a + 1
+    return steps
+
+
 def calibration(hits: torch.Tensor, sure: torch.Tensor, passes: int = 2) -> list[list[tuple]]:
     """[chains, depth] hits and head probabilities -> probability_bins per pass s < passes, pass s > 0
     over the chains whose first s drafts held (a served chain's later drafts are made only then)."""
@@ -235,6 +262,13 @@ def main() -> None:
     ap.add_argument("--stop-at", type=float, nargs="*", default=[0.05, 0.1, 0.15, 0.2, 0.3],
                     help="also walk chains of up to --depth drafts stopped where the head's probability of "
                          "the chain falls below each of these (as served chains stop)")
+    ap.add_argument("--keep-at", type=float, nargs="*", default=[],
+                    help="also walk chains that keep a draft already computed while the chain's probability is "
+                         "at least each of these (its verification row's price), going on while it is at least "
+                         "each --stop-at value above it (the head step's price added)")
+    ap.add_argument("--target-ms", type=float, nargs="*", default=None,
+                    help="target forward ms for 1, 2, ... rows: estimate each walk's speed-up over plain decoding, "
+                         "tokens x T(1) / sum of (T(1 + drafts) + head steps x --head-step-ms)")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="> 0: replies sampled at it, and a sampled draft's expected acceptance measured")
     ap.add_argument("--top-p", type=float, default=1.0)
@@ -296,6 +330,12 @@ def main() -> None:
             for least, (tokens, drafts, steps) in stopped.items():
                 print(f"{'':30s} {kind:5s} walked, up to {args.depth} drafts stopped below {least}: "
                       f"{tokens:.3f} tokens a verification, {drafts:.2f} drafts, {steps:.2f} head steps", flush=True)
+            if args.keep_at or args.target_ms:
+                rows[kind]["walks"] = rule_walks([h for h, _, _ in both], [p for _, _, p in both], args)
+                for name, v in rows[kind]["walks"].items():
+                    print(f"{'':30s} {kind:5s} {name:34s} {v['tokens']:.3f} tokens, {v['drafts']:.2f} drafts, "
+                          f"{v['head_steps']:.2f} head steps" + (f": {v['speedup']:.3f}x plain (estimated)"
+                                                                  if "speedup" in v else ""), flush=True)
             if target_ms:
                 est = chain_or_tree(rows[kind]["first_s_right"], rows[kind]["first_in_top_n"], target_ms,
                                     args.head_step_ms)
@@ -319,6 +359,26 @@ def main() -> None:
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=1, default=str))
+
+
+def rule_walks(hits: list[torch.Tensor], sure: list[torch.Tensor], args) -> dict:
+    """walk_rule's walks for --depth: fixed chains, the --stop-at stops, and each --keep-at keep with each
+    --stop-at above it as the go-on threshold; with --target-ms, each walk's estimated speed-up."""
+    walks = {f"fixed k={k}": walk_rule(hits, sure, k, 0.0, 0.0) for k in range(1, args.depth + 1)}
+    walks.update({f"stop below {least}": walk_rule(hits, sure, args.depth, least, 0.0) for least in args.stop_at})
+    walks.update({f"keep >= {keep}, go on >= {least}": walk_rule(hits, sure, args.depth, keep, least)
+                  for keep in args.keep_at for least in args.stop_at if least > keep})
+    out = {}
+    for name, steps in walks.items():
+        n = len(steps)
+        row = {"tokens": sum(t for t, _, _ in steps) / n, "drafts": sum(d for _, d, _ in steps) / n,
+               "head_steps": sum(f for _, _, f in steps) / n}
+        if args.target_ms:
+            t = args.target_ms
+            seconds = sum(t[min(d, len(t) - 1)] + f * args.head_step_ms for _, d, f in steps)
+            row["speedup"] = sum(s for s, _, _ in steps) * t[0] / seconds
+        out[name] = {k: round(v, 3) for k, v in row.items()}
+    return out
 
 
 def sampled_rows(head, embed, lm_head, sequences, args) -> dict:

@@ -21,7 +21,7 @@ from chatserve.sampler import Sampler
 from chatserve.scheduler import ScheduledSeq
 from chatserve.spec_costs import MAX_ROWS, ObservedForwards, SpecCosts, assumed_spec_costs, measure_spec_costs
 from chatserve.spec_methods import SPEC_METHODS, Offer, SpecMethod, SpecState
-from spec.adaptive import AdaptiveDraftLength, allocate_drafts, least_draft_gain, step_seconds
+from spec.adaptive import AdaptiveDraftLength, allocate_drafts, chain_stop_gains, step_seconds
 from spec.stats import SpecStats
 
 # With draft_catch_up "decode": a catch-up chunk may add this share to the time of a step
@@ -35,6 +35,7 @@ CATCH_UP_CHUNK = 64
 # not wall times: the cost table may be in units of a forward (assumed costs, tests).
 GAP_LIMIT = 2.5
 MIN_GAP_SAMPLES = 3
+MIN_MADE_DRAFTS = 32  # drafts made before their acceptance prices how far a confident chain goes on
 
 
 class SpecRunner:
@@ -51,6 +52,9 @@ class SpecRunner:
             raise ValueError(f"spec.method: {config.method!r} cannot run with the loaded models")
         self.stats_by_method = {name: SpecStats() for name in self.methods}  # engine-wide, per method
         self.gap_limit = GAP_LIMIT  # 0: a step's length is priced by tokens per second alone
+        # a confident chain keeps a draft already computed at a row's price (chain_stop_gains); False:
+        # session 44's rule, one price for keeping and going on (benchmarks/step_breakdown.py compares)
+        self.keeps_computed_drafts = True
         self.costs = None
         if config.adaptive:
             measured = measure_spec_costs(models, config.num_draft_tokens, max_num_seqs, config.max_draft_tokens)
@@ -108,10 +112,11 @@ class SpecRunner:
         drafts that maximize expected tokens per second of the whole step. A request that fixed
         num_draft_tokens, or any request when adaptive speculation is off, drafts its fixed k.
 
-        With SpecConfig.confidence_stop, req.spec.least_gain is what a draft costs in tokens
-        (spec.adaptive.least_draft_gain): an EAGLE chain stops before the priced k where the head's
-        own probability of it falls below that. (Given the whole cap instead whenever the pricing
-        drafts at all, SmolLM2's chains drafted more and ran slower: session 44.)
+        With SpecConfig.confidence_stop, req.spec.keep_gain and least_gain are what a computed draft
+        and one more draft cost in tokens (spec.adaptive.chain_stop_gains): an EAGLE chain keeps its
+        drafts and goes on while the head's own probability of it stays above them, up to the
+        priced k. (Given the whole cap instead whenever the pricing drafts at all, SmolLM2's
+        chains drafted more and ran slower: session 44.)
 
         prefill_rows (prompt tokens this step also feeds the target) change what draft rows
         cost: the rows past them, not past the decodes alone (SpecCosts.step_target).
@@ -123,7 +128,8 @@ class SpecRunner:
         for req in running:
             req.num_lookahead_tokens = 0
             if req.spec is not None:
-                req.spec.offer, req.spec.num_catch_up_tokens, req.spec.least_gain = None, 0, 0.0
+                req.spec.offer, req.spec.num_catch_up_tokens = None, 0
+                req.spec.keep_gain = req.spec.least_gain = 0.0
         decodes = [r for r in running if r.spec is not None and not r.is_prefilling]
         budget = self._catch_up_budget(len(decodes))
         priced: list[tuple[Request, list[Offer | None]]] = []
@@ -189,15 +195,29 @@ class SpecRunner:
                              self._max_step_seconds([r for r, _ in priced], target(len(priced))))
         ks = [self._probe_k(req, offer, k) for (req, _), offer, k in zip(priced, offers, ks)]
         price = step_seconds(ks, target, draft, runs_model, setup)
-        least_gain = least_draft_gain(target, draft, len(priced), sum(ks)) if self.config.confidence_stop else 0.0
         for req, _ in priced:
             req.spec.recent_steps.append(price)
         for (req, _), offer, k in zip(priced, offers, ks):
             req.spec.offer = offer if k else None
-            req.spec.least_gain = least_gain if k else 0.0
+            req.spec.keep_gain, req.spec.least_gain = 0.0, 0.0
+            if k and self.config.confidence_stop:
+                if self.keeps_computed_drafts:
+                    req.spec.keep_gain, req.spec.least_gain = chain_stop_gains(
+                        target, draft, len(priced), sum(ks), self._made_accept_rate(offer.method))
+                else:  # session 44's rule: a chain stops before a draft worth less than a row and a step
+                    least = chain_stop_gains(target, draft, len(priced), sum(ks), 1.0)[1]
+                    req.spec.keep_gain = req.spec.least_gain = least
             req.num_lookahead_tokens = k
             for method in req.spec.methods:
                 self._controller(req, method).allocated(k if offer is not None and offer.method is method else 0)
+
+    def _made_accept_rate(self, method: SpecMethod) -> float:
+        """The share of `method`'s drafts accepted so far, engine-wide (1.0 before MIN_MADE_DRAFTS):
+        the chance that a draft made after a kept one is accepted, as chain_stop_gains asks."""
+        stats = self.stats_by_method[method.name]
+        if stats.num_draft_tokens < MIN_MADE_DRAFTS:
+            return 1.0
+        return stats.num_accepted_tokens / stats.num_draft_tokens
 
     def _max_step_seconds(self, reqs: list[Request], plain_seconds: float) -> float | None:
         """The dearest step these streams may take: gap_limit x the cheapest typical step among

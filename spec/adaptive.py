@@ -120,19 +120,26 @@ def step_seconds(
     return seconds
 
 
-def least_draft_gain(target_seconds, draft_seconds, num_seqs: int, num_drafts: int) -> float:
-    """The least expected tokens that a draft must add to pay in a step of num_seqs sequences that
-    were allocated num_drafts drafts (same arguments as allocate_drafts): what one of them costs, a
-    verification row (the drafts' rows' cost shared evenly: row by row the table steps at tile
-    edges) and a draft step of one row, in tokens of plain decoding (num_seqs tokens per
-    target_seconds(num_seqs)). A proposer that knows how sure it is (an EAGLE head's probability
-    of its chain so far) stops a chain whose next draft would add less. Priced at plain decoding's
-    rate, which a drafting step beats: it errs towards one draft too many."""
+def chain_stop_gains(target_seconds, draft_seconds, num_seqs: int, num_drafts: int,
+                     made_accept_rate: float) -> tuple[float, float]:
+    """Where a proposer that knows how sure it is (an EAGLE head's probability of its chain so
+    far, the product of its drafts' probabilities) stops a chain in a step of num_seqs sequences
+    allocated num_drafts drafts (same arguments as allocate_drafts): (keep, go_on), in tokens of
+    plain decoding (num_seqs tokens per target_seconds(num_seqs); a drafting step beats that rate,
+    so this errs towards one draft too many). A verification row costs the drafts' rows' cost
+    shared evenly (row by row the table steps at tile edges). A draft already computed costs only
+    its row: it is kept while the chain's probability P >= keep. The next draft costs a row and a
+    draft step, and is computed only while P x made_accept_rate >= that, i.e. P >= go_on: the
+    next draft's chance is the chain's times a draft's (the engine's acceptance of the drafts it
+    made, not of the positions it priced, which counts stops as rejections and would fall as the
+    chains stop). Offline on SmolLM2's head and code (docs/benchmarks.md session 45), keeping what
+    was computed at P >= 0.15 and going on at P >= 0.58 kept 1.43 drafts a verification for 1.59
+    head steps (1.76 tokens) where stopping below one price, 0.45, kept 0.81 for 1.77 (1.55)."""
     plain = target_seconds(num_seqs)
-    extra = max(target_seconds(num_seqs + num_drafts) - plain, 0.0) / max(num_drafts, 1)
-    if draft_seconds is not None:
-        extra += draft_seconds(1)
-    return extra * num_seqs / plain
+    row = max(target_seconds(num_seqs + num_drafts) - plain, 0.0) / max(num_drafts, 1)
+    step = draft_seconds(1) if draft_seconds is not None else 0.0
+    keep = row * num_seqs / plain
+    return keep, (keep + step * num_seqs / plain) / max(made_accept_rate, 0.05)
 
 
 def allocate_drafts(

@@ -62,8 +62,10 @@ class SpecState:
     # the prices (SpecCosts) of its latest steps: what its client waits between deltas
     recent_steps: deque = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))
     tokens: TokenArray = field(default_factory=TokenArray)  # its token_ids as int64, for the lookup methods
-    # a chain drafted by a method that knows its confidence stops once the probability that all its
-    # drafts so far are accepted falls below this (0: never; set by plan for adaptive requests)
+    # a chain drafted by a method that knows its confidence (spec.adaptive.chain_stop_gains; 0: never,
+    # set by plan for adaptive requests): a draft computed is kept while the probability P that all
+    # the chain's drafts so far are accepted is >= keep_gain, the next is computed while P >= least_gain
+    keep_gain: float = 0.0
     least_gain: float = 0.0
 
     @property

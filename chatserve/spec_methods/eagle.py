@@ -38,8 +38,9 @@ Design choices:
   the head's predicted feature. At T > 0 a draft is sampled from the head's distribution (the
   request's temperature / top-k / top-p, over the head's trimmed vocabulary: 0 elsewhere),
   which rejection sampling is given: lossless for any draft distribution. An adaptive chain
-  stops where the head's own probability of it falls below what a draft costs
-  (SpecState.least_gain): k is then a cap, and a sure stretch drafts to it while a guess stops.
+  keeps its drafts and goes on while the head's own probability of it pays for them
+  (SpecState.keep_gain, least_gain): k is then a cap, and a sure stretch drafts to it while a
+  guess stops.
 - No catch-up (keeps_kv False), but each draft position costs a head step: measured at start
   with the target's forwards (SpecCosts.head), corrected by the steps propose times, and priced
   by adaptive k as a draft model's are.
@@ -151,9 +152,11 @@ class EagleMethod:
         """Draft up to ks[i] tokens for reqs[i] in a chain: forward s feeds each still-drafting
         request's newest token at its position with the feature before it (the target's last one,
         then the head's own prediction) and drafts from the head's logits for the next position.
-        A chain stops before a draft that would bring the head's probability of the whole chain
-        (the product of each position's softmax probability of the head's argmax) below
-        req.spec.least_gain: what one more draft costs in tokens. A trained head is well
+        A chain keeps each draft computed while the head's probability of the whole chain (the
+        product of each position's softmax probability of the head's argmax) is at least
+        req.spec.keep_gain (what the draft's verification row costs in tokens), and computes the
+        next one while it is at least req.spec.least_gain (a row and a head step, over the chance
+        that a draft made is accepted: spec.adaptive.chain_stop_gains). A trained head is well
         calibrated (SmolLM2's, docs/benchmarks.md session 44: greedy drafts it gives ~0.3 are
         accepted ~0.3 of the time, ~0.96 ~0.95; at T = 0.7 the same probability predicts a
         sampled draft's acceptance sum_x min(p, q)), so this keeps the sure drafts of a long
@@ -171,7 +174,8 @@ class EagleMethod:
             inputs.append(rows)
         probs: list[list[torch.Tensor]] = [[] for _ in reqs]
         # chains without a grammar may stop early (a grammar's mask changes what the head offers)
-        stops_below = [req.spec.least_gain if req.grammar is None else 0.0 for req in reqs]
+        keep_below = [req.spec.keep_gain if req.grammar is None else 0.0 for req in reqs]
+        go_on_below = [req.spec.least_gain if req.grammar is None else 0.0 for req in reqs]
         chain_probs = [1.0] * len(reqs)
         active, features = list(range(len(reqs))), torch.cat(inputs)  # [rows, hidden]
         last_rows = torch.tensor([len(it.token_ids) for it in items]).cumsum(0) - 1  # each item's newest row
@@ -183,13 +187,13 @@ class EagleMethod:
             last_rows = None
             kept = head.kept_logits(predicted).cpu()  # [drafting, num_kept], on the host as the target's
             best = argmax_rows(kept).tolist()
-            sure = _top_probs(kept) if any(stops_below[i] for i in active) else None
+            sure = _top_probs(kept) if any(keep_below[i] or go_on_below[i] for i in active) else None
             next_active, next_items, next_rows = [], [], []
             for row, i in enumerate(active):
                 req = reqs[i]
-                if stops_below[i]:
+                if sure is not None:
                     chain_probs[i] *= sure[row]
-                    if chain_probs[i] < stops_below[i]:
+                    if chain_probs[i] < keep_below[i]:
                         continue
                 if req.grammar is None:  # over the head's vocabulary: no [vocab] row of logits to build
                     token, token_probs = self._draft_over_kept(req, kept[row : row + 1], best[row])
@@ -198,7 +202,7 @@ class EagleMethod:
                 req.draft_token_ids.append(token)
                 if token_probs is not None:
                     probs[i].append(token_probs)
-                if len(req.draft_token_ids) < ks[i]:
+                if len(req.draft_token_ids) < ks[i] and chain_probs[i] >= go_on_below[i]:
                     next_active.append(i)
                     position = items[row].start_pos + len(items[row].token_ids)
                     next_items.append(BatchItem([token], position, req.table.block_ids, 1))

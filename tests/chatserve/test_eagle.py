@@ -680,16 +680,18 @@ def test_a_chains_confidence_is_the_softmax_probability_of_the_heads_argmax():
     assert _top_probs(logits) == pytest.approx(want.tolist(), rel=1e-6)
 
 
-def test_a_greedy_chain_stops_where_the_heads_probability_of_it_falls_below_a_drafts_cost(
+def test_a_greedy_chain_keeps_and_goes_on_while_the_heads_probability_of_it_pays(
         tiny_llama_dir, trained_head, monkeypatch):
-    """Adaptive greedy drafting keeps the drafts of a chain while the head's probability of the
-    whole chain (the product of its softmax probabilities of each draft) is at least what one more
-    draft costs (least_draft_gain, set here): a chain cut short stops at the first draft that
-    would bring it below. At 0 every chain runs to its k; above 1 nothing is drafted, for a
-    sampled request too, and the stops count as rejections in the acceptance rate that prices the
-    drafts; with SpecConfig.confidence_stop off every chain runs to its k. Greedy
-    output equals speculation off throughout (test_sampled_tokens_follow_the_target: sampled
-    output follows the target with chains stopped)."""
+    """Adaptive greedy drafting keeps each draft of a chain while the head's probability of the
+    whole chain (the product of its softmax probabilities of each draft) is at least `keep` (a
+    verification row's price), and computes the next while it is at least `go_on` (a row and a
+    head step, over the made drafts' acceptance: chain_stop_gains, set here): a chain is cut at
+    the first draft below keep (its head step spent), or stops after the first kept one below
+    go_on. At 0 every chain runs to its k; above 1 nothing is drafted, for a sampled request
+    too, and the stops count as rejections in the acceptance rate that prices the drafts; with
+    SpecConfig.confidence_stop off every chain runs to its k. Greedy output equals speculation
+    off throughout (test_sampled_tokens_follow_the_target: sampled output follows the target
+    with chains stopped)."""
     import chatserve.spec_methods.eagle as eagle_module
     import chatserve.spec_runner as spec_runner
     from chatserve.spec_costs import SpecCosts
@@ -710,7 +712,7 @@ def test_a_greedy_chain_stops_where_the_heads_probability_of_it_falls_below_a_dr
         probs.append([])
         propose(reqs, ks)
         calls.append((ks, [len(r.draft_token_ids) for r in reqs], [r.params.is_greedy for r in reqs],
-                      [r.spec.least_gain for r in reqs]))
+                      [(r.spec.keep_gain, r.spec.least_gain) for r in reqs]))
 
     monkeypatch.setattr(eagle_module, "_top_probs", recorded_top_probs)
     monkeypatch.setattr(method, "propose", recorded_propose)
@@ -718,33 +720,39 @@ def test_a_greedy_chain_stops_where_the_heads_probability_of_it_falls_below_a_dr
     prompts = [engine.tokenizer.encode(p) for p in PROMPTS[:4]]
     expected = [o["token_ids"] for o in plain.generate(prompts, GREEDY)]
     drafted, firsts = {}, []
-    for least in (0.0, 1e-9, "median", 1.01):
-        if least == "median":  # of the first drafts' probabilities: some chains cut there, some go on
-            least = float(torch.tensor(firsts).median())
-        monkeypatch.setattr(spec_runner, "least_draft_gain", lambda *args, least=least: least)
+    for keep, go_on in ((0.0, 0.0), (1e-9, 1e-9), ("median", "median"), ("median / 4", "median"), (1.01, 1.01)):
+        if go_on == "median":  # of the first drafts' probabilities: some chains cut there, some go on
+            median = float(torch.tensor(firsts).median())
+            keep, go_on = (median / 4 if keep == "median / 4" else median), median
+        monkeypatch.setattr(spec_runner, "chain_stop_gains", lambda *args, gains=(keep, go_on): gains)
         calls.clear()
         probs.clear()
         rate_before = method.accept_rate.rate
         for prompt, want in zip(prompts, expected):  # one at a time: a call's probabilities are one chain's
             assert engine.generate([prompt], GREEDY)[0]["token_ids"] == want
-        drafted[least] = [(k, d) for ks, ds, _, _ in calls for k, d in zip(ks, ds)]
-        assert all(gains == [least] for _, _, _, gains in calls)
-        cut = 0
+        drafted[keep, go_on] = [(k, d) for ks, ds, _, _ in calls for k, d in zip(ks, ds)]
+        assert all(gains == [(keep, go_on)] for _, _, _, gains in calls)
+        cut = stopped = 0
         for (ks, (d,), _, _), chain in zip(calls, probs):
-            if least == 0.0:
+            if go_on == 0.0:
                 assert chain == [] and d == ks[0]  # never asked
                 continue
             product = torch.tensor([p for (p,) in chain]).cumprod(0)
-            assert len(chain) == min(d + 1, ks[0])  # a head step for each draft and the one cut
-            assert bool((product[:d] >= least).all())
-            assert d == ks[0] or float(product[d]) < least
-            cut += d < ks[0]
-        if least == 1e-9:
+            assert bool((product[:d] >= keep).all()) and bool((product[: d - 1] >= go_on).all())
+            if len(chain) == d + 1:  # the last head step's draft was cut
+                assert float(product[d]) < keep
+                cut += 1
+            else:  # it ran to its k, or stopped going on after a kept draft
+                assert len(chain) == d and (d == ks[0] or float(product[d - 1]) < go_on)
+                stopped += d < ks[0]
+        if keep == 1e-9:
             firsts = [chain[0][0] for chain in probs]
-            assert all(d == k for k, d in drafted[least])
-        elif 0 < least < 1:
-            assert cut > 0 and sum(d for _, d in drafted[least]) > 0, (least, drafted[least])
-    assert all(d == 0 for _, d in drafted[1.01]) and len(drafted[1.01]) > 0
+            assert all(d == k for k, d in drafted[keep, go_on])
+        elif 0 < keep < 1:
+            assert cut + stopped > 0 and sum(d for _, d in drafted[keep, go_on]) > 0, drafted[keep, go_on]
+            if keep < go_on:  # drafts between the two prices are kept, and their chains stop there
+                assert stopped > 0
+    assert all(d == 0 for _, d in drafted[1.01, 1.01]) and len(drafted[1.01, 1.01]) > 0
     # a chain stopped before its first draft counts as rejected there in the rate that prices drafts
     assert method.accept_rate.rate < rate_before
     sampled = dataclasses.replace(GREEDY, temperature=0.8)  # stops the same way (still at 1.01)
@@ -757,7 +765,32 @@ def test_a_greedy_chain_stops_where_the_heads_probability_of_it_falls_below_a_dr
     calls.clear()
     fresh = engine.tokenizer.encode(PROMPTS[4])  # no earlier reply for suffix decoding to offer instead
     assert engine.generate([fresh], GREEDY)[0]["token_ids"] == plain.generate([fresh], GREEDY)[0]["token_ids"]
-    assert calls and all(d == ks[0] and gains == [0.0] for ks, (d,), _, gains in calls)
+    assert calls and all(d == ks[0] and gains == [(0.0, 0.0)] for ks, (d,), _, gains in calls)
+    assert_pool_empty(engine)
+
+
+def test_a_chain_goes_on_at_a_row_and_a_step_over_the_made_drafts_acceptance(tiny_llama_dir, trained_head):
+    """The prices a drafting request's chain stops at are chain_stop_gains' for its step, with the
+    share of the head's drafts made so far that were accepted (1.0 before 32 were made): keep is
+    a row's price, go_on a row's and a head step's over that share."""
+    from chatserve.spec_costs import SpecCosts
+    from spec.adaptive import chain_stop_gains
+
+    engine = make_engine(tiny_llama_dir, trained_head, adaptive=True)
+    costs = SpecCosts({r: 1.0 + 0.01 * (r - 1) for r in range(1, 65)}, {}, head_seconds={r: 0.01 for r in range(1, 17)})
+    engine.spec.costs = costs
+    method = engine.spec.methods["eagle"]
+    seen, propose = [], method.propose
+    method.propose = lambda reqs, ks: (seen.append((ks[0], engine.spec.stats_by_method["eagle"].num_draft_tokens,
+                                                    engine.spec.stats_by_method["eagle"].num_accepted_tokens,
+                                                    reqs[0].spec.keep_gain, reqs[0].spec.least_gain)),
+                                       propose(reqs, ks))[1]
+    for prompt in PROMPTS:
+        engine.generate([engine.tokenizer.encode(prompt)], dataclasses.replace(GREEDY, max_tokens=48))
+    assert any(made < 32 for _, made, _, _, _ in seen) and any(made >= 32 for _, made, _, _, _ in seen)
+    for k, made, accepted, keep, go_on in seen:
+        rate = accepted / made if made >= 32 else 1.0
+        assert (keep, go_on) == pytest.approx(chain_stop_gains(costs.target, costs.head, 1, k, rate))
     assert_pool_empty(engine)
 
 
@@ -848,7 +881,7 @@ def test_sampled_tokens_follow_the_target(tiny_llama_dir, trained_head, monkeypa
         engine.spec.costs = SpecCosts({r: 1.0 + 0.001 * (r - 1) for r in range(1, 65)}, {})
         seen, top_probs = [], eagle_module._top_probs
         monkeypatch.setattr(eagle_module, "_top_probs", lambda logits: seen.extend(top_probs(logits)) or seen[-len(logits):])
-        monkeypatch.setattr(spec_runner, "least_draft_gain", lambda *a: median)
+        monkeypatch.setattr(spec_runner, "chain_stop_gains", lambda *a: (median, median))
         median = 1e-12  # every draft kept, its probability seen
     prompt = engine.tokenizer.encode(PROMPTS[3])
     hf = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32).eval()

@@ -1,6 +1,6 @@
 import pytest
 
-from spec.adaptive import AdaptiveDraftLength, allocate_drafts, geometric_gains, least_draft_gain, step_seconds
+from spec.adaptive import AdaptiveDraftLength, allocate_drafts, chain_stop_gains, geometric_gains, step_seconds
 
 
 def _linear(per_row: float = 0.05):
@@ -258,18 +258,26 @@ def test_offer_pauses_at_low_acceptance_and_probes():
     assert offers == [0, 0, 0, 4, 0, 0, 0, 4]  # a probe every 4th step, at the initial rate
 
 
-def test_least_draft_gain_is_a_drafts_cost_in_tokens_of_plain_decoding():
+def test_a_chain_keeps_a_computed_draft_at_a_rows_price_and_goes_on_at_a_row_and_a_step():
+    """chain_stop_gains -> (keep, go_on) in tokens of plain decoding: keep a computed draft for its
+    verification row, compute another for a row and a draft step, over the chance that a made
+    draft is accepted."""
     def target(rows):
         return 1.0 + 0.05 * (rows - 1)
 
-    assert least_draft_gain(target, None, 1, 1) == pytest.approx(0.05)  # a row, free proposals
-    assert least_draft_gain(target, lambda rows: 0.1, 1, 3) == pytest.approx(0.15)  # and a head step
+    def least(*args):  # the go-on price of a chain whose next draft is sure to hold
+        return chain_stop_gains(*args, 1.0)[1]
+
+    assert chain_stop_gains(target, None, 1, 1, 1.0) == pytest.approx((0.05, 0.05))  # free proposals
+    assert chain_stop_gains(target, lambda rows: 0.1, 1, 3, 1.0) == pytest.approx((0.05, 0.15))  # a head step
+    assert chain_stop_gains(target, lambda rows: 0.1, 1, 3, 0.5) == pytest.approx((0.05, 0.30))  # half made hold
+    assert chain_stop_gains(target, lambda rows: 0.1, 1, 3, 0.0)[1] == pytest.approx(0.15 / 0.05)  # floored
     # two sequences decode 2 tokens a plain step: a draft's 0.15 s is worth more tokens
-    assert least_draft_gain(target, lambda rows: 0.1, 2, 2) == pytest.approx(0.15 * 2 / 1.05)
+    assert least(target, lambda rows: 0.1, 2, 2) == pytest.approx(0.15 * 2 / 1.05)
 
     def tiled(rows):  # int8 tiles of four rows: a fifth row starts a tile, which the drafts share
         return 1.0 if rows <= 4 else 2.0
 
-    assert least_draft_gain(tiled, lambda rows: 0.1, 1, 3) == pytest.approx(0.1)
-    assert least_draft_gain(tiled, lambda rows: 0.1, 1, 4) == pytest.approx(0.25 + 0.1)
-    assert least_draft_gain(lambda rows: 1.0 - 0.01 * rows, None, 1, 1) == 0.0  # noise never pays to draft
+    assert least(tiled, lambda rows: 0.1, 1, 3) == pytest.approx(0.1)
+    assert least(tiled, lambda rows: 0.1, 1, 4) == pytest.approx(0.25 + 0.1)
+    assert least(lambda rows: 1.0 - 0.01 * rows, None, 1, 1) == 0.0  # noise never pays to draft
