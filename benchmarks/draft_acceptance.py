@@ -159,6 +159,9 @@ def main() -> None:
             least = chain_stop_gains(costs.target, costs.draft, 1, k, 1.0)[1]
             walks[f"served cap {cap}: adaptive k = {k}"] = walk_rule(hits, sure, k, 0.0, 0.0) if k else []
             walks[f"served cap {cap}: k = {k}, stop below {least:.2f}"] = walk_rule(hits, sure, k, least, 0.0)
+            keep, go_on = chain_stop_gains(costs.target, costs.draft, 1, k, rate)
+            walks[f"served cap {cap}: k = {k}, keep >= {keep:.2f}, go on >= {go_on:.2f}"] = walk_rule(
+                hits, sure, k, keep, go_on)
             go_on = [row[s + 1] + draft / t1 for s in range(cap)]
             walks[f"served cap {cap}: marginal to the cap"] = walk_rule(hits, sure, cap, row[:cap], go_on, rate)
             walks[f"served cap {cap}: marginal to the cap, rate 1"] = walk_rule(hits, sure, cap, row[:cap], go_on)
