@@ -17,7 +17,7 @@ ObservedForwards keeps the engine's own decode forwards per row count and rescal
 where they say otherwise. The same goes for an EAGLE head's draft positions: propose times each
 (the head's step with its drafting glue, beside a target forward that left the caches cold) and
 a second ObservedForwards rescales the head's table: on SmolLM2 a position cost 1.2-1.6 ms served
-where the start-up table said 1.0-1.3 (and 0.6 ms in a loop; docs/benchmarks.md session 45).
+where the start-up table said 1.0-1.6 (and 0.6 ms in a loop; docs/benchmarks.md session 45).
 """
 
 from __future__ import annotations
