@@ -59,7 +59,7 @@ def main() -> None:
         for m in args.rows:
             x = torch.randn(m, k)
             runs = 4 if m > 100 else 10
-            t_g32 = best_quarter(lambda: [qm.int4_matmul(x, layer.packed, layer.params) for layer in g32], runs) / args.copies
+            t_g32 = best_quarter(lambda: [layer(x) for layer in g32], runs) / args.copies  # its layout, as served
             t_q4k = best_quarter(lambda: [qm.q4k_linear(x, layer.codes, layer.subs, layer.dd) for layer in q4k], runs) / args.copies
             gflop = 2 * m * k * n / 1e9
             extra = {}
