@@ -91,9 +91,9 @@ def main() -> None:
     ap.add_argument("--no-stop", action="store_true",
                     help="also the head with its chains run to adaptive k, not stopped on its confidence "
                          "(eagle-nostop: SpecConfig.confidence_stop off)")
-    ap.add_argument("--stop44", action="store_true",
-                    help="also the head with session 44's stop (one price to keep a draft and to go on: "
-                         "eagle-stop44, SpecRunner.keeps_computed_drafts off)")
+    ap.add_argument("--two-prices", action="store_true",
+                    help="also the head whose chains keep a computed draft at a row's price and go on at a row "
+                         "and a step (eagle-two-prices: SpecRunner.keeps_computed_drafts on)")
     ap.add_argument("--startup-head-costs", action="store_true",
                     help="also the head priced by its start-up table alone, not corrected by its served "
                          "steps (eagle-startup)")
@@ -115,13 +115,13 @@ def main() -> None:
                                             adaptive=False, num_draft_tokens=k)
     if args.startup_head_costs:
         configs["eagle-startup"] = configs["eagle"]
-    if args.stop44:
-        configs["eagle-stop44"] = configs["eagle"]
+    if args.two_prices:
+        configs["eagle-two-prices"] = configs["eagle"]
     engines = {name: Engine(EngineConfig(**common, spec=spec)) for name, spec in configs.items()}
     if args.startup_head_costs:
         engines["eagle-startup"].spec.step_observers.clear()  # the head's table stays as timed at start
-    if args.stop44:
-        engines["eagle-stop44"].spec.keeps_computed_drafts = False
+    if args.two_prices:
+        engines["eagle-two-prices"].spec.keeps_computed_drafts = True
     startup = {name: e.spec.costs for name, e in engines.items() if e.spec is not None and e.spec.costs}
     tok = engines["off"].tokenizer
     prompts = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS[args.kind][: args.prompts]]

@@ -37,8 +37,8 @@ class SpecConfig:
     # An EAGLE head's file (chatserve train-head writes one); None = the cache's head for the
     # target's weights. Loaded when method is "eagle" or a head is named.
     eagle_head: str | None = None
-    # Adaptive EAGLE chains keep and go on while the head's probability of the chain pays for a
-    # draft (SpecState.keep_gain, least_gain); False: each runs to the k adaptive pricing chose.
+    # Adaptive EAGLE chains stop where the head's probability of the chain falls below what one
+    # more draft costs (SpecState.least_gain); False: each runs to the k adaptive pricing chose.
     confidence_stop: bool = True
     # Suffix decoding also matches against the most recent replies of all requests, up to this
     # many tokens (a question asked again, code repeated across conversations); 0 = each

@@ -52,9 +52,11 @@ class SpecRunner:
             raise ValueError(f"spec.method: {config.method!r} cannot run with the loaded models")
         self.stats_by_method = {name: SpecStats() for name in self.methods}  # engine-wide, per method
         self.gap_limit = GAP_LIMIT  # 0: a step's length is priced by tokens per second alone
-        # a confident chain keeps a draft already computed at a row's price (chain_stop_gains); False:
-        # session 44's rule, one price for keeping and going on (benchmarks/step_breakdown.py compares)
-        self.keeps_computed_drafts = True
+        # True: a confident chain keeps a draft already computed at a row's price and goes on at a row
+        # and a step over the made drafts' acceptance (chain_stop_gains). False, the default: one price
+        # for both, session 44's rule; served on SmolLM2 code the two prices ran 3-5% slower (20 paired
+        # rounds, docs/benchmarks.md session 45), to be measured where rows are cheap (step_breakdown --two-prices)
+        self.keeps_computed_drafts = False
         self.costs = None
         if config.adaptive:
             measured = measure_spec_costs(models, config.num_draft_tokens, max_num_seqs, config.max_draft_tokens)
@@ -112,11 +114,11 @@ class SpecRunner:
         drafts that maximize expected tokens per second of the whole step. A request that fixed
         num_draft_tokens, or any request when adaptive speculation is off, drafts its fixed k.
 
-        With SpecConfig.confidence_stop, req.spec.keep_gain and least_gain are what a computed draft
-        and one more draft cost in tokens (spec.adaptive.chain_stop_gains): an EAGLE chain keeps its
-        drafts and goes on while the head's own probability of it stays above them, up to the
-        priced k. (Given the whole cap instead whenever the pricing drafts at all, SmolLM2's
-        chains drafted more and ran slower: session 44.)
+        With SpecConfig.confidence_stop, req.spec.keep_gain and least_gain are what keeping a draft
+        and computing one more cost in tokens (spec.adaptive.chain_stop_gains; one price for both
+        unless keeps_computed_drafts): an EAGLE chain keeps its drafts and goes on while the head's
+        own probability of it stays above them, up to the priced k. (Given the whole cap instead
+        whenever the pricing drafts at all, SmolLM2's chains drafted more and ran slower: session 44.)
 
         prefill_rows (prompt tokens this step also feeds the target) change what draft rows
         cost: the rows past them, not past the decodes alone (SpecCosts.step_target).
@@ -204,7 +206,7 @@ class SpecRunner:
                 if self.keeps_computed_drafts:
                     req.spec.keep_gain, req.spec.least_gain = chain_stop_gains(
                         target, draft, len(priced), sum(ks), self._made_accept_rate(offer.method))
-                else:  # session 44's rule: a chain stops before a draft worth less than a row and a step
+                else:  # a chain stops before a draft worth less than a row and a step
                     least = chain_stop_gains(target, draft, len(priced), sum(ks), 1.0)[1]
                     req.spec.keep_gain = req.spec.least_gain = least
             req.num_lookahead_tokens = k

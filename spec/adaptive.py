@@ -134,7 +134,9 @@ def chain_stop_gains(target_seconds, draft_seconds, num_seqs: int, num_drafts: i
     made, not of the positions it priced, which counts stops as rejections and would fall as the
     chains stop). Offline on SmolLM2's head and code (docs/benchmarks.md session 45), keeping what
     was computed at P >= 0.15 and going on at P >= 0.58 kept 1.43 drafts a verification for 1.59
-    head steps (1.76 tokens) where stopping below one price, 0.45, kept 0.81 for 1.77 (1.55)."""
+    head steps (1.76 tokens) where stopping below one price, 0.45, kept 0.81 for 1.77 (1.55); served,
+    the extra rows cost more than they brought (code 3-5% slower), so SpecRunner uses go_on at
+    made_accept_rate 1.0 as one price for both unless told otherwise."""
     plain = target_seconds(num_seqs)
     row = max(target_seconds(num_seqs + num_drafts) - plain, 0.0) / max(num_drafts, 1)
     step = draft_seconds(1) if draft_seconds is not None else 0.0

@@ -154,9 +154,9 @@ class EagleMethod:
         then the head's own prediction) and drafts from the head's logits for the next position.
         A chain keeps each draft computed while the head's probability of the whole chain (the
         product of each position's softmax probability of the head's argmax) is at least
-        req.spec.keep_gain (what the draft's verification row costs in tokens), and computes the
-        next one while it is at least req.spec.least_gain (a row and a head step, over the chance
-        that a draft made is accepted: spec.adaptive.chain_stop_gains). A trained head is well
+        req.spec.keep_gain, and computes the next one while it is at least req.spec.least_gain
+        (SpecRunner prices both as what one more draft costs in tokens, a row and a head step, or
+        with keeps_computed_drafts a row alone to keep: spec.adaptive.chain_stop_gains). A trained head is well
         calibrated (SmolLM2's, docs/benchmarks.md session 44: greedy drafts it gives ~0.3 are
         accepted ~0.3 of the time, ~0.96 ~0.95; at T = 0.7 the same probability predicts a
         sampled draft's acceptance sum_x min(p, q)), so this keeps the sure drafts of a long

@@ -698,6 +698,7 @@ def test_a_greedy_chain_keeps_and_goes_on_while_the_heads_probability_of_it_pays
     from spec.adaptive import AcceptanceEMA
 
     engine = make_engine(tiny_llama_dir, trained_head, adaptive=True)
+    engine.spec.keeps_computed_drafts = True  # two prices (the default prices both as one: below)
     engine.spec.costs = SpecCosts({r: 1.0 + 0.01 * (r - 1) for r in range(1, 65)}, {},
                                   head_seconds={r: 0.01 for r in range(1, 17)})
     method = engine.spec.methods["eagle"]
@@ -755,6 +756,13 @@ def test_a_greedy_chain_keeps_and_goes_on_while_the_heads_probability_of_it_pays
     assert all(d == 0 for _, d in drafted[1.01, 1.01]) and len(drafted[1.01, 1.01]) > 0
     # a chain stopped before its first draft counts as rejected there in the rate that prices drafts
     assert method.accept_rate.rate < rate_before
+    engine.spec.keeps_computed_drafts = False  # one price: the go-on price keeps a draft too
+    monkeypatch.setattr(spec_runner, "chain_stop_gains", lambda *args: (0.2, 0.5))
+    method.accept_rate = AcceptanceEMA(ema=0.05, prior=0.7)
+    calls.clear()
+    engine.generate([engine.tokenizer.encode(PROMPTS[5])], GREEDY)  # no earlier reply for suffix decoding
+    assert calls and all(gains == [(0.5, 0.5)] for *_, gains in calls)
+    monkeypatch.setattr(spec_runner, "chain_stop_gains", lambda *args: (1.01, 1.01))
     sampled = dataclasses.replace(GREEDY, temperature=0.8)  # stops the same way (still at 1.01)
     method.accept_rate = AcceptanceEMA(ema=0.05, prior=0.7)  # as new: priced to draft again
     calls.clear()
@@ -777,6 +785,7 @@ def test_a_chain_goes_on_at_a_row_and_a_step_over_the_made_drafts_acceptance(tin
     from spec.adaptive import chain_stop_gains
 
     engine = make_engine(tiny_llama_dir, trained_head, adaptive=True)
+    engine.spec.keeps_computed_drafts = True
     costs = SpecCosts({r: 1.0 + 0.01 * (r - 1) for r in range(1, 65)}, {}, head_seconds={r: 0.01 for r in range(1, 17)})
     engine.spec.costs = costs
     method = engine.spec.methods["eagle"]
