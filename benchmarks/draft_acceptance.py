@@ -126,7 +126,8 @@ def main() -> None:
         reads = [chains(hit, prob, args.depth) for hit, prob in saved["reads"][kind]]
         hits, sure = [h for h, _ in reads], [p for _, p in reads]
         walked = [walked_length(hits, k) for k in range(1, args.depth + 1)]
-        stopped = {least: [round(x, 3) for x in walked_stopped(hits, sure, args.depth, least)] for least in args.stop_at}
+        stopped = {least: [round(x, 3) for x in walked_stopped(hits, sure, args.depth, least)]
+                   for least in args.stop_at}
         bins = calibration(torch.cat(hits), torch.cat(sure))
         results["workloads"][kind] = {
             "positions": sum(len(h) for h in hits), "walked_accepted_length": [round(x, 3) for x in walked],

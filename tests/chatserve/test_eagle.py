@@ -889,7 +889,8 @@ def test_sampled_tokens_follow_the_target(tiny_llama_dir, trained_head, monkeypa
     if stop:  # rows and head steps nearly free: priced to draft even as the stops pull the rate down
         engine.spec.costs = SpecCosts({r: 1.0 + 0.001 * (r - 1) for r in range(1, 65)}, {})
         seen, top_probs = [], eagle_module._top_probs
-        monkeypatch.setattr(eagle_module, "_top_probs", lambda logits: seen.extend(top_probs(logits)) or seen[-len(logits):])
+        monkeypatch.setattr(eagle_module, "_top_probs",
+                            lambda logits: seen.extend(top_probs(logits)) or seen[-len(logits):])
         monkeypatch.setattr(spec_runner, "chain_stop_gains", lambda *a: (median, median))
         median = 1e-12  # every draft kept, its probability seen
     prompt = engine.tokenizer.encode(PROMPTS[3])
