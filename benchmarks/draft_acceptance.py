@@ -33,7 +33,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from head_acceptance import PROMPTS, calibration, walk_rule, walked_length, walked_stopped  # noqa: E402
+from head_acceptance import PROMPTS, calibration, walk_rule, walk_summary, walked_length, walked_stopped  # noqa: E402
 
 from chatserve.batch import BatchItem  # noqa: E402
 from chatserve.block_manager import BlockTable  # noqa: E402
@@ -166,17 +166,10 @@ def main() -> None:
             go_on = [row[s + 1] + draft / t1 for s in range(cap)]
             walks[f"served cap {cap}: marginal to the cap"] = walk_rule(hits, sure, cap, row[:cap], go_on, rate)
             walks[f"served cap {cap}: marginal to the cap, rate 1"] = walk_rule(hits, sure, cap, row[:cap], go_on)
-            keep = (costs.target(1 + k) - costs.target(1)) / max(k, 1) / t1  # chain_stop_gains' keep
             walks[f"served cap {cap}: keep >= {keep:.2f}, go on >= {least:.2f}"] = walk_rule(
                 hits, sure, cap, keep, least)
-        estimates = {}
-        for name, steps in walks.items():
-            if not steps:
-                continue
-            tokens = sum(t for t, _, _ in steps)
-            seconds = sum(costs.target(1 + d) + f * draft for _, d, f in steps)
-            estimates[name] = [round(x, 3) for x in (tokens / len(steps), sum(d for _, d, _ in steps) / len(steps),
-                                                     sum(f for _, _, f in steps) / len(steps), tokens * t1 / seconds)]
+        estimates = {name: [round(x, 3) for x in walk_summary(steps, costs.target, draft)]
+                     for name, steps in walks.items() if steps}
         results["workloads"][kind]["estimates"] = {name: dict(zip(("tokens", "drafts", "forwards", "speedup"), v))
                                                   for name, v in estimates.items()}
         for name, (tokens, drafts, forwards, x) in estimates.items():

@@ -167,17 +167,7 @@ def walked_stopped(hits: list[torch.Tensor], sure: list[torch.Tensor], cap: int,
     `cap` drafts while the product of the head's probabilities of them (sure[i], chain_hits) stays
     >= least. -> (tokens, drafts, head steps) per verification; a head step is paid for each draft
     and for the one cut."""
-    tokens = steps = drafts = head_steps = 0
-    for reply, probs in zip(hits, sure):
-        accepted = reply[:, :cap].sum(1).tolist()
-        kept = (probs[:, :cap].cumprod(dim=1) >= least).sum(1).tolist()  # a product only falls: a prefix
-        p = 0
-        while p < len(accepted):
-            a = min(accepted[p], kept[p])
-            tokens, steps, drafts = tokens + a + 1, steps + 1, drafts + kept[p]
-            head_steps += min(kept[p] + 1, cap)
-            p += a + 1
-    return tokens / steps, drafts / steps, head_steps / steps
+    return walk_summary(walk_rule(hits, sure, cap, least, 0.0))[:3]
 
 
 def walk_rule(hits: list[torch.Tensor], sure: list[torch.Tensor], cap: int, keep_below, go_on_below,
@@ -205,6 +195,20 @@ def walk_rule(hits: list[torch.Tensor], sure: list[torch.Tensor], cap: int, keep
             steps.append((a + 1, kept, forwards))
             p += a + 1
     return steps
+
+
+def walk_summary(steps: list[tuple[int, int, int]], target_seconds=None,
+                 step_seconds: float = 0.0) -> tuple[float, float, float, float | None]:
+    """walk_rule's verifications -> (tokens, drafts, forwards) per verification, and with
+    target_seconds (rows -> one target forward) the estimated speed-up over plain decoding:
+    tokens x T(1) / sum of (T(1 + drafts) + forwards x step_seconds)."""
+    n = len(steps)
+    tokens = sum(t for t, _, _ in steps)
+    speedup = None
+    if target_seconds is not None:
+        seconds = sum(target_seconds(1 + d) + f * step_seconds for _, d, f in steps)
+        speedup = tokens * target_seconds(1) / seconds
+    return tokens / n, sum(d for _, d, _ in steps) / n, sum(f for _, _, f in steps) / n, speedup
 
 
 def calibration(hits: torch.Tensor, sure: torch.Tensor, passes: int = 2) -> list[list[tuple]]:
@@ -368,15 +372,14 @@ def rule_walks(hits: list[torch.Tensor], sure: list[torch.Tensor], args) -> dict
     walks.update({f"stop below {least}": walk_rule(hits, sure, args.depth, least, 0.0) for least in args.stop_at})
     walks.update({f"keep >= {keep}, go on >= {least}": walk_rule(hits, sure, args.depth, keep, least)
                   for keep in args.keep_at for least in args.stop_at if least > keep})
+    t = args.target_ms
+    target = (lambda rows: t[min(rows, len(t)) - 1]) if t else None
     out = {}
     for name, steps in walks.items():
-        n = len(steps)
-        row = {"tokens": sum(t for t, _, _ in steps) / n, "drafts": sum(d for _, d, _ in steps) / n,
-               "head_steps": sum(f for _, _, f in steps) / n}
-        if args.target_ms:
-            t = args.target_ms
-            seconds = sum(t[min(d, len(t) - 1)] + f * args.head_step_ms for _, d, f in steps)
-            row["speedup"] = sum(s for s, _, _ in steps) * t[0] / seconds
+        tokens, drafts, steps_a, speedup = walk_summary(steps, target, args.head_step_ms)
+        row = {"tokens": tokens, "drafts": drafts, "head_steps": steps_a}
+        if speedup is not None:
+            row["speedup"] = speedup
         out[name] = {k: round(v, 3) for k, v in row.items()}
     return out
 
