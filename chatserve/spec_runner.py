@@ -199,19 +199,32 @@ class SpecRunner:
         price = step_seconds(ks, target, draft, runs_model, setup)
         for req, _ in priced:
             req.spec.recent_steps.append(price)
+        stop_gains = self._stop_gains(offers, ks, target, draft, len(priced))
         for (req, _), offer, k in zip(priced, offers, ks):
             req.spec.offer = offer if k else None
-            req.spec.keep_gain, req.spec.least_gain = 0.0, 0.0
-            if k and self.config.confidence_stop:
-                if self.keeps_computed_drafts:
-                    req.spec.keep_gain, req.spec.least_gain = chain_stop_gains(
-                        target, draft, len(priced), sum(ks), self._made_accept_rate(offer.method))
-                else:  # a chain stops before a draft worth less than a row and a step
-                    least = chain_stop_gains(target, draft, len(priced), sum(ks), 1.0)[1]
-                    req.spec.keep_gain = req.spec.least_gain = least
+            req.spec.keep_gain, req.spec.least_gain = stop_gains[offer.method] if k and stop_gains else (0.0, 0.0)
             req.num_lookahead_tokens = k
             for method in req.spec.methods:
                 self._controller(req, method).allocated(k if offer is not None and offer.method is method else 0)
+
+    def _stop_gains(self, offers: list[Offer | None], ks: list[int], target, draft,
+                    num_seqs: int) -> dict[SpecMethod, tuple[float, float]]:
+        """(keep_gain, least_gain) of this step's chains, once per drafting method (every request
+        of the step shares the prices; only the made drafts' acceptance is the method's own): {}
+        without SpecConfig.confidence_stop. Without keeps_computed_drafts both are one price, the
+        go-on price of a chain whose next draft is sure to hold."""
+        if not self.config.confidence_stop:
+            return {}
+        gains = {}
+        for offer, k in zip(offers, ks):
+            if k and offer.method not in gains:
+                if self.keeps_computed_drafts:
+                    gains[offer.method] = chain_stop_gains(target, draft, num_seqs, sum(ks),
+                                                           self._made_accept_rate(offer.method))
+                else:  # a chain stops before a draft worth less than a row and a step
+                    least = chain_stop_gains(target, draft, num_seqs, sum(ks), 1.0)[1]
+                    gains[offer.method] = (least, least)
+        return gains
 
     def _made_accept_rate(self, method: SpecMethod) -> float:
         """The share of `method`'s drafts accepted so far, engine-wide (1.0 before MIN_MADE_DRAFTS):
