@@ -14,6 +14,7 @@ import torch
 from chatserve.block_manager import BlockManager
 from chatserve.config import EngineConfig
 from chatserve.kv_cache import CacheShape, FeatureShape, KVCache, available_memory_bytes, plan_num_blocks
+from chatserve.huge_pages import move_to_huge_pages
 from chatserve.kv_smooth import smoothed_kv_caches
 from chatserve.model_runner import HeadRunner, ModelRunner
 from chatserve.models.eagle_head import EagleHead
@@ -68,7 +69,7 @@ def load_models(config: EngineConfig) -> LoadedModels:
     target_cfg = read_config(target_dir)
     max_model_len = min(config.max_model_len or 10**9, target_cfg.max_position_embeddings)
     tokenizer = Tokenizer(target_dir, config.chat_template)
-    target = _quantized(_load(target_dir, target_cfg, dtype, max_model_len, config), config).to(device)
+    target = _in_huge_pages(_quantized(_load(target_dir, target_cfg, dtype, max_model_len, config), config).to(device))
     draft = None
     if config.spec and config.spec.draft_model:
         draft_dir = resolve(config.spec.draft_model)
@@ -78,7 +79,7 @@ def load_models(config: EngineConfig) -> LoadedModels:
         restrict = functools.partial(subset_head, num_kept=config.spec.draft_vocab_size,
                                      always=tokenizer.special_token_ids, counts=counts)
         draft = _load(draft_dir, draft_cfg, dtype, max_model_len, config, restrict)
-        draft = _quantized(draft, config).to(device)
+        draft = _in_huge_pages(_quantized(draft, config).to(device))
     shapes = [cache_shape(target, dtype, config.kv_cache_dtype, config.kv_cache_unquantized_layers)]
     if draft:
         shapes.append(cache_shape(draft, dtype, config.spec.draft_kv_cache_dtype or config.kv_cache_dtype))
@@ -98,7 +99,7 @@ def load_models(config: EngineConfig) -> LoadedModels:
     eagle_runner = None
     if head:
         head_cache = KVCache(pooled[len(shapes)], num_blocks, config.block_size, device)
-        eagle_runner = HeadRunner(head.to(device), target.embed_tokens, head_cache, kernels)
+        eagle_runner = HeadRunner(_in_huge_pages(head.to(device)), target.embed_tokens, head_cache, kernels)
         target_runner.feature_layers = head.feature_layers  # an EAGLE-3 head's layers, captured every step
     vocab = target_cfg.vocab_size
     release_free_memory()
@@ -221,6 +222,14 @@ def _load(model_dir: Path, model_cfg, dtype: torch.dtype, max_model_len: int, co
     streamed = frozenset({"lm_head"}) if scheme == "int4" else frozenset()
     model = load_model(model_dir, model_cfg, dtype, max_model_len, transform, streamed).eval()
     release_free_memory()
+    return model
+
+
+def _in_huge_pages(model):
+    """model, its large CPU weights moved into 2 MiB pages (chatserve/huge_pages.py: a decode step
+    streams them all: the 1.5B decoded 1.06-1.14x faster, docs/benchmarks.md session 46)."""
+    if move_to_huge_pages(model) and hasattr(model, "reset_decode_stack"):
+        model.reset_decode_stack()  # a stack built before would hold the old memory's addresses
     return model
 
 
