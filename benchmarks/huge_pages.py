@@ -1,11 +1,14 @@
 """Decode speed with the weights in 4 KiB pages against 2 MiB pages (chatserve/huge_pages.py).
 
 Two engines on the same model in one process: A loaded with CHATSERVE_NO_HUGE_PAGES=1 (torch's
-memory, 4 KiB pages), B as served (its large weights moved into huge pages). Each round times
-both on the same greedy request, in alternating order, and takes A's time over B's; the speed-up
+memory, 4 KiB pages), B as served (its large weights moved into huge pages). Each round runs
+the same greedy request in both, their steps interleaved one by one (which leads alternates
+between rounds), and takes A's time over B's; the speed-up
 is the geometric mean of the rounds' ratios, with its standard error (this host's noise moves a
-step by 10-30% between runs: only a ratio inside one round says anything). Optionally with a
-draft model (both engines speculate alike; the draft's weights move with the target's).
+step by 10-30% between runs: only a ratio inside one round says anything). Both engines' greedy
+tokens are compared first: the move must change no value. Optionally with a
+draft model (the draft's weights move with the target's); --fixed-k then keeps each engine's
+adaptive k, priced from its own start-up timings, from drafting differently.
 
     .venv/bin/python benchmarks/huge_pages.py --model qwen2.5-coder-1.5b-instruct --rounds 8 \\
         --json benchmarks/results/huge_pages_qwen1.5b_session46.json
@@ -38,20 +41,31 @@ def huge_kib() -> int:
     return int(Path("/proc/self/smaps_rollup").read_text().split("AnonHugePages:")[1].split()[0])
 
 
-def tpot(engine: Engine, prompt: list[int], params: SamplingParams) -> float:
-    """Seconds per token after the first of one request run alone."""
-    engine.add_request(prompt, params)
-    engine.step()  # the prefill and first token
-    start = time.perf_counter()
-    while engine.has_unfinished():
-        engine.step()
-    return (time.perf_counter() - start) / (params.max_tokens - 1)
+def lockstep(engines: dict[str, Engine], prompt: list[int], params: SamplingParams, first: str) -> dict[str, float]:
+    """Seconds per token after the first of one request in each engine, the engines' steps
+    interleaved one by one (`first`'s step leads): a burst of noise on this host then lands on
+    both alike, where timing one whole request after the other left it to one."""
+    for engine in engines.values():
+        engine.add_request(prompt, params)
+        engine.step()  # the prefill and first token
+    order = [first, *(name for name in engines if name != first)]
+    spent = dict.fromkeys(engines, 0.0)
+    while any(engine.has_unfinished() for engine in engines.values()):
+        for name in order:
+            if engines[name].has_unfinished():
+                start = time.perf_counter()
+                engines[name].step()
+                spent[name] += time.perf_counter() - start
+    return {name: t / (params.max_tokens - 1) for name, t in spent.items()}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
     p.add_argument("--draft-model", default=None)
+    p.add_argument("--fixed-k", type=int, default=None,
+                   help="with --draft-model: draft this many tokens every step (adaptive k off), so that both engines "
+                        "speculate alike whatever their start-up cost tables say")
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--prompt-kind", default="code", help="a key of chatserve/data/prompts.json")
@@ -61,7 +75,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     if not huge_pages.available():
         sys.exit("no transparent huge pages here (or CHATSERVE_NO_HUGE_PAGES is set): nothing to compare")
-    spec = SpecConfig(draft_model=args.draft_model) if args.draft_model else None
+    fixed = {} if args.fixed_k is None else {"num_draft_tokens": args.fixed_k, "adaptive": False}
+    spec = SpecConfig(draft_model=args.draft_model, **fixed) if args.draft_model else None
     config = EngineConfig(model=args.model, dtype="float32", quantization="int4", kv_cache_memory=1 << 30,
                           kv_cache_dtype=_kv_cache_dtype("auto", "cpu", "float32"), spec=spec)
     before = huge_kib()
@@ -75,20 +90,20 @@ def main() -> None:
     text = json.loads(PROMPTS.read_text())[args.prompt_kind][0]
     prompt = small.tokenizer.apply_chat_template([{"role": "user", "content": text}])
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-    for engine in (small, huge):
-        tpot(engine, prompt, params)  # warm-up
+    same = [r["token_ids"] for r in small.generate([prompt], params)] == [r["token_ids"] for r in huge.generate([prompt], params)]
+    if not same:  # the move must not change a value
+        sys.exit("the engines' greedy tokens differ: the weights were not moved faithfully")
     rounds = []
     for r in range(args.rounds):
-        order = [("4k", small), ("2m", huge)] if r % 2 == 0 else [("2m", huge), ("4k", small)]
-        t = {name: tpot(engine, prompt, params) for name, engine in order}
+        t = lockstep({"4k": small, "2m": huge}, prompt, params, first="4k" if r % 2 == 0 else "2m")
         rounds.append({"tpot_4k_ms": round(t["4k"] * 1e3, 2), "tpot_2m_ms": round(t["2m"] * 1e3, 2),
                        "ratio": round(t["4k"] / t["2m"], 4), "loadavg": round(os.getloadavg()[0], 2)})
         print(f"round {r}: 4 KiB pages {t['4k'] * 1e3:.2f} ms/token, 2 MiB pages {t['2m'] * 1e3:.2f}, "
               f"{t['4k'] / t['2m']:.3f}x", flush=True)
     ratios = [r["ratio"] for r in rounds]
     result = {
-        "model": args.model, "draft_model": args.draft_model, "max_tokens": args.max_tokens,
-        "prompt_kind": args.prompt_kind, "threads": args.threads, "huge_pages_mib": moved_kib >> 10,
+        "model": args.model, "draft_model": args.draft_model, "fixed_k": args.fixed_k, "max_tokens": args.max_tokens,
+        "prompt_kind": args.prompt_kind, "threads": args.threads, "huge_pages_mib": moved_kib >> 10, "greedy_equal": same,
         "median_tpot_4k_ms": statistics.median(r["tpot_4k_ms"] for r in rounds),
         "median_tpot_2m_ms": statistics.median(r["tpot_2m_ms"] for r in rounds),
         "speedup": round(statistics.geometric_mean(ratios), 4),
