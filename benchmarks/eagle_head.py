@@ -2,7 +2,8 @@
 a one-row target step, then acceptance, mean accepted length and decode speed with speculation
 off, the EAGLE head and (if given) a draft model, at T = 0 on the held-out prompts of
 chatserve/data/prompts.json (the head is trained on data/head_prompts.json), at batch 1 and 2,
-in-process, one run. Greedy outputs are checked equal to speculation off. Several --eagle-head
+in-process, one run (--lockstep: all engines at once, their steps interleaved, each round's
+speed-up over off paired: on a noisy host the only reading that holds). Greedy outputs are checked equal to speculation off. Several --eagle-head
 files run side by side as eagle1, eagle2, ... (e.g. an EAGLE-3 head and an EAGLE-1 head on the
 same data); an EAGLE-3 head's fuse, paid once a target step on the rows it fed, is timed apart.
 
@@ -11,6 +12,7 @@ same data); an EAGLE-3 head's fuse, paid once a target step on the rows it fed, 
 """
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -64,7 +66,44 @@ def decode_run(engine: Engine, prompts: list[list[int]], batch: int, max_tokens:
     outs, start = [], time.perf_counter()
     for i in range(0, len(prompts), batch):
         outs += engine.generate(prompts[i : i + batch], params)
-    seconds = time.perf_counter() - start
+    return summarize(outs, time.perf_counter() - start, batch)
+
+
+def lockstep_runs(engines: dict[str, Engine], prompts: list[list[int]], batch: int, max_tokens: int,
+                  first: int) -> dict[str, dict]:
+    """decode_run for every engine at once, their steps interleaved one by one (engine `first`
+    of the dict's order leads, then the next...): a burst of this host's noise lands on all of
+    them alike, where decode_run's engines, timed one after another, each took their own. Each
+    engine's time is the sum of its own steps."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    names = list(engines)
+    names = names[first % len(names):] + names[: first % len(names)]
+    outs: dict[str, list] = {name: [] for name in names}
+    spent = dict.fromkeys(names, 0.0)
+    for i in range(0, len(prompts), batch):
+        results = {}
+        for name in names:
+            ids = [engines[name].add_request(p, params) for p in prompts[i : i + batch]]
+            results[name] = {rid: {"token_ids": [], "stats": None} for rid in ids}
+        while any(engines[name].has_unfinished() for name in names):
+            for name in names:
+                if not engines[name].has_unfinished():
+                    continue
+                start = time.perf_counter()
+                deltas = engines[name].step()
+                spent[name] += time.perf_counter() - start
+                for d in deltas:
+                    r = results[name][d.request_id]
+                    r["token_ids"] += d.token_ids
+                    if d.finished:
+                        r["stats"] = d.stats
+        for name in names:
+            outs[name] += list(results[name].values())  # in the prompts' order
+    return {name: summarize(outs[name], spent[name], batch) for name in engines}
+
+
+def summarize(outs: list[dict], seconds: float, batch: int) -> dict:
+    """A run's speed and acceptance from its requests' outputs (token_ids, stats)."""
     drafted = sum(o["stats"].num_drafted for o in outs)
     accepted = sum(o["stats"].num_accepted for o in outs)
     spec_steps = sum(o["stats"].num_spec_steps for o in outs)
@@ -86,6 +125,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=2, help="runs of each config per workload, alternated; the best counts")
+    ap.add_argument("--lockstep", action="store_true",
+                    help="run the configs' engines at once, steps interleaved one by one (lockstep_runs), and report "
+                         "each round's speed over off's: speedup_vs_off is then their geometric mean, with its "
+                         "standard error and the rounds ahead")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--costs-only", action="store_true", help="the step costs alone, no decode runs")
     ap.add_argument("--kv-cache-dtype", default="auto", help="as `chatserve serve` (auto: bf16 on AMX, else fp16)")
@@ -123,21 +166,33 @@ def main() -> None:
         prompts = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS[kind]]
         for batch in (1, 2):
             key, best = f"{kind}/b{batch}", {}
+            ratios: dict[str, list[float]] = {name: [] for name in configs}
             for r in range(args.rounds):  # off, eagle, ... then the reverse order: drift hits both alike
-                order = list(configs) if r % 2 == 0 else list(configs)[::-1]
-                for name in order:
-                    run = decode_run(engines[name], prompts, batch, args.max_tokens)
+                if args.lockstep:
+                    runs = lockstep_runs(engines, prompts, batch, args.max_tokens, first=r)
+                else:
+                    order = list(configs) if r % 2 == 0 else list(configs)[::-1]
+                    runs = {name: decode_run(engines[name], prompts, batch, args.max_tokens) for name in order}
+                for name, run in runs.items():
+                    ratios[name].append(run["tok_per_s"] / runs["off"]["tok_per_s"])
                     if name not in best or run["tok_per_s"] > best[name]["tok_per_s"]:
                         best[name] = run
             for name in configs:
                 run = best[name]
                 run["greedy_equal"] = run["token_ids"] == best["off"]["token_ids"]
+                if args.lockstep:
+                    rs = ratios[name]
+                    run["round_speedups"] = [round(x, 4) for x in rs]
+                    run["speedup_se"] = statistics.stdev(rs) / len(rs) ** 0.5 if len(rs) > 1 else None
+                    run["lockstep_speedup"] = statistics.geometric_mean(rs)
                 results["runs"].setdefault(key, {})[name] = {k: v for k, v in run.items() if k != "token_ids"}
+                paired = (f", x off {run['lockstep_speedup']:.3f} (se {run['speedup_se'] or 0:.3f}, rounds paired)"
+                          if args.lockstep else "")
                 print(f"{name:6s} {key}: {run['tok_per_s']:.2f} tok/s (best of {args.rounds}), acceptance "
-                      f"{run['acceptance']}, equal {run['greedy_equal']}", file=sys.stderr)
+                      f"{run['acceptance']}, equal {run['greedy_equal']}{paired}", file=sys.stderr)
     for runs in results["runs"].values():
         for run in runs.values():
-            run["speedup_vs_off"] = run["tok_per_s"] / runs["off"]["tok_per_s"]
+            run["speedup_vs_off"] = run.get("lockstep_speedup", run["tok_per_s"] / runs["off"]["tok_per_s"])
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))
     print(json.dumps(results["runs"], indent=1))
