@@ -3,7 +3,8 @@
 A decode step streams every weight once: ~1 GB for Qwen2.5-Coder-1.5B in int4, ~250,000 pages of
 4 KiB, each a TLB miss (the second-level TLB of a Zen 3 holds 2,048 entries), and the hardware
 prefetchers stop at every 4 KiB boundary. The same bytes in 2 MiB pages read faster: a cold Q4_K
-layer of the 1.5B at one row 1.10x, its decode 1.06-1.14x (docs/benchmarks.md, session 46). torch's allocator gives no
+layer of the 1.5B at one row 1.10x, decode ~1.05x (Qwen 1.5B with and without its draft, SmolLM2;
+docs/benchmarks.md, session 46). torch's allocator gives no
 huge pages (the kernel default is to give them only to memory marked with madvise), so
 `move_to_huge_pages` copies a loaded model's large tensors into one anonymous mapping marked
 MADV_HUGEPAGE, where the kernel backs each aligned 2 MiB with one page as it is first written.

@@ -227,7 +227,7 @@ def _load(model_dir: Path, model_cfg, dtype: torch.dtype, max_model_len: int, co
 
 def _in_huge_pages(model):
     """model, its large CPU weights moved into 2 MiB pages (chatserve/huge_pages.py: a decode step
-    streams them all: the 1.5B decoded 1.06-1.14x faster, docs/benchmarks.md session 46)."""
+    streams them all: decode ~1.05x faster, docs/benchmarks.md session 46)."""
     if move_to_huge_pages(model) and hasattr(model, "reset_decode_stack"):
         model.reset_decode_stack()  # a stack built before would hold the old memory's addresses
     return model
