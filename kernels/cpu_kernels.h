@@ -12,6 +12,7 @@ torch::Tensor int4x8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor 
                             c10::optional<torch::Tensor> bias);
 torch::Tensor q8_matmul(torch::Tensor xq, torch::Tensor xd, torch::Tensor qweight, torch::Tensor scales);
 torch::Tensor q8x8_matmul(torch::Tensor xq, torch::Tensor xd, torch::Tensor packed, torch::Tensor scales);
+torch::Tensor int8_rows(torch::Tensor qweight, torch::Tensor scales, torch::Tensor ids, bool packed);
 torch::Tensor q4_dequantize(torch::Tensor codes, torch::Tensor params, torch::Tensor w);
 int64_t parallel_threads(int64_t items);
 std::vector<torch::Tensor> quantize_rows_k(torch::Tensor x);

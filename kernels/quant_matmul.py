@@ -98,6 +98,12 @@ def int8_matmul(x: torch.Tensor,  # [M, K] float32, K % 32 == 0
     return ext.q8_matmul(xq, xd, qweight, scales)
 
 
+def int8_rows(qweight: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor, packed: bool) -> torch.Tensor:
+    """qweight's rows ids ([T] int64) times their scales, [T, K] float32, in one C++ call; qweight
+    row-major or (packed) as pack_int8 leaves it. Ids outside [0, N) raise IndexError."""
+    return _extension().int8_rows(qweight, scales, ids, packed)
+
+
 def pack_int8(qweight: torch.Tensor) -> torch.Tensor:
     """[N, K] int8 row-major -> the same bytes interleaved by 8 output features (N % 8 == 0,
     K % 4 == 0), as int8x8_matmul reads them: features 8g..8g+8, step t, feature i, k = 4t + j."""

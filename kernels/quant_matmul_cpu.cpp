@@ -624,6 +624,41 @@ torch::Tensor int4x8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor 
   return y;
 }
 
+// rows [T, K] float32 = qweight's rows ids times their scales: an Int8Embedding's lookup (quant/int8.py),
+// each value the float32 product of its int8 and its row's scale, as rows_numpy computes it. qweight [N, K]
+// row-major, or (packed) interleaved by 8 as pack_int8 leaves it: row i's 4 bytes of step t at
+// ((i / 8) * (K / 4) + t) * 32 + (i % 8) * 4. One call where numpy's indexing, conversion and product
+// took ~150 us served a head forward on SmolLM2 (the target's forward had left the caches cold).
+torch::Tensor int8_rows(torch::Tensor qweight, torch::Tensor scales, torch::Tensor ids, bool packed) {
+  TORCH_CHECK(qweight.scalar_type() == torch::kInt8 && qweight.dim() == 2 && qweight.is_contiguous());
+  TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.is_contiguous() && scales.numel() == qweight.size(0));
+  TORCH_CHECK(ids.scalar_type() == torch::kInt64 && ids.dim() == 1);
+  const int64_t N = qweight.size(0), K = qweight.size(1), T = ids.size(0);
+  TORCH_CHECK(!packed || (N % 8 == 0 && K % 4 == 0), "an interleaved table has N % 8 == 0 and K % 4 == 0");
+  const auto id = ids.contiguous();
+  const int64_t* ip = id.data_ptr<int64_t>();
+  for (int64_t r = 0; r < T; ++r)
+    TORCH_CHECK_INDEX(0 <= ip[r] && ip[r] < N, "token ids must be in [0, ", N, ")");
+  auto out = torch::empty({T, K}, scales.options());
+  const int8_t* q = qweight.data_ptr<int8_t>();
+  const float* s = scales.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  for (int64_t r = 0; r < T; ++r) {
+    const int64_t i = ip[r];
+    const float scale = s[i];
+    float* row = o + r * K;
+    if (packed) {
+      const int8_t* base = q + (i / 8) * K * 8 + (i % 8) * 4;
+      for (int64_t t = 0; t < K / 4; ++t)
+        for (int j = 0; j < 4; ++j) row[4 * t + j] = static_cast<float>(base[t * 32 + j]) * scale;
+    } else {
+      const int8_t* src = q + i * K;
+      for (int64_t k = 0; k < K; ++k) row[k] = static_cast<float>(src[k]) * scale;
+    }
+  }
+  return out;
+}
+
 // y [M, N] float32 = x @ (q * s).T for the quantized activations of quantize_rows; q [N, K] int8
 // with |q| <= 127, s [N] float32; row-major, or interleaved by 8 output features (tile8x8; N % 8
 // == 0). Output features are split over threads, each walking its share in chunks of ~128 KiB of

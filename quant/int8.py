@@ -149,6 +149,8 @@ class Int8Embedding(nn.Module):
         flat = ids.reshape(-1)
         if self.qweight.is_cuda:
             rows = self.rows_torch(flat)
+        elif kernel.is_available():
+            rows = kernel.int8_rows(self.qweight, self.scales, flat.long(), self.packed)
         else:
             rows = torch.from_numpy(self.rows_numpy(flat.numpy()))
         return rows.to(self.dtype).view(*ids.shape, self.embedding_dim)
@@ -163,9 +165,10 @@ class Int8Embedding(nn.Module):
         return q.float() * self.scales.index_select(0, ids)[:, None]
 
     def rows_numpy(self, ids: np.ndarray) -> np.ndarray:
-        """rows_torch in numpy, the same numbers (one float32 product a value), for the CPU: one
-        dispatch where torch's five small ops cost 100+ us a call on a 2-core VM (SmolLM2, a Zen 3:
-        ~22 us), and the embedding runs once a decode step and once a head forward."""
+        """rows_torch in numpy, the same numbers (one float32 product a value), for a CPU without the
+        C++ kernels (kernel.int8_rows, the CPU path: numpy's ~10 calls took ~150 us served a head
+        forward on SmolLM2, ~22 us in a loop; torch's five small ops 100+ us on a 2-core VM), and
+        the embedding runs once a decode step and once a head forward."""
         if len(ids) and not (0 <= ids.min() and ids.max() < self.num_embeddings):
             raise IndexError(f"token ids must be in [0, {self.num_embeddings})")
         if self.packed:

@@ -94,7 +94,7 @@ def test_a_layer_packs_where_the_kernel_runs_and_a_tied_table_reads_the_packed_r
     torch.testing.assert_close(layer(x), kernel.int8_matmul_ref(x, q, layer.scales), rtol=1e-5, atol=1e-4)
 
 
-def test_the_embedding_reads_the_same_rows_through_numpy_as_through_torch():
+def test_the_embedding_reads_the_same_rows_through_cpp_and_numpy_as_through_torch():
     from quant.apply import share_tied_rows
     from quant.int8 import Int8Embedding
 
@@ -111,7 +111,8 @@ def test_the_embedding_reads_the_same_rows_through_numpy_as_through_torch():
         assert embedding.packed is packed
         assert torch.equal(embedding.rows_torch(ids), want)
         assert torch.equal(torch.from_numpy(embedding.rows_numpy(ids.numpy())), want)
-        assert torch.equal(embedding(ids.view(1, 7)), want.view(1, 7, 96))  # the CPU path is numpy's
+        assert torch.equal(kernel.int8_rows(embedding.qweight, embedding.scales, ids, packed), want)
+        assert torch.equal(embedding(ids.view(1, 7)), want.view(1, 7, 96))  # the CPU path is C++'s
         assert embedding(ids[:0]).shape == (0, 96)
         for bad in ([64], [-1], [3, 64]):
             with pytest.raises(IndexError, match=r"\[0, 64\)"):
