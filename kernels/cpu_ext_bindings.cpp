@@ -30,8 +30,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("bias") = pybind11::none(), NoGil());
   m.def("q8_matmul", &q8_matmul, "int8 (per output row) weight x int8 activation matmul", NoGil());
   m.def("q8x8_matmul", &q8x8_matmul, "q8_matmul for a weight interleaved by 8 output features", NoGil());
-  m.def("int8_rows", &int8_rows, "an int8 table's rows times their scales (an embedding lookup), row-major or interleaved by 8",
-        NoGil());
+  m.def("int8_rows", &int8_rows,
+        "an int8 table's rows times their scales (an embedding lookup), row-major or interleaved by 8", NoGil());
   m.def("rms_norm", &rms_norm, "RMSNorm of float32 rows (optionally adding a residual in place first)",
         pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("eps"), pybind11::arg("residual") = pybind11::none(),
         NoGil());
