@@ -4,10 +4,10 @@ A decode step streams every weight once: ~1 GB for Qwen2.5-Coder-1.5B in int4, ~
 4 KiB, each a TLB miss (the second-level TLB of a Zen 3 holds 2,048 entries), and the hardware
 prefetchers stop at every 4 KiB boundary. The same bytes in 2 MiB pages read faster: a cold Q4_K
 layer of the 1.5B at one row 1.10x, decode ~1.05x (Qwen 1.5B with and without its draft, SmolLM2;
-docs/benchmarks.md, session 46). torch's allocator gives no
-huge pages (the kernel default is to give them only to memory marked with madvise), so
-`move_to_huge_pages` copies a loaded model's large tensors into one anonymous mapping marked
-MADV_HUGEPAGE, where the kernel backs each aligned 2 MiB with one page as it is first written.
+docs/benchmarks.md, session 46). torch's allocator gives no huge pages (the kernel's default gives
+them only to memory marked with madvise), so `move_to_huge_pages` copies a loaded model's large
+tensors into one anonymous mapping marked MADV_HUGEPAGE, where the kernel backs each aligned 2 MiB
+with one page as it is first written.
 
 Nothing changes but where the bytes live: the same values, dtypes, shapes and strides, tensors
 that shared memory still share it. Where the kernel has no transparent huge pages, or
@@ -52,8 +52,8 @@ def _mapping(nbytes: int) -> tuple[torch.Tensor, int]:
 def move_to_huge_pages(module: nn.Module, min_bytes: int = MIN_BYTES) -> int:
     """Move module's CPU parameters and buffers of at least min_bytes into one mapping in huge
     pages; returns the bytes moved (0 where not available()). Call it before anything keeps raw
-    pointers to the old memory (a LayerStack built from the layers: reset it after). Tensors that
-    share a storage move together and keep sharing it."""
+    pointers to the old memory (a LayerStack built from the layers: reset it after). Moved tensors
+    that shared a storage move together and keep sharing it (a smaller one beside them stays)."""
     if not available():
         return 0
     # storage address -> its users: (owner, kind, name, byte offset into the storage); tensors are

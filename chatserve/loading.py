@@ -13,8 +13,8 @@ import torch
 
 from chatserve.block_manager import BlockManager
 from chatserve.config import EngineConfig
-from chatserve.kv_cache import CacheShape, FeatureShape, KVCache, available_memory_bytes, plan_num_blocks
 from chatserve.huge_pages import move_to_huge_pages
+from chatserve.kv_cache import CacheShape, FeatureShape, KVCache, available_memory_bytes, plan_num_blocks
 from chatserve.kv_smooth import smoothed_kv_caches
 from chatserve.model_runner import HeadRunner, ModelRunner
 from chatserve.models.eagle_head import EagleHead
