@@ -64,8 +64,8 @@ def build_batch(items: list[BatchItem], block_size: int, device: torch.device | 
     logits_indices: list[int] = []
     cu_logits = [0]
     max_blocks = max(len(it.block_ids) for it in items)
-    tables = torch.zeros((len(items), max_blocks), dtype=torch.int32)
-    for b, it in enumerate(items):
+    tables: list[list[int]] = []
+    for it in items:
         q_len = len(it.token_ids)
         end = it.start_pos + q_len
         assert q_len >= 1 and len(it.block_ids) * block_size >= end, "block table too short"
@@ -77,7 +77,10 @@ def build_batch(items: list[BatchItem], block_size: int, device: torch.device | 
         logits_indices.extend(range(row_end - it.num_logits, row_end))
         cu_q_lens.append(row_end)
         cu_logits.append(cu_logits[-1] + it.num_logits)
-        tables[b, : len(it.block_ids)] = torch.tensor(it.block_ids, dtype=torch.int32)
-    as_long = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)  # noqa: E731
-    attn = AttnMetadata(as_long(slots), tables.to(device), seq_lens, cu_q_lens, kernels)
-    return Batch(as_long(input_ids), as_long(positions), attn, as_long(logits_indices), cu_logits)
+        tables.append([*it.block_ids, *[0] * (max_blocks - len(it.block_ids))])
+    # two tensors made, the int64 ones slices of one: each small torch op costs 10-20 us on a step's
+    # cold caches (SmolLM2's head builds a batch every draft position; docs/benchmarks.md, session 46)
+    flat = torch.tensor(slots + input_ids + positions + logits_indices, dtype=torch.int64, device=device)
+    n = len(slots)
+    attn = AttnMetadata(flat[:n], torch.tensor(tables, dtype=torch.int32, device=device), seq_lens, cu_q_lens, kernels)
+    return Batch(flat[n : 2 * n], flat[2 * n : 3 * n], attn, flat[3 * n :], cu_logits)
