@@ -6,11 +6,15 @@ in-process, one run (--lockstep: all engines at once, their steps interleaved, e
 speed-up over off paired: on a noisy host the only reading that holds). Greedy outputs are checked equal to speculation off. Several --eagle-head
 files run side by side as eagle1, eagle2, ... (e.g. an EAGLE-3 head and an EAGLE-1 head on the
 same data); an EAGLE-3 head's fuse, paid once a target step on the rows it fed, is timed apart.
+--variant runs the EAGLE head again with settings changed (a SpecConfig field or a SpecRunner
+attribute), to pair a decision against the default inside one run, e.g.
+--variant two_prices:keeps_computed_drafts=true no_stop:confidence_stop=false k8:num_draft_tokens=8
 
     python benchmarks/eagle_head.py --model qwen2.5-coder-1.5b-instruct \
         --draft-model qwen2.5-coder-0.5b-instruct --out benchmarks/results/eagle_qwen.json
 """
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -114,6 +118,37 @@ def summarize(outs: list[dict], seconds: float, batch: int) -> dict:
             "token_ids": [o["token_ids"] for o in outs]}
 
 
+RUNNER_SETTINGS = ("keeps_computed_drafts", "gap_limit")  # SpecRunner attributes a variant may set
+METHOD_SETTINGS = ("chain_in_cpp",)  # and the EAGLE method's
+
+
+def parse_variant(text: str) -> tuple[str, dict, dict]:
+    """'name:field=value,...' -> (name, SpecConfig fields, SpecRunner or EAGLE method attributes); values are
+    read as Python literals (true/false too), else kept as strings."""
+    import ast
+
+    name, _, body = text.partition(":")
+    fields = {f.name for f in dataclasses.fields(SpecConfig)}
+    spec, runner = {}, {}
+    for setting in filter(None, body.split(",")):
+        key, _, raw = setting.partition("=")
+        raw = {"true": "True", "false": "False"}.get(raw.lower(), raw)
+        try:
+            value = ast.literal_eval(raw)
+        except (ValueError, SyntaxError):
+            value = raw
+        if key in RUNNER_SETTINGS + METHOD_SETTINGS:
+            runner[key] = value
+        elif key in fields:
+            spec[key] = value
+        else:
+            raise SystemExit(f"--variant {text!r}: {key!r} is neither a SpecConfig field nor one of "
+                             f"{RUNNER_SETTINGS + METHOD_SETTINGS}")
+    if not name or not (spec or runner):
+        raise SystemExit(f"--variant {text!r}: expected name:setting=value[,setting=value...]")
+    return name, spec, runner
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
@@ -129,6 +164,11 @@ def main() -> None:
                     help="run the configs' engines at once, steps interleaved one by one (lockstep_runs), and report "
                          "each round's speed over off's: speedup_vs_off is then their geometric mean, with its "
                          "standard error and the rounds ahead")
+    ap.add_argument("--variant", nargs="*", default=[], metavar="NAME:SETTING=VALUE,...",
+                    help="the (first) EAGLE head again with SpecConfig fields or the attributes "
+                         f"{RUNNER_SETTINGS + METHOD_SETTINGS} changed, run beside the others as NAME")
+    ap.add_argument("--workloads", nargs="+", default=["code", "chat"], choices=["code", "chat"])
+    ap.add_argument("--batches", nargs="+", type=int, default=[1, 2])
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--costs-only", action="store_true", help="the step costs alone, no decode runs")
     ap.add_argument("--kv-cache-dtype", default="auto", help="as `chatserve serve` (auto: bf16 on AMX, else fp16)")
@@ -146,14 +186,21 @@ def main() -> None:
     for i, head in enumerate(heads, start=1):
         configs["eagle" if len(heads) == 1 else f"eagle{i}"] = SpecConfig(method="eagle", eagle_head=head,
                                                                             suffix_corpus_tokens=0)
+    head_names, runner_settings = list(configs)[1:], {}
+    for text in args.variant:
+        name, fields, runner_settings[name] = parse_variant(text)
+        configs[name] = dataclasses.replace(configs[head_names[0]], **fields)
     if args.draft_model:
         configs["draft"] = SpecConfig(method="draft", draft_model=args.draft_model, suffix_corpus_tokens=0)
-    results: dict = {"model": args.model, "rounds": args.rounds, "kv_cache_dtype": kv, "runs": {}}
+    results: dict = {"model": args.model, "rounds": args.rounds, "variants": args.variant, "kv_cache_dtype": kv,
+                     "runs": {}}
     engines = {}
     for name, spec in configs.items():  # all loaded first: the runs below alternate between them
         engine = engines[name] = Engine(EngineConfig(**common, spec=spec))
+        for attr, value in runner_settings.get(name, {}).items():
+            setattr(engine.spec.methods["eagle"] if attr in METHOD_SETTINGS else engine.spec, attr, value)
         engine.generate([engine.tokenizer.encode("warm-up")], SamplingParams(max_tokens=8, temperature=0.0))
-        if name.startswith("eagle"):
+        if name in head_names:
             costs, info = [step_costs(engine, c) for c in (128, 1024)], engine.models.eagle_runner.head.info
             info = {**info, "feature_layers": list(engine.models.eagle_runner.head.feature_layers)}
             if len(heads) == 1:
@@ -162,9 +209,9 @@ def main() -> None:
                 results.setdefault("heads", {})[name] = {"step_costs": costs, "head": info}
             print(name, json.dumps(costs), file=sys.stderr)
     tok = engines["off"].tokenizer
-    for kind in () if args.costs_only else ("code", "chat"):
+    for kind in () if args.costs_only else args.workloads:
         prompts = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS[kind]]
-        for batch in (1, 2):
+        for batch in args.batches:
             key, best = f"{kind}/b{batch}", {}
             ratios: dict[str, list[float]] = {name: [] for name in configs}
             for r in range(args.rounds):  # off, eagle, ... then the reverse order: drift hits both alike

@@ -27,7 +27,7 @@ from chatserve.sampling_params import SamplingParams  # noqa: E402
 
 PROMPTS = json.loads((ROOT / "chatserve/data/prompts.json").read_text())
 TIMED = ((ModelRunner, "run"), (ModelRunner, "run_with_features"), (HeadRunner, "run"),
-         (HeadRunner, "input_features"))
+         (HeadRunner, "greedy_chain"), (HeadRunner, "input_features"))
 
 
 def wrap_runners(spent: collections.Counter) -> None:

@@ -3,6 +3,9 @@ HeadRunner: the same for an EAGLE head, which reads target features besides toke
 
 from __future__ import annotations
 
+import itertools
+import time
+
 import torch
 import torch.nn.functional as F
 
@@ -99,3 +102,27 @@ class HeadRunner:
         batch = build_batch(items, self.block_size, self.device, self.kernels)
         embeds = self.embed(batch.input_ids)  # [num_tokens, hidden]
         return self.head(features, embeds, batch.positions, batch.attn, self.kv_cache.layers[0])
+
+    @torch.inference_mode()
+    def greedy_chain(self, items: list[BatchItem], features: torch.Tensor, ks: list[int], keep_below: list[float],
+                     go_on_below: list[float]) -> tuple[list[list[int]], list[tuple[int, float]]] | None:
+        """EagleMethod.propose's greedy chain in one C++ call (DecodeStack.draft_chain): items, one a
+        request with its newest token last, and features [rows, hidden] as run() takes them; ks,
+        keep_below, go_on_below per request as propose reads them. -> (each request's drafts, each
+        forward's (rows, seconds), the first with this call's own glue), or None where the head
+        has no C++ path (then propose drafts with the modules)."""
+        if (self.kernels != "torch" or sum(len(it.token_ids) for it in items) > decode_ops.STACK_MAX_ROWS
+                or not decode_ops.usable(features, self.head.hidden_size) or not features.is_contiguous()):
+            return None
+        start = time.perf_counter()
+        stack = self.head.chain_stack(self.embed, self.kv_cache.layers[0], self.block_size)
+        if stack is None:
+            return None
+        batch = build_batch(items, self.block_size, self.device, self.kernels)
+        last_rows = list(itertools.accumulate(len(it.token_ids) for it in items))
+        drafts, counts, rows, seconds = stack.draft_chain(
+            batch.input_ids, features, batch.positions, batch.attn.slot_mapping, batch.attn.block_tables,
+            [len(it.block_ids) for it in items], *batch.attn.query_rows(), [n - 1 for n in last_rows], ks,
+            keep_below, go_on_below)
+        seconds[0] += time.perf_counter() - start - sum(seconds)  # build_batch and the call's own
+        return [d[:n] for d, n in zip(drafts.tolist(), counts)], list(zip(rows, seconds))

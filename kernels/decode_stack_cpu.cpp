@@ -6,9 +6,15 @@
 // (chatserve/models/llama.py, the reference it is tested against bit for bit): RMSNorm with the
 // residual, the QKV layer, RoPE in place, the KV store, one-query-row paged attention, the output
 // layer, RMSNorm, gate/up, SiLU * up, down. The GIL is released for the whole stack.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+
 #include "cpu_kernels.h"
 
 namespace {
+
+using LinearArgs = std::tuple<int64_t, torch::Tensor, torch::Tensor, torch::Tensor, c10::optional<torch::Tensor>>;
 
 // One weight layer, as the module that holds it computes it for few rows.
 struct LinearW {
@@ -45,6 +51,30 @@ struct Layer {
   LinearW qkv, o, gate_up, down;
 };
 
+LinearW linear_w(const LinearArgs& args) {
+  auto& [kind, a, b, c, bias] = args;
+  TORCH_CHECK(kind >= LinearW::kInt4 && kind <= LinearW::kInt4x8, "unknown linear kind");
+  return LinearW{kind, a, b, c, bias};
+}
+
+// An EAGLE head's pieces around its one layer (chatserve/models/eagle_head.py): fc over
+// [feature; embed(token)], the norm, the LM head over the kept ids, the target's embedding.
+struct DraftHead {
+  LinearW fc, lm_head;
+  torch::Tensor norm_w, embed, embed_scales, kept_ids;  // embed: int8 rows with scales, or float32 rows
+  double eps;
+  bool embed_packed;
+  int64_t block_size;
+
+  torch::Tensor embeds(const torch::Tensor& ids) const {
+    return embed_scales.numel() ? int8_rows(embed, embed_scales, ids, embed_packed) : embed.index_select(0, ids);
+  }
+};
+
+torch::Tensor int64s(const std::vector<int64_t>& v) {
+  return torch::from_blob(const_cast<int64_t*>(v.data()), {static_cast<int64_t>(v.size())}, torch::kInt64).clone();
+}
+
 }  // namespace
 
 class DecodeStack {
@@ -55,18 +85,114 @@ class DecodeStack {
 
   // linears: (kind, a, b, c, bias) for qkv, o, gate_up, down, in that order.
   void add_layer(torch::Tensor ln1, torch::Tensor ln2, torch::Tensor k_cache, torch::Tensor v_cache,
-                 std::vector<std::tuple<int64_t, torch::Tensor, torch::Tensor, torch::Tensor,
-                                        c10::optional<torch::Tensor>>> linears) {
+                 std::vector<LinearArgs> linears) {
     TORCH_CHECK(linears.size() == 4, "add_layer: qkv, o, gate_up, down");
     std::vector<LinearW> w;
-    for (auto& [kind, a, b, c, bias] : linears) {
-      TORCH_CHECK(kind >= LinearW::kInt4 && kind <= LinearW::kInt4x8, "add_layer: unknown linear kind");
-      w.push_back(LinearW{kind, a, b, c, bias});
-    }
+    for (const auto& args : linears) w.push_back(linear_w(args));
     layers_.push_back(Layer{ln1, ln2, k_cache, v_cache, w[0], w[1], w[2], w[3]});
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+  // The EAGLE head around this (one-layer) stack, for draft_chain. embed_scales empty: float32 rows.
+  void set_draft_head(LinearArgs fc, torch::Tensor norm_w, double eps, LinearArgs lm_head, torch::Tensor embed,
+                      torch::Tensor embed_scales, bool embed_packed, torch::Tensor kept_ids, int64_t block_size) {
+    TORCH_CHECK(norm_w.scalar_type() == torch::kFloat32, "set_draft_head: a float32 norm");
+    TORCH_CHECK(kept_ids.scalar_type() == torch::kInt64 && kept_ids.dim() == 1, "set_draft_head: int64 kept ids");
+    TORCH_CHECK(embed_scales.numel() ? embed.scalar_type() == torch::kInt8 : embed.scalar_type() == torch::kFloat32,
+                "set_draft_head: int8 embedding rows with scales, or float32 rows");
+    head_ = DraftHead{linear_w(fc), linear_w(lm_head), norm_w, embed, embed_scales, kept_ids.contiguous(), eps,
+                      embed_packed, block_size};
+  }
+
+  // A greedy chain of drafts for R requests at once, as EagleProposer.propose drafts one in Python
+  // (chatserve/spec_methods/eagle.py, the reference it is tested against, with the same kernels in
+  // the same order). The first forward feeds `tokens` [T] at `positions` with `features` [T,
+  // hidden] (the batch of build_batch; request r's newest row is last_rows[r]); then each request
+  // still drafting feeds its newest draft at the next position with the head's own predicted
+  // feature. A draft is the first argmax of the kept logits; the chain's probability (the product
+  // of each position's softmax probability of its argmax) below keep_below[r] drops that draft and
+  // ends the chain, which goes on while it has fewer than ks[r] drafts and its probability is at
+  // least go_on_below[r]. block_counts[r]: the blocks of block_tables' row r that the request owns.
+  // Returns drafts [R, max ks] (int64, -1 after counts[r]), counts [R], and each forward's rows
+  // and seconds.
+  std::tuple<torch::Tensor, std::vector<int64_t>, std::vector<int64_t>, std::vector<double>> draft_chain(
+      torch::Tensor tokens, torch::Tensor features, torch::Tensor positions, torch::Tensor slots,
+      torch::Tensor block_tables, std::vector<int64_t> block_counts, torch::Tensor seqs, torch::Tensor contexts,
+      std::vector<int64_t> last_rows, std::vector<int64_t> ks, std::vector<double> keep_below,
+      std::vector<double> go_on_below) {
+    TORCH_CHECK(head_.has_value(), "draft_chain: set_draft_head first");
+    const int64_t R = static_cast<int64_t>(last_rows.size());
+    TORCH_CHECK(R > 0 && ks.size() == last_rows.size() && keep_below.size() == last_rows.size() &&
+                    go_on_below.size() == last_rows.size() && block_counts.size() == last_rows.size(),
+                "draft_chain: one last row, k, keep, go-on price and block count per request");
+    TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && block_tables.dim() == 2 && block_tables.size(0) == R,
+                "draft_chain: block_tables [R, blocks] int32");
+    TORCH_CHECK(positions.scalar_type() == torch::kInt64 && positions.is_contiguous(), "draft_chain: int64 positions");
+    const DraftHead& h = *head_;
+    const auto tables = block_tables.contiguous();
+    const int32_t* bt = tables.data_ptr<int32_t>();
+    const int64_t B = tables.size(1), bs = h.block_size, N = h.kept_ids.size(0);
+    const int64_t* kept_ids = h.kept_ids.data_ptr<int64_t>();
+    const int64_t k_max = std::max<int64_t>(1, *std::max_element(ks.begin(), ks.end()));
+    auto drafts = torch::full({R, k_max}, -1, torch::kInt64);
+    int64_t* d = drafts.data_ptr<int64_t>();
+    std::vector<int64_t> counts(R, 0), pos(R), active(R), rows = last_rows, ran;
+    std::vector<double> chain(R, 1.0), seconds;
+    for (int64_t r = 0; r < R; ++r) {
+      TORCH_CHECK(0 <= last_rows[r] && last_rows[r] < positions.size(0), "draft_chain: a last row out of range");
+      pos[r] = positions.data_ptr<int64_t>()[last_rows[r]];
+      active[r] = r;
+    }
+    torch::Tensor toks = tokens, feats = features;
+    bool first = true;
+    while (!active.empty()) {
+      const auto start = std::chrono::steady_clock::now();
+      auto x = h.fc(torch::cat({feats, h.embeds(toks)}, -1));
+      auto out = run(x, positions, slots, block_tables, seqs, contexts, {}, nullptr);
+      if (first) out = out.index_select(0, int64s(rows));
+      auto predicted = rms_norm(out, h.norm_w, h.eps, c10::nullopt);
+      auto kept = h.lm_head(predicted).contiguous();  // [active, N] float32
+      const float* logits = kept.data_ptr<float>();
+      std::vector<int64_t> next_active, next_rows, next_toks, next_pos, next_slots, next_seqs, next_ctx;
+      for (size_t a = 0; a < active.size(); ++a) {
+        const int64_t r = active[a];
+        const float* l = logits + a * N;
+        int64_t best = 0;
+        for (int64_t j = 1; j < N; ++j)
+          if (l[j] > l[best]) best = j;
+        double total = 0.0;
+        for (int64_t j = 0; j < N; ++j) total += std::exp(static_cast<double>(l[j]) - l[best]);
+        chain[r] *= 1.0 / total;
+        if (chain[r] < keep_below[r]) continue;
+        const int64_t token = kept_ids[best];
+        d[r * k_max + counts[r]++] = token;
+        if (counts[r] < ks[r] && chain[r] >= go_on_below[r]) {
+          const int64_t p = ++pos[r];
+          TORCH_CHECK(p / bs < std::min(B, block_counts[r]), "draft_chain: a draft position past the request's blocks");
+          next_active.push_back(r);
+          next_rows.push_back(static_cast<int64_t>(a));
+          next_toks.push_back(token);
+          next_pos.push_back(p);
+          next_slots.push_back(static_cast<int64_t>(bt[r * B + p / bs]) * bs + p % bs);
+          next_seqs.push_back(r);
+          next_ctx.push_back(p + 1);
+        }
+      }
+      ran.push_back(static_cast<int64_t>(active.size()));
+      seconds.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+      if (next_active.empty()) break;
+      feats = predicted.index_select(0, int64s(next_rows));
+      toks = int64s(next_toks);
+      positions = int64s(next_pos);
+      slots = int64s(next_slots);
+      seqs = int64s(next_seqs);
+      contexts = int64s(next_ctx);
+      active = std::move(next_active);
+      first = false;
+    }
+    return {drafts, counts, ran, seconds};
+  }
 
   // x [T, hidden] float32 (the embeddings, updated in place as the modules do) -> the last layer's
   // output [T, hidden]. seqs, contexts [T] int64: each row's sequence (block_tables row) and the
@@ -120,6 +246,7 @@ class DecodeStack {
   double eps_, scale_;
   torch::Tensor cos_, sin_;
   std::vector<Layer> layers_;
+  c10::optional<DraftHead> head_;
 };
 
 void bind_decode_stack(pybind11::module& m) {
@@ -128,5 +255,7 @@ void bind_decode_stack(pybind11::module& m) {
       .def("add_layer", &DecodeStack::add_layer)
       .def("num_layers", &DecodeStack::num_layers)
       .def("forward", &DecodeStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>())
-      .def("forward_captured", &DecodeStack::forward_captured, pybind11::call_guard<pybind11::gil_scoped_release>());
+      .def("forward_captured", &DecodeStack::forward_captured, pybind11::call_guard<pybind11::gil_scoped_release>())
+      .def("set_draft_head", &DecodeStack::set_draft_head)
+      .def("draft_chain", &DecodeStack::draft_chain, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -62,6 +62,7 @@ class EagleHead(nn.Module):
         self.lm_head = Linear(hidden, len(head_token_ids), bias=False)  # rows of the target's LM head
         self.register_buffer("head_token_ids", head_token_ids.long())  # [num_kept]
         self.stack = LayerStack(hidden, self.head_dim, cfg.intermediate_size)  # its layer in one C++ call
+        self._chain_of = self._chain = None  # the stack chain_stack last set up, and it if it drafts chains
 
     @classmethod
     def from_state(cls, cfg, max_positions: int, state_dict: dict, feature_layers=(),
@@ -75,6 +76,34 @@ class EagleHead(nn.Module):
 
     def reset_decode_stack(self) -> None:
         self.stack.reset()
+
+    def chain_stack(self, embed: nn.Module, kv_cache, block_size: int):
+        """The layer's DecodeStack over `kv_cache` holding the head's other pieces too (fc, norm, LM
+        head, the target's `embed`): DecodeStack.draft_chain drafts a greedy chain in one C++ call.
+        None where a piece has no C++ path (then HeadRunner drafts with the modules)."""
+        built = self.stack.built_for([self.layer], [kv_cache])
+        if built is not None and self._chain_of is not built:
+            pieces = self._chain_pieces(embed)
+            if pieces is not None:
+                built.set_draft_head(*pieces, block_size)
+            self._chain_of, self._chain = built, built if pieces is not None else None
+        return None if built is None else self._chain
+
+    def _chain_pieces(self, embed: nn.Module) -> tuple | None:
+        """set_draft_head's arguments but the block size, or None."""
+        from kernels import decode_ops
+        from quant.int8 import Int8Embedding
+
+        fc, lm_head = (getattr(m, "stack_weights", lambda: None)() for m in (self.fc, self.lm_head))
+        if fc is None or lm_head is None or self.norm.weight.dtype != torch.float32:
+            return None
+        if isinstance(embed, Int8Embedding):
+            table = (embed.qweight, embed.scales, embed.packed)
+        elif isinstance(embed, nn.Embedding) and embed.weight.dtype == torch.float32:
+            table = (embed.weight.detach(), decode_ops.NO_TENSOR, False)
+        else:
+            return None
+        return fc, self.norm.weight.detach(), self.norm.eps, lm_head, *table, self.head_token_ids
 
     @property
     def feature_width(self) -> int:

@@ -107,13 +107,19 @@ class LayerStack:
         if (not self.enabled or attn.kernels != "torch" or x.shape[0] > decode_ops.STACK_MAX_ROWS or not x.is_contiguous()
                 or not decode_ops.usable(x, x.shape[-1])):
             return None
+        built = self.built_for(layers, kv_caches)
+        if built is None:
+            return None
+        args = (x, positions, attn.slot_mapping, attn.block_tables, *attn.query_rows())
+        return built.forward_captured(*args, list(capture)) if capture else built.forward(*args)
+
+    def built_for(self, layers, kv_caches):
+        """The DecodeStack of these layers over these caches (built on first use, again when the
+        caches change), or None where a piece has no C++ path."""
         if self.caches is None or len(self.caches) != len(kv_caches) or any(
                 a is not b for a, b in zip(self.caches, kv_caches)):
             self.caches, self.built = list(kv_caches), self._build(layers, kv_caches)
-        if self.built is None:
-            return None
-        args = (x, positions, attn.slot_mapping, attn.block_tables, *attn.query_rows())
-        return self.built.forward_captured(*args, list(capture)) if capture else self.built.forward(*args)
+        return self.built
 
     def _build(self, layers, kv_caches):
         if not decode_ops.usable(torch.empty(0), *self.dims):

@@ -76,6 +76,7 @@ class EagleMethod:
         self.kept_ids: list[int] = runner.head.head_token_ids.tolist()  # a kept_logits column's token id
         self.sampler = sampler
         self.accept_rate = AcceptanceEMA(ema=0.05, prior=0.7)
+        self.chain_in_cpp = True  # greedy chains in one C++ call where the head has the path (False: the modules)
 
     @classmethod
     def create(cls, config: SpecConfig, models, sampler) -> EagleMethod | None:
@@ -176,8 +177,17 @@ class EagleMethod:
         # chains without a grammar may stop early (a grammar's mask changes what the head offers)
         keep_below = [req.spec.keep_gain if req.grammar is None else 0.0 for req in reqs]
         go_on_below = [req.spec.least_gain if req.grammar is None else 0.0 for req in reqs]
+        features = torch.cat(inputs)  # [rows, hidden]
+        if self.chain_in_cpp and all(req.params.is_greedy and req.grammar is None for req in reqs):
+            chained = self.runner.greedy_chain(items, features, ks, keep_below, go_on_below)
+            if chained is not None:  # the loop below in one C++ call (this loop is its reference)
+                drafts, timed = chained
+                for req, tokens in zip(reqs, drafts):
+                    req.draft_token_ids.extend(tokens)
+                    req.draft_probs = None
+                return timed
         chain_probs = [1.0] * len(reqs)
-        active, features = list(range(len(reqs))), torch.cat(inputs)  # [rows, hidden]
+        active = list(range(len(reqs)))
         last_rows = torch.tensor([len(it.token_ids) for it in items]).cumsum(0) - 1  # each item's newest row
         head, timed = self.runner.head, []
         while active:

@@ -622,6 +622,7 @@ def test_the_heads_served_steps_reprice_its_start_up_table(oracle, monkeypatch):
     measured = engine.spec.costs
     prompt = engine.tokenizer.encode(HISTORY)
     runner = engine.spec.methods["eagle"].runner
+    engine.spec.methods["eagle"].chain_in_cpp = False  # the modules' chain, each of whose forwards is slowed below
     run = runner.run
     timed = []
     observe = engine.spec.step_observers["head"].observe
@@ -702,6 +703,7 @@ def test_a_greedy_chain_keeps_and_goes_on_while_the_heads_probability_of_it_pays
     engine.spec.costs = SpecCosts({r: 1.0 + 0.01 * (r - 1) for r in range(1, 65)}, {},
                                   head_seconds={r: 0.01 for r in range(1, 17)})
     method = engine.spec.methods["eagle"]
+    method.chain_in_cpp = False  # the modules' chain, whose probabilities _top_probs gives (the C++ one: below)
     calls, probs = [], []
     top_probs, propose = eagle_module._top_probs, method.propose
 
@@ -775,6 +777,56 @@ def test_a_greedy_chain_keeps_and_goes_on_while_the_heads_probability_of_it_pays
     assert engine.generate([fresh], GREEDY)[0]["token_ids"] == plain.generate([fresh], GREEDY)[0]["token_ids"]
     assert calls and all(d == ks[0] and gains == [(0.0, 0.0)] for ks, (d,), _, gains in calls)
     assert_pool_empty(engine)
+
+
+@pytest.mark.parametrize("quantization", [None, "int4"])
+def test_a_greedy_chain_in_one_cpp_call_drafts_as_the_modules_do(tiny_llama_dir, trained_head, monkeypatch,
+                                                                 quantization):
+    """DecodeStack.draft_chain (HeadRunner.greedy_chain) drafts what propose's loop over the modules
+    drafts: the same tokens, cut and stopped at the same places, over turns, batches with deferred
+    rows, and prices that stop some chains; the steps it times are the ones it ran. Float32 (the
+    embedding's rows as they are) and int4 (int8 embedding rows, an int4 fc, an int8 LM head)."""
+    import chatserve.spec_runner as spec_runner
+    from chatserve.spec_costs import SpecCosts
+
+    # this head's drafts have probabilities ~0.02 (~0.0004 for two): chains cut and stopped at the first to third
+    monkeypatch.setattr(spec_runner, "chain_stop_gains", lambda *args: (3e-4, 4.5e-4))
+    runs = {}
+    for in_cpp in (True, False):
+        engine = make_engine(tiny_llama_dir, trained_head, adaptive=True, stall_limit=0, quantization=quantization)
+        engine.spec.costs = SpecCosts({r: 1.0 + 0.01 * (r - 1) for r in range(1, 65)}, {},
+                                      head_seconds={r: 0.01 for r in range(1, 17)})  # by hand, and
+        engine.spec.gap_limit = 0  # no gap limit: no timing decides what is drafted
+        method, runner = engine.spec.methods["eagle"], engine.models.eagle_runner
+        engine.spec.keeps_computed_drafts = True  # both prices
+        method.chain_in_cpp = in_cpp
+        calls, chains, propose, greedy_chain = [], [], method.propose, runner.greedy_chain
+
+        def recorded_propose(reqs, ks, propose=propose, calls=calls):
+            timed = propose(reqs, ks)
+            calls.append((list(ks), [list(r.draft_token_ids) for r in reqs]))
+            return timed
+
+        def recorded_chain(*args, greedy_chain=greedy_chain, chains=chains):
+            chains.append(greedy_chain(*args))
+            return chains[-1]
+
+        monkeypatch.setattr(method, "propose", recorded_propose)
+        monkeypatch.setattr(runner, "greedy_chain", recorded_chain)
+        prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
+        outs = [o["token_ids"] for o in engine.generate(prompts[:3], GREEDY)]  # a batch of three
+        outs += [o["token_ids"] for o in engine.generate(prompts[3:], dataclasses.replace(GREEDY, max_tokens=40))]
+        runs[in_cpp] = outs, calls, chains
+        assert_pool_empty(engine)
+    (outs, calls, chains), (ref_outs, ref_calls, ref_chains) = runs[True], runs[False]
+    assert outs == ref_outs and calls == ref_calls
+    assert ref_chains == [] and len(chains) == len(calls) and all(c is not None for c in chains)
+    assert any(len(ks) > 1 for ks, _ in calls) and any(0 < len(d) < k for ks, ds in calls for k, d in zip(ks, ds))
+    for (ks, drafts), (chain_drafts, timed) in zip(calls, chains):
+        assert chain_drafts == drafts
+        ran = [rows for rows, _ in timed]  # a forward for every request at the first position, then those going on
+        assert ran[0] == len(ks) and ran == sorted(ran, reverse=True) and all(s > 0 for _, s in timed)
+        assert len(ran) <= max(ks) and sum(ran) >= sum(len(d) for d in drafts)
 
 
 def test_a_chain_goes_on_at_a_row_and_a_step_over_the_made_drafts_acceptance(tiny_llama_dir, trained_head):
