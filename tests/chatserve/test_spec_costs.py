@@ -19,8 +19,11 @@ def test_lookup_and_grid():
     assert costs.target(16) == pytest.approx(6.0)  # proportional past the grid
     assert costs.draft(2) == pytest.approx(0.4) and costs.draft(4) == pytest.approx(0.8)
     assert SpecCosts({1: 1.0}, {}).draft(3) == 0.0  # no draft model
-    assert row_grid(20, 4) == [1, 2, 3, 4, 5, 8, 12, 16, 20]
-    assert row_grid(64, 4) == [1, 2, 3, 4, 5, 8, 12, 16, 20, 24, 28, 32, 48, 64]
+    assert row_grid(20, 4) == [1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 20]
+    assert row_grid(64, 4) == [1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 20, 24, 28, 32, 48, 64]
+    assert row_grid(64, 1) == [1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 20, 24, 28, 32, 48, 64]  # 3 rows not priced as 8
+    assert row_grid(20, 9) == [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 16, 20]
+    assert row_grid(6, 4) == [1, 2, 3, 4, 5, 6]
 
 
 def test_a_prefill_chunk_prices_draft_rows_past_it():
@@ -50,14 +53,14 @@ def test_costs_are_measured_and_the_pool_is_left_as_it_was(tiny_llama_dir, tiny_
     bm = engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks  # the engine's own calibration gave its blocks back
     costs = measure_spec_costs(engine.models, 4, 4)
-    assert sorted(costs.target_seconds) == [1, 2, 3, 4, 5, 8, 12, 16, 20][: len(costs.target_seconds)]
+    assert sorted(costs.target_seconds) == row_grid(20, 4)
     assert max(costs.target_seconds) == 20 and sorted(costs.draft_seconds) == [1, 2, 3, 4]
     assert sorted(costs.catch_up_seconds) == [16, 32, 64, 128, 256]
     assert all(t > 0 for t in costs.target_seconds.values())
     assert bm.num_free_blocks == bm.num_blocks
     bm.check_invariants()
     # the engine's own: 4 sequences of up to num_free_draft_tokens (16) free drafts
-    assert sorted(engine.spec.costs.target_seconds) == [1, 2, 3, 4, 5, 8, 12, 16, 20, 24, 28, 32, 48, 64]
+    assert sorted(engine.spec.costs.target_seconds) == [1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 20, 24, 28, 32, 48, 64]
     no_draft = Engine(EngineConfig(model=str(tiny_llama_dir), kv_cache_memory=8 << 20, max_num_seqs=4))
     ngram = measure_spec_costs(no_draft.models, 2, 4)
     assert ngram.draft_seconds == {} and ngram.draft(4) == 0.0
