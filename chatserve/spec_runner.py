@@ -54,8 +54,9 @@ class SpecRunner:
         self.gap_limit = GAP_LIMIT  # 0: a step's length is priced by tokens per second alone
         # True: a confident chain keeps a draft already computed at a row's price and goes on at a row
         # and a step over the made drafts' acceptance (chain_stop_gains). False, the default: one price
-        # for both, session 44's rule; served on SmolLM2 code the two prices ran 3-5% slower (20 paired
-        # rounds, docs/benchmarks.md session 45), to be measured where rows are cheap (step_breakdown --two-prices)
+        # for both, session 44's rule; served on SmolLM2 code the two prices read 3-5% slower (requests in
+        # turn, docs/benchmarks.md session 45), 1.00-1.03x with steps interleaved (session 47): one price
+        # stays, the simpler rule; to be measured where rows are cheap (eagle_head.py --variant)
         self.keeps_computed_drafts = False
         self.costs = None
         if config.adaptive:
