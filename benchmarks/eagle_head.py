@@ -9,6 +9,7 @@ same data); an EAGLE-3 head's fuse, paid once a target step on the rows it fed, 
 --variant runs the EAGLE head again with settings changed (a SpecConfig field or a SpecRunner
 attribute), to pair a decision against the default inside one run, e.g.
 --variant two_prices:keeps_computed_drafts=true no_stop:confidence_stop=false k8:num_draft_tokens=8
+(METHOD.ATTRIBUTE sets a speculation method's attribute, e.g. suffix.probe_every=4)
 
     python benchmarks/eagle_head.py --model qwen2.5-coder-1.5b-instruct \
         --draft-model qwen2.5-coder-0.5b-instruct --out benchmarks/results/eagle_qwen.json
@@ -119,7 +120,7 @@ def summarize(outs: list[dict], seconds: float, batch: int) -> dict:
 
 
 RUNNER_SETTINGS = ("keeps_computed_drafts", "gap_limit")  # SpecRunner attributes a variant may set
-METHOD_SETTINGS = ("chain_in_cpp",)  # and the EAGLE method's
+METHOD_SETTINGS = ("chain_in_cpp", "probe_every")  # and the EAGLE method's
 
 
 def parse_variant(text: str) -> tuple[str, dict, dict]:
@@ -137,7 +138,7 @@ def parse_variant(text: str) -> tuple[str, dict, dict]:
             value = ast.literal_eval(raw)
         except (ValueError, SyntaxError):
             value = raw
-        if key in RUNNER_SETTINGS + METHOD_SETTINGS:
+        if key in RUNNER_SETTINGS + METHOD_SETTINGS or "." in key:  # method.attribute: any method's
             runner[key] = value
         elif key in fields:
             spec[key] = value
@@ -197,8 +198,10 @@ def main() -> None:
     engines = {}
     for name, spec in configs.items():  # all loaded first: the runs below alternate between them
         engine = engines[name] = Engine(EngineConfig(**common, spec=spec))
-        for attr, value in runner_settings.get(name, {}).items():
-            setattr(engine.spec.methods["eagle"] if attr in METHOD_SETTINGS else engine.spec, attr, value)
+        for key, value in runner_settings.get(name, {}).items():
+            method, _, attr = key.rpartition(".")
+            method = method or ("eagle" if attr in METHOD_SETTINGS else "")
+            setattr(engine.spec.methods[method] if method else engine.spec, attr, value)
         engine.generate([engine.tokenizer.encode("warm-up")], SamplingParams(max_tokens=8, temperature=0.0))
         if name in head_names:
             costs, info = [step_costs(engine, c) for c in (128, 1024)], engine.models.eagle_runner.head.info

@@ -39,6 +39,9 @@ class AcceptanceEMA:
         self._attempted += self.ema * (num_attempted - self._attempted)
 
 
+PROBE_EVERY = 16  # AdaptiveDraftLength's default probe_every (a speculation method may set its own)
+
+
 class AdaptiveDraftLength:
     """One request's side of choosing k: its acceptance estimate, the pause and the probe.
 
@@ -55,7 +58,7 @@ class AdaptiveDraftLength:
         max_k: int,
         ema: float = 0.2,
         min_accept_rate: float = 0.1,
-        probe_every: int = 16,
+        probe_every: int = PROBE_EVERY,
         initial_accept_rate: float = 0.8,
     ):
         if max_k < 0 or not 0.0 < ema <= 1.0 or probe_every < 1 or not 0.0 <= initial_accept_rate <= 1.0:

@@ -13,7 +13,7 @@ from chatserve.batch import BatchItem
 from chatserve.config import SpecConfig
 from chatserve.request import Request
 from chatserve.spec_methods.base import Offer, sample_draft
-from spec.adaptive import AcceptanceEMA, geometric_gains
+from spec.adaptive import PROBE_EVERY, AcceptanceEMA, geometric_gains
 
 
 class DraftModelMethod:
@@ -22,6 +22,7 @@ class DraftModelMethod:
     mixable = False
     keeps_kv = True
     step_cost = "draft"
+    probe_every = PROBE_EVERY
     reads_features = False
 
     def __init__(self, runner, sampler):

@@ -57,7 +57,7 @@ from chatserve.config import SpecConfig
 from chatserve.request import Request, Status
 from chatserve.scheduler import ScheduledSeq
 from chatserve.spec_methods.base import Offer, sample_draft
-from spec.adaptive import AcceptanceEMA, geometric_gains
+from spec.adaptive import PROBE_EVERY, AcceptanceEMA, geometric_gains
 from spec.sampling import argmax_rows
 
 FLUSH_ROWS = 16  # deferred head rows of a request that does not draft are written at this many
@@ -68,6 +68,7 @@ class EagleMethod:
     label = "EAGLE head"
     keeps_kv = False  # its KV follows the target's: no catch-up, no marks
     step_cost = "head"
+    probe_every = PROBE_EVERY
     reads_features = True
     mixable = False
 

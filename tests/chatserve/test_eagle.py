@@ -573,8 +573,8 @@ def test_the_oracle_head_has_every_draft_accepted_over_turns(oracle):
 def test_adaptive_k_prices_the_heads_steps(oracle):
     """The oracle head's drafts are all accepted. With verification rows nearly free, drafts pay
     when head steps are free too; when each head step costs a whole target step, k drafts cost
-    k + 1 steps for at most k + 1 tokens and the allocator drafts nothing (the probes every 16
-    steps excepted). The costs are measured at start for an engine with a head; output is
+    k + 1 steps for at most k + 1 tokens and the allocator drafts nothing (a probe of one draft
+    every EagleMethod.probe_every steps excepted). The costs are measured at start for an engine with a head; output is
     unchanged either way."""
     from chatserve.spec_costs import SpecCosts
 
@@ -597,8 +597,31 @@ def test_adaptive_k_prices_the_heads_steps(oracle):
         before = engine.spec.stats_by_method["eagle"].num_draft_tokens
         assert engine.generate([prompt], params)[0]["token_ids"] == expected
         drafted[name] = engine.spec.stats_by_method["eagle"].num_draft_tokens - before  # suffix drafts apart
-    assert drafted["free"] >= 20 and drafted["dear"] <= 40 // 16 + 1, drafted
+    probe_every = engine.spec.methods["eagle"].probe_every
+    assert drafted["free"] >= 20 and drafted["dear"] <= 40 // probe_every + 1, drafted
     assert_pool_empty(engine)
+
+
+def test_each_method_probes_at_its_own_interval(tiny_llama_dir, trained_head):
+    """A request's controller for a method probes after the method's probe_every steps priced out."""
+    import types
+
+    from chatserve.spec_methods.base import SpecState
+
+    engine = make_engine(tiny_llama_dir, trained_head, adaptive=True)
+    methods = engine.spec.methods
+    req = types.SimpleNamespace(spec=SpecState(methods=tuple(methods.values())))
+    for method in methods.values():
+        controller = engine.spec._controller(req, method)
+        assert controller.probe_every == method.probe_every
+        for _ in range(method.probe_every - 1):
+            assert not controller.probing
+            controller.allocated(0)
+        assert controller.probing
+    methods["eagle"].probe_every = 3  # a method's own, as a benchmark's variant sets it
+    req = types.SimpleNamespace(spec=SpecState(methods=tuple(methods.values())))
+    assert engine.spec._controller(req, methods["eagle"]).probe_every == 3
+    assert engine.spec._controller(req, methods["suffix"]).probe_every == 16
 
 
 def test_the_heads_served_steps_reprice_its_start_up_table(oracle, monkeypatch):
@@ -636,8 +659,9 @@ def test_the_heads_served_steps_reprice_its_start_up_table(oracle, monkeypatch):
     assert engine.spec.costs.target_seconds.keys() == measured.target_seconds.keys()
     before = engine.spec.stats_by_method["eagle"].num_draft_tokens
     engine.generate([prompt], params)
-    # a draft now costs 30 ms beside a few-ms target step: only the probes draft (1 in 16 steps)
-    assert engine.spec.stats_by_method["eagle"].num_draft_tokens - before <= 48 // 16 + 1
+    # a draft now costs 30 ms beside a few-ms target step: only the probes draft (one in probe_every steps)
+    probe_every = engine.spec.methods["eagle"].probe_every
+    assert engine.spec.stats_by_method["eagle"].num_draft_tokens - before <= 48 // probe_every + 1
     by_hand = dataclasses.replace(measured)
     engine.spec.costs = by_hand
     engine.generate([prompt], dataclasses.replace(GREEDY, max_tokens=8))
