@@ -105,7 +105,7 @@ class DecodeStack {
                       embed_packed, block_size};
   }
 
-  // A greedy chain of drafts for R requests at once, as EagleProposer.propose drafts one in Python
+  // A greedy chain of drafts for R requests at once, as EagleMethod.propose drafts one in Python
   // (chatserve/spec_methods/eagle.py, the reference it is tested against, with the same kernels in
   // the same order). The first forward feeds `tokens` [T] at `positions` with `features` [T,
   // hidden] (the batch of build_batch; request r's newest row is last_rows[r]); then each request
