@@ -111,8 +111,7 @@ class HeadRunner:
         keep_below, go_on_below per request as propose reads them. -> (each request's drafts, each
         forward's (rows, seconds), the first with this call's own glue), or None where the head
         has no C++ path (then propose drafts with the modules)."""
-        if (self.kernels != "torch" or sum(len(it.token_ids) for it in items) > decode_ops.STACK_MAX_ROWS
-                or not decode_ops.usable(features, self.head.hidden_size) or not features.is_contiguous()):
+        if not self.head.stack.takes(features, self.kernels):  # features: a row per fed token
             return None
         start = time.perf_counter()
         stack = self.head.chain_stack(self.embed, self.kv_cache.layers[0], self.block_size)

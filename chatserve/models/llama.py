@@ -104,14 +104,18 @@ class LayerStack:
         """The layers' output (x + the last delta) for this step, x updated in place as the modules
         do, and with `capture` (hidden, [the output of each captured layer]); None where the modules
         must run it (then nothing was touched)."""
-        if (not self.enabled or attn.kernels != "torch" or x.shape[0] > decode_ops.STACK_MAX_ROWS or not x.is_contiguous()
-                or not decode_ops.usable(x, x.shape[-1])):
+        if not self.takes(x, attn.kernels):
             return None
         built = self.built_for(layers, kv_caches)
         if built is None:
             return None
         args = (x, positions, attn.slot_mapping, attn.block_tables, *attn.query_rows())
         return built.forward_captured(*args, list(capture)) if capture else built.forward(*args)
+
+    def takes(self, x: torch.Tensor, kernels: str) -> bool:
+        """Whether the C++ stack may run these rows x [T, hidden] (else the modules do)."""
+        return (self.enabled and kernels == "torch" and x.shape[0] <= decode_ops.STACK_MAX_ROWS and x.is_contiguous()
+                and decode_ops.usable(x, x.shape[-1]))
 
     def built_for(self, layers, kv_caches):
         """The DecodeStack of these layers over these caches (built on first use, again when the

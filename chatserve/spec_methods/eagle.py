@@ -174,7 +174,6 @@ class EagleMethod:
             start, rows = self._with_pending(req, pos, req.last_feature[1][None])  # deferred rows first
             items.append(BatchItem(req.token_ids[start : pos + 1], start, req.table.block_ids, 1))
             inputs.append(rows)
-        probs: list[list[torch.Tensor]] = [[] for _ in reqs]
         # chains without a grammar may stop early (a grammar's mask changes what the head offers)
         keep_below = [req.spec.keep_gain if req.grammar is None else 0.0 for req in reqs]
         go_on_below = [req.spec.least_gain if req.grammar is None else 0.0 for req in reqs]
@@ -187,6 +186,7 @@ class EagleMethod:
                     req.draft_token_ids.extend(tokens)
                     req.draft_probs = None
                 return timed
+        probs: list[list[torch.Tensor]] = [[] for _ in reqs]
         chain_probs = [1.0] * len(reqs)
         active = list(range(len(reqs)))
         last_rows = torch.tensor([len(it.token_ids) for it in items]).cumsum(0) - 1  # each item's newest row
