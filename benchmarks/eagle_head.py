@@ -33,6 +33,16 @@ from chatserve.engine import Engine  # noqa: E402
 from chatserve.sampling_params import SamplingParams  # noqa: E402
 
 PROMPTS = json.loads((ROOT / "chatserve/data/prompts.json").read_text())
+LONG = ROOT / "benchmarks/data/long_context.json"  # long_context.py's files and turns
+
+
+def workload_prompts(kind: str) -> list[str]:
+    """A workload's user messages: prompts.json's held-out ones (code, chat, edit); for paste, each
+    of long_context.py's files (1-2.8k tokens) with its paste session's first question."""
+    if kind in PROMPTS:
+        return PROMPTS[kind]
+    data = json.loads(LONG.read_text())
+    return [data["paste_turns"][0].format(name=name, code=code) for name, code in data["files"].items()]
 
 
 def best_ms(fn, reps: int = 5) -> float:
@@ -120,7 +130,7 @@ def summarize(outs: list[dict], seconds: float, batch: int) -> dict:
 
 
 RUNNER_SETTINGS = ("keeps_computed_drafts", "gap_limit")  # SpecRunner attributes a variant may set
-METHOD_SETTINGS = ("chain_in_cpp", "probe_every")  # and the EAGLE method's
+METHOD_SETTINGS = ("chain_in_cpp", "probe_every", "accept_ema")  # and the EAGLE method's
 
 
 def parse_variant(text: str) -> tuple[str, dict, dict]:
@@ -168,7 +178,8 @@ def main() -> None:
     ap.add_argument("--variant", nargs="*", default=[], metavar="NAME:SETTING=VALUE,...",
                     help="the (first) EAGLE head again with SpecConfig fields or the attributes "
                          f"{RUNNER_SETTINGS + METHOD_SETTINGS} changed, run beside the others as NAME")
-    ap.add_argument("--workloads", nargs="+", default=["code", "chat"], choices=["code", "chat"])
+    ap.add_argument("--workloads", nargs="+", default=["code", "chat"], choices=["code", "chat", "edit", "paste"],
+                    help="paste: a long file and a question (its prefix cached before the rounds)")
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 2])
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--costs-only", action="store_true", help="the step costs alone, no decode runs")
@@ -213,7 +224,10 @@ def main() -> None:
             print(name, json.dumps(costs), file=sys.stderr)
     tok = engines["off"].tokenizer
     for kind in () if args.costs_only else args.workloads:
-        prompts = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS[kind]]
+        prompts = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in workload_prompts(kind)]
+        if kind not in PROMPTS:  # every engine's prefix cache holds the files: the rounds time the replies
+            for engine in engines.values():
+                engine.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0))
         for batch in args.batches:
             key, best = f"{kind}/b{batch}", {}
             ratios: dict[str, list[float]] = {name: [] for name in configs}

@@ -184,8 +184,8 @@ class SpecRunner:
         controllers = req.spec.controllers
         if method.name not in controllers:  # a new request starts from the engine-wide estimate
             max_k = self.config.num_draft_tokens if method.step_cost else self.config.num_free_draft_tokens
-            controllers[method.name] = AdaptiveDraftLength(max_k, initial_accept_rate=method.accept_rate.rate,
-                                                           probe_every=method.probe_every)
+            controllers[method.name] = AdaptiveDraftLength(max_k, method.accept_ema, probe_every=method.probe_every,
+                                                           initial_accept_rate=method.accept_rate.rate)
         return controllers[method.name]
 
     def _allocate(self, priced: list[tuple[Request, list[Offer | None]]], prefill_rows: int) -> None:

@@ -40,6 +40,7 @@ class AcceptanceEMA:
 
 
 PROBE_EVERY = 16  # AdaptiveDraftLength's default probe_every (a speculation method may set its own)
+ACCEPT_EMA = 0.2  # and its default ema (likewise)
 
 
 class AdaptiveDraftLength:
@@ -56,7 +57,7 @@ class AdaptiveDraftLength:
     def __init__(
         self,
         max_k: int,
-        ema: float = 0.2,
+        ema: float = ACCEPT_EMA,
         min_accept_rate: float = 0.1,
         probe_every: int = PROBE_EVERY,
         initial_accept_rate: float = 0.8,

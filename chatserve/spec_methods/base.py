@@ -88,6 +88,7 @@ class SpecMethod(Protocol):
     reads_features: ClassVar[bool]  # observe()s the target's features after every step (an EAGLE head)
     mixable: ClassVar[bool]  # free proposals that a request whose drafts cost steps (step_cost) may take instead
     probe_every: ClassVar[int]  # a request priced out of drafting probes after this many steps (AdaptiveDraftLength)
+    accept_ema: ClassVar[float]  # the weight of a step's outcome in a request's acceptance estimate (likewise)
     accept_rate: AcceptanceEMA  # engine-wide, per method: the prior of new requests and probes
 
     @classmethod

@@ -13,7 +13,7 @@ from chatserve.batch import BatchItem
 from chatserve.config import SpecConfig
 from chatserve.request import Request
 from chatserve.spec_methods.base import Offer, sample_draft
-from spec.adaptive import PROBE_EVERY, AcceptanceEMA, geometric_gains
+from spec.adaptive import ACCEPT_EMA, PROBE_EVERY, AcceptanceEMA, geometric_gains
 
 
 class DraftModelMethod:
@@ -23,6 +23,7 @@ class DraftModelMethod:
     keeps_kv = True
     step_cost = "draft"
     probe_every = PROBE_EVERY
+    accept_ema = ACCEPT_EMA
     reads_features = False
 
     def __init__(self, runner, sampler):

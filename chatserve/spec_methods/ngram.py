@@ -5,7 +5,7 @@ from __future__ import annotations
 from chatserve.config import SpecConfig
 from chatserve.request import Request
 from chatserve.spec_methods.base import Offer
-from spec.adaptive import PROBE_EVERY, AcceptanceEMA, geometric_gains
+from spec.adaptive import ACCEPT_EMA, PROBE_EVERY, AcceptanceEMA, geometric_gains
 from spec.ngram import NgramProposer
 
 
@@ -16,6 +16,7 @@ class NgramMethod:
     keeps_kv = False
     step_cost = None
     probe_every = PROBE_EVERY
+    accept_ema = ACCEPT_EMA
     reads_features = False
 
     def __init__(self, config: SpecConfig):

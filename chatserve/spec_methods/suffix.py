@@ -6,7 +6,7 @@ from __future__ import annotations
 from chatserve.config import SpecConfig
 from chatserve.request import Request
 from chatserve.spec_methods.base import Offer
-from spec.adaptive import PROBE_EVERY, AcceptanceEMA
+from spec.adaptive import ACCEPT_EMA, PROBE_EVERY, AcceptanceEMA
 from spec.suffix import SuffixCorpus, SuffixProposer
 
 # Weight of the method's measured acceptance rate against the counts: one pseudo-occurrence.
@@ -19,6 +19,7 @@ class SuffixMethod:
     keeps_kv = False
     step_cost = None
     probe_every = PROBE_EVERY
+    accept_ema = ACCEPT_EMA
     reads_features = False
     mixable = True  # a draft-model or EAGLE request takes a suffix proposal when it promises more
 

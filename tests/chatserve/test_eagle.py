@@ -624,6 +624,25 @@ def test_each_method_probes_at_its_own_interval(tiny_llama_dir, trained_head):
     assert engine.spec._controller(req, methods["suffix"]).probe_every == 16
 
 
+def test_each_method_weighs_a_steps_outcome_at_its_own_rate(tiny_llama_dir, trained_head):
+    """A request's acceptance estimate for a method moves by the method's accept_ema: one rejected
+    position takes an estimate r to r (1 - ema); the EAGLE head's moves less than a suffix proposal's."""
+    import types
+
+    from chatserve.spec_methods.base import SpecState
+
+    engine = make_engine(tiny_llama_dir, trained_head, adaptive=True)
+    methods = engine.spec.methods
+    assert methods["eagle"].accept_ema < methods["suffix"].accept_ema
+    req = types.SimpleNamespace(spec=SpecState(methods=tuple(methods.values())))
+    for method in methods.values():
+        controller = engine.spec._controller(req, method)
+        start = controller.accept_rate
+        assert start == pytest.approx(method.accept_rate.rate)
+        controller.update(1, 0)
+        assert controller.accept_rate == pytest.approx(start * (1 - method.accept_ema))
+
+
 def test_the_heads_served_steps_reprice_its_start_up_table(oracle, monkeypatch):
     """propose times each draft position (the head's step with its drafting glue) and the engine's
     head table follows them, as the target's follows its forwards: a head timed at start-up as
@@ -728,6 +747,7 @@ def test_a_greedy_chain_keeps_and_goes_on_while_the_heads_probability_of_it_pays
                                   head_seconds={r: 0.01 for r in range(1, 17)})
     method = engine.spec.methods["eagle"]
     method.chain_in_cpp = False  # the modules' chain, whose probabilities _top_probs gives (the C++ one: below)
+    engine.spec.methods["suffix"].corpus = None  # the prompts come back under each price: no earlier replies to offer
     calls, probs = [], []
     top_probs, propose = eagle_module._top_probs, method.propose
 
@@ -754,6 +774,8 @@ def test_a_greedy_chain_keeps_and_goes_on_while_the_heads_probability_of_it_pays
         monkeypatch.setattr(spec_runner, "chain_stop_gains", lambda *args, gains=(keep, go_on): gains)
         calls.clear()
         probs.clear()
+        # each price as new: the head's rejections under the last one would price its requests out
+        method.accept_rate = AcceptanceEMA(ema=0.05, prior=0.7)
         rate_before = method.accept_rate.rate
         for prompt, want in zip(prompts, expected):  # one at a time: a call's probabilities are one chain's
             assert engine.generate([prompt], GREEDY)[0]["token_ids"] == want
@@ -865,6 +887,7 @@ def test_a_chain_goes_on_at_a_row_and_a_step_over_the_made_drafts_acceptance(tin
     costs = SpecCosts({r: 1.0 + 0.01 * (r - 1) for r in range(1, 65)}, {}, head_seconds={r: 0.01 for r in range(1, 17)})
     engine.spec.costs = costs
     method = engine.spec.methods["eagle"]
+    del engine.spec.methods["suffix"]  # the head's prices alone: the tiny model's loops would go to suffix proposals
     seen, propose = [], method.propose
     method.propose = lambda reqs, ks: (seen.append((ks[0], engine.spec.stats_by_method["eagle"].num_draft_tokens,
                                                     engine.spec.stats_by_method["eagle"].num_accepted_tokens,
