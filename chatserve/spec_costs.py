@@ -215,25 +215,37 @@ class ObservedForwards:
     def __init__(self, window: int = WINDOW, table: str = "target_seconds"):
         self.window, self.table = window, table  # table: the SpecCosts field corrected
         self._seen: dict[int, deque[float]] = {}
+        self._medians: dict[int, float] = {}  # rows -> its window's median, once MIN_SEEN are in (kept as they come)
         self._nearest: tuple[tuple, list[tuple[int, int]]] = ((), [])  # ((seen, table rows), [(rows, nearest)])
 
-    def observe(self, rows: int, seconds: float) -> None:
-        self._seen.setdefault(rows, deque(maxlen=self.window)).append(seconds)
+    def observe(self, rows: int, seconds: float) -> bool:
+        """Whether the observation changed what corrected() returns (its row count's median)."""
+        times = self._seen.setdefault(rows, deque(maxlen=self.window))
+        times.append(seconds)
+        if len(times) < self.MIN_SEEN:
+            return False
+        median = statistics.median(times)
+        changed = self._medians.get(rows) != median
+        self._medians[rows] = median
+        return changed
 
     def corrected(self, costs: SpecCosts) -> SpecCosts:
-        seconds = getattr(costs, self.table)
-        if not seconds:
-            return costs
+        table = self.corrected_table(getattr(costs, self.table))
+        return costs if table is None else dataclasses.replace(costs, **{self.table: table})
+
+    def corrected_table(self, seconds: dict[int, float]) -> dict[int, float] | None:
+        """The start-up table `seconds` (rows -> seconds) as corrected() rescales it; None when it is
+        empty or no row count has been seen MIN_SEEN times. The engine asks after every forward it
+        times: only the observed row count's median is new then (observe keeps the others)."""
+        if not seconds or not self._medians:
+            return None
         points = sorted(seconds)
-        ratios = {rows: statistics.median(times) / _lookup(seconds, points, rows)
-                  for rows, times in self._seen.items() if len(times) >= self.MIN_SEEN}
-        if not ratios:
-            return costs
+        ratios = {rows: median / _lookup(seconds, points, rows) for rows, median in self._medians.items()}
         table, floor = {}, 0.0
         for rows, nearest in self._nearest_seen(tuple(sorted(ratios)), points):
             floor = max(floor, seconds[rows] * ratios[nearest])
             table[rows] = floor
-        return dataclasses.replace(costs, **{self.table: table})
+        return table
 
     def _nearest_seen(self, seen: tuple[int, ...], points: list[int]) -> list[tuple[int, int]]:
         """(rows, the nearest seen row count) for each of the table's rows, a tie to the smaller;

@@ -188,13 +188,24 @@ def allocate_drafts(
     candidates = [caps]
     if setup_seconds is not None and any(setup_seconds):  # also try without the sequences that need one
         candidates.append([0 if setup_seconds[i] else c for i, c in enumerate(caps)])
+    target_at: dict[int, float] = {}  # rows -> target_seconds(rows): the scans below ask again and again
+    draft_at = [0.0] * (b + 1)  # draft_at[a]: one draft step over a sequences (draft_at[0] = 0)
+    if draft_seconds is not None:
+        draft_at[1:] = [draft_seconds(a) for a in range(1, b + 1)]
     for caps_tried in candidates:
         if not any(caps_tried):
             continue
         # (gain, -j, i): largest gain first; equal gains keep each sequence's positions in order.
         chosen_all = sorted(((gains[i][j - 1], -j, i) for i in range(b) for j in range(1, caps_tried[i] + 1)),
                             reverse=True)
-        for max_steps in range(1, max(caps_tried) + 1) if draft_seconds is not None else [max(caps_tried)]:
+        top = max(caps_tried)
+        limits = [top]
+        if draft_seconds is not None:
+            # A limit past every model-run sequence's cap cuts free proposals alone, which cost no draft
+            # step: the scan without a limit (top) sees every such set's drafts or better ones.
+            model_top = max((c for i, c in enumerate(caps_tried) if runs_model is None or runs_model[i]), default=0)
+            limits = [*range(1, min(model_top, top - 1) + 1), top]
+        for max_steps in limits:
             chosen = [g for g in chosen_all if -g[1] <= max_steps]
             tokens, setup = float(b), 0.0
             active_per_step = [0] * (max_steps + 1)  # active_per_step[s]: model-run sequences drafting >= s tokens
@@ -204,9 +215,13 @@ def allocate_drafts(
                     active_per_step[-neg_j] += 1
                 if setup_seconds is not None and neg_j == -1:
                     setup += setup_seconds[i]
-                seconds = target_seconds(b + n) + setup
+                rows = b + n
+                seconds = target_at.get(rows)
+                if seconds is None:
+                    seconds = target_at[rows] = target_seconds(rows)
+                seconds += setup
                 if draft_seconds is not None:
-                    seconds += sum(draft_seconds(a) for a in active_per_step[1:] if a)
+                    seconds += sum(draft_at[a] for a in active_per_step[1:])
                 if max_seconds is not None and seconds > max_seconds:
                     break  # a step's seconds only grow with n
                 if tokens / seconds > best_rate:

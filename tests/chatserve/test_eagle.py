@@ -668,7 +668,7 @@ def test_the_heads_served_steps_reprice_its_start_up_table(oracle, monkeypatch):
     run = runner.run
     timed = []
     observe = engine.spec.step_observers["head"].observe
-    engine.spec.step_observers["head"].observe = lambda rows, seconds: (timed.append(rows), observe(rows, seconds))
+    engine.spec.step_observers["head"].observe = lambda rows, seconds: (timed.append(rows), observe(rows, seconds))[1]
     runner.run = lambda *a, **kw: (time.sleep(0.03), run(*a, **kw))[1]
     params = dataclasses.replace(GREEDY, max_tokens=48)
     engine.generate([prompt], params)

@@ -198,19 +198,20 @@ def test_service_forwards_reprice_the_table():
     table = SpecCosts({1: 1.0, 2: 1.1, 3: 1.2, 4: 1.3, 5: 2.0, 8: 2.2}, {})
     seen = ObservedForwards()
     for _ in range(ObservedForwards.MIN_SEEN - 1):
-        seen.observe(2, 1.1)
-        seen.observe(3, 2.0)
+        assert not seen.observe(2, 1.1)  # observe says whether the correction moved: not yet
+        assert not seen.observe(3, 2.0)
     assert seen.corrected(table) == table  # too few to say anything
-    seen.observe(2, 1.1)
-    seen.observe(3, 2.0)
+    assert seen.observe(2, 1.1) and seen.observe(3, 2.0)
     costs = seen.corrected(table)
     assert costs.target(2) == pytest.approx(1.1) and costs.target(3) == pytest.approx(2.0)
     assert costs.target(1) == pytest.approx(1.0)  # nearest seen: 2 rows, as the table said
     assert costs.target(4) == pytest.approx(1.3 * 2.0 / 1.2)  # nearest seen: 3 rows, 1.67x the table
     assert costs.target(8) == pytest.approx(2.2 * 2.0 / 1.2)
     assert costs.draft_seconds == table.draft_seconds
-    seen.observe(3, 9.0)  # one slow forward among four moves nothing
+    assert not seen.observe(3, 9.0)  # one slow forward among four moves nothing
     assert seen.corrected(table).target(3) == pytest.approx(2.0)
+    assert not seen.observe(3, 9.0)  # nor two of five
+    assert seen.observe(3, 9.0) and seen.corrected(table).target(3) == pytest.approx(5.5)  # three of six do
 
 
 def test_a_head_observer_reprices_the_head_table_alone():

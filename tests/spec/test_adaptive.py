@@ -160,6 +160,49 @@ def test_allocate_drafts_with_a_draft_model_is_near_the_best(seed):
     assert _rate(rates, ks, _tiled, draft) >= 0.97 * best_rate
 
 
+def _scan_every_limit(gains, target, draft, runs_model):
+    """allocate_drafts' scan as first written (no setups, no bound): every limit K on the draft steps
+    from 1 to the largest cap, every n, every price looked up afresh."""
+    b = len(gains)
+    best_rate, best = b / target(b), []
+    chosen_all = sorted(((g[j - 1], -j, i) for i, g in enumerate(gains) for j in range(1, len(g) + 1)), reverse=True)
+    for limit in range(1, max(map(len, gains)) + 1):
+        chosen = [c for c in chosen_all if -c[1] <= limit]
+        tokens, active = float(b), [0] * (limit + 1)
+        for n, (gain, neg_j, i) in enumerate(chosen, start=1):
+            tokens += gain
+            if runs_model[i]:
+                active[-neg_j] += 1
+            seconds = target(b + n) + sum(draft(a) for a in active[1:] if a)
+            if tokens / seconds > best_rate:
+                best_rate, best = tokens / seconds, chosen[:n]
+    ks = [0] * b
+    for _, _, i in best:
+        ks[i] += 1
+    return ks
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_allocate_drafts_scans_only_the_limits_on_draft_steps_that_can_matter(seed):
+    """Free proposals of up to 16 beside a head's or a draft model's 4 (an EAGLE request with suffix
+    proposals): limits on the draft steps past the model-run sequences' caps are skipped, and the
+    allocation is the one the scan over every limit finds."""
+    import random
+
+    rng = random.Random(900 + seed)
+    b = rng.randint(1, 4)
+    runs_model = [rng.random() < 0.5 for _ in range(b)]
+    caps = [rng.randint(0, 4) if m else rng.randint(0, 16) for m in runs_model]
+    rates = [rng.choice([0.3, 0.5, 0.8, 0.95, rng.random()]) for _ in range(b)]
+    gains = [sorted((rng.random() for _ in range(c)), reverse=True) if not m and rng.random() < 0.5
+             else geometric_gains(r, c) for m, r, c in zip(runs_model, rates, caps)]
+    draft = lambda rows: rng.choice([0.02, 0.1, 0.3]) + 0.02 * rows  # noqa: E731
+    cost = draft(1)
+    draft = lambda rows: cost + 0.02 * rows  # noqa: E731
+    for target in (_tiled, lambda rows: 1.0 + 0.1 * (rows - 1)):
+        assert allocate_drafts(gains, target, draft, runs_model) == _scan_every_limit(gains, target, draft, runs_model)
+
+
 @pytest.mark.parametrize("seed", range(20))
 def test_step_seconds_prices_a_step_as_allocate_drafts_does(seed):
     import random
