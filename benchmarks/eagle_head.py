@@ -9,7 +9,8 @@ same data); an EAGLE-3 head's fuse, paid once a target step on the rows it fed, 
 --variant runs the EAGLE head again with settings changed (a SpecConfig field or a SpecRunner
 attribute), to pair a decision against the default inside one run, e.g.
 --variant two_prices:keeps_computed_drafts=true no_stop:confidence_stop=false k8:num_draft_tokens=8
-(METHOD.ATTRIBUTE sets a speculation method's attribute, e.g. suffix.probe_every=4)
+(METHOD.ATTRIBUTE sets a speculation method's attribute, e.g. suffix.probe_every=4; upkeep:drafts=false
+keeps the head up but drafts nothing: what being ready to draft costs)
 
     python benchmarks/eagle_head.py --model qwen2.5-coder-1.5b-instruct \
         --draft-model qwen2.5-coder-0.5b-instruct --out benchmarks/results/eagle_qwen.json
@@ -130,6 +131,9 @@ def summarize(outs: list[dict], seconds: float, batch: int) -> dict:
 
 
 RUNNER_SETTINGS = ("keeps_computed_drafts", "gap_limit")  # SpecRunner attributes a variant may set
+# drafts=false: no method offers a draft, while the head is kept up as always (the target's features, the
+# fuse, the head's rows): what an EAGLE engine pays for being ready to draft
+RUNNER_SETTINGS += ("drafts",)
 METHOD_SETTINGS = ("chain_in_cpp", "probe_every", "accept_ema")  # and the EAGLE method's
 
 
@@ -210,6 +214,10 @@ def main() -> None:
     for name, spec in configs.items():  # all loaded first: the runs below alternate between them
         engine = engines[name] = Engine(EngineConfig(**common, spec=spec))
         for key, value in runner_settings.get(name, {}).items():
+            if key == "drafts":
+                for method in engine.spec.methods.values():
+                    method.offer = (lambda *args: None) if not value else method.offer
+                continue
             method, _, attr = key.rpartition(".")
             method = method or ("eagle" if attr in METHOD_SETTINGS else "")
             setattr(engine.spec.methods[method] if method else engine.spec, attr, value)
@@ -254,6 +262,15 @@ def main() -> None:
                           if args.lockstep else "")
                 print(f"{name:6s} {key}: {run['tok_per_s']:.2f} tok/s (best of {args.rounds}), acceptance "
                       f"{run['acceptance']}, equal {run['greedy_equal']}{paired}", file=sys.stderr)
+            if args.lockstep:  # each variant against the head's default, round by round
+                base = ratios[head_names[0]]
+                for name in runner_settings:
+                    pairs = [v / b for v, b in zip(ratios[name], base)]
+                    over = {"speedup": statistics.geometric_mean(pairs), "rounds_ahead": sum(x > 1 for x in pairs),
+                            "se": statistics.stdev(pairs) / len(pairs) ** 0.5 if len(pairs) > 1 else None}
+                    results["runs"][key][name][f"over_{head_names[0]}"] = over
+                    print(f"{name:6s} {key}: x {head_names[0]} {over['speedup']:.3f} (se {over['se'] or 0:.3f}, "
+                          f"{over['rounds_ahead']} of {len(pairs)} rounds ahead)", file=sys.stderr)
     for runs in results["runs"].values():
         for run in runs.values():
             run["speedup_vs_off"] = run.get("lockstep_speedup", run["tok_per_s"] / runs["off"]["tok_per_s"])

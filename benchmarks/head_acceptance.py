@@ -63,6 +63,7 @@ from chatserve.head_store import load_head  # noqa: E402
 from chatserve.loading import read_config, resolve  # noqa: E402
 from chatserve.sampling_params import SamplingParams  # noqa: E402
 from chatserve.train_head import chain_hits  # noqa: E402
+from spec.adaptive import AcceptanceEMA  # noqa: E402
 from spec.sampling import logits_to_probs  # noqa: E402
 
 PROMPTS = json.loads((ROOT / "chatserve/data/prompts.json").read_text())
@@ -160,6 +161,54 @@ def walked_length(hits: list[torch.Tensor], k: int) -> float:
         while p < len(accepted):
             tokens, steps, p = tokens + accepted[p] + 1, steps + 1, p + accepted[p] + 1
     return tokens / steps if steps else float("nan")
+
+
+def streaks(hits: list[torch.Tensor], emas: list[float], lags=(1, 2, 4, 8, 16)) -> dict:
+    """Is a head's acceptance a request's level or a streak, and how fast should a request's
+    estimate of it move (AdaptiveDraftLength's ema; SpecMethod.accept_ema)? Each reply walked with
+    one draft a verification (from anchor p the next is p + 2 after a hit, p + 1 after a miss):
+    its first-draft outcomes in serving order. Printed: each reply's rate; P(hit) after a hit and
+    after a miss `lag` verifications back; for each ema, the estimate before each verification
+    (AcceptanceEMA from the workload's own rate, what the engine-wide estimate tends to) against
+    the outcome: the slope of outcome on estimate (1 = calibrated, below: it over-reacts) and the
+    Brier score (mean squared error; `constant`: the workload's rate at every step)."""
+    walks = []
+    for reply in hits:
+        first, p, walk = reply[:, 0].tolist(), 0, []
+        while p < len(first):
+            walk.append(int(first[p]))
+            p += int(first[p]) + 1
+        walks.append(walk)
+    outcomes = [x for w in walks for x in w]
+    if not outcomes:
+        return {}
+    rate = sum(outcomes) / len(outcomes)
+
+    def after(lag: int, previous: int) -> float:
+        pairs = [w[i] for w in walks for i in range(lag, len(w)) if w[i - lag] == previous]
+        return round(sum(pairs) / len(pairs), 4) if pairs else float("nan")
+
+    def fit(estimates: list[float]) -> dict:
+        n = len(outcomes)
+        mq, mx = sum(estimates) / n, rate
+        var = sum((q - mq) ** 2 for q in estimates) / n
+        cov = sum((q - mq) * (x - mx) for q, x in zip(estimates, outcomes)) / n
+        return {"slope": round(cov / var, 3) if var else float("nan"),
+                "brier": round(sum((q - x) ** 2 for q, x in zip(estimates, outcomes)) / n, 4)}
+
+    by_ema = {}
+    for ema in emas:
+        estimates = []
+        for walk in walks:
+            alpha = AcceptanceEMA(ema, rate)
+            for x in walk:
+                estimates.append(alpha.rate)
+                alpha.update(1, x)
+        by_ema[str(ema)] = fit(estimates)
+    return {"verifications": len(outcomes), "rate": round(rate, 4),
+            "per_reply": [round(sum(w) / len(w), 3) for w in walks if w],
+            "after_hit_miss": {str(lag): (after(lag, 1), after(lag, 0)) for lag in lags},
+            "constant_brier": round(sum((rate - x) ** 2 for x in outcomes) / len(outcomes), 4), "ema": by_ema}
 
 
 def walked_stopped(hits: list[torch.Tensor], sure: list[torch.Tensor], cap: int, least: float) -> tuple[float, ...]:
@@ -278,6 +327,8 @@ def main() -> None:
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--draft-temperatures", type=float, nargs="+", default=[1.0],
                     help="with --temperature: the head's drafts at temperature T x each (0: its argmax)")
+    ap.add_argument("--emas", type=float, nargs="*", default=[0.02, 0.05, 0.1, 0.2, 0.3],
+                    help="a request's acceptance estimate's weights to fit against its walked outcomes (streaks)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     target_ms = None
@@ -322,7 +373,8 @@ def main() -> None:
                           "first_in_top_n": [round(float(x), 4) for x in top_n],
                           "stopped_walked": {str(least): dict(zip(("tokens", "drafts", "head_steps"), v))
                                              for least, v in stopped.items()},
-                          "calibration": calibration(hits, sure)}
+                          "calibration": calibration(hits, sure),
+                          "streaks": streaks([h for h, _, _ in both], args.emas)}
             print(f"{Path(path).name:30s} {kind:5s} chains {len(hits):5d}  first 1..{args.depth} right "
                   f"{' '.join(f'{x:.2f}' for x in all_first)}  mean accepted length k=1..{args.depth} "
                   f"{' '.join(f'{x:.2f}' for x in mean_len)} (walked {' '.join(f'{x:.2f}' for x in walked)})  "
@@ -331,6 +383,14 @@ def main() -> None:
             for s, bins in enumerate(rows[kind]["calibration"]):
                 print(f"{'':30s} {kind:5s} draft {s + 1} by the head's probability: "
                       + "  ".join(f"[{lo:.1f}, {hi:.1f}) {n} at {p:.2f} accepted {a:.2f}" for lo, hi, n, p, a in bins))
+            st = rows[kind]["streaks"]
+            if st:
+                print(f"{'':30s} {kind:5s} one draft a verification: rate {st['rate']:.3f} over {st['verifications']}, "
+                      f"replies {min(st['per_reply']):.2f}-{max(st['per_reply']):.2f}; after a hit / a miss "
+                      + ", ".join(f"lag {lag} {a:.2f} / {b:.2f}" for lag, (a, b) in st["after_hit_miss"].items())
+                      + f"; estimate slope / Brier (constant {st['constant_brier']:.4f}) "
+                      + ", ".join(f"ema {e} {v['slope']:.2f} / {v['brier']:.4f}" for e, v in st["ema"].items()),
+                      flush=True)
             for least, (tokens, drafts, steps) in stopped.items():
                 print(f"{'':30s} {kind:5s} walked, up to {args.depth} drafts stopped below {least}: "
                       f"{tokens:.3f} tokens a verification, {drafts:.2f} drafts, {steps:.2f} head steps", flush=True)

@@ -49,7 +49,10 @@ class ModelRunner:
         output (what the LM head reads). Logits only for the rows asked for."""
         batch = build_batch(items, self.block_size, self.device, self.kernels)
         args = (batch.input_ids, batch.positions, batch.attn, self.kv_cache.layers)
-        if not self.feature_layers:
+        out = self.model.forward_features(*args, self.feature_layers, self._feature_ones(), FEATURE_NORM_EPS)
+        if out is not None:
+            hidden, features = out
+        elif not self.feature_layers:
             hidden = self.model(*args)
             features = self.model.norm(hidden)
         else:
@@ -58,15 +61,20 @@ class ModelRunner:
             features = torch.cat([*captured, self.model.norm(hidden)], dim=-1)
         return self.model.compute_logits(hidden[batch.logits_indices]).cpu(), batch.cu_logits, features
 
+    def _feature_ones(self) -> torch.Tensor:
+        """The weightless feature norm's weight: ones of the hidden size (x 1.0 is exact)."""
+        width = self.model.norm.weight.shape[0]
+        if self._ones is None or self._ones.shape[0] != width:
+            self._ones = torch.ones(width)
+        return self._ones
+
     def _feature_norm(self, h: torch.Tensor) -> torch.Tensor:
         """h [T, hidden] RMS-normalized without weights: the C++ op with a weight of ones (x 1.0 is
         exact) where it takes h, one call where F.rms_norm's composite ran five small torch ops (~90 us
         a captured layer on a 2-core VM, ~0.3 ms of a SmolLM2 step for EAGLE-3's three)."""
         width = h.shape[-1]
         if decode_ops.usable(h, width) and h.is_contiguous():
-            if self._ones is None or self._ones.shape[0] != width:
-                self._ones = torch.ones(width)
-            return decode_ops.rms_norm(h, self._ones, FEATURE_NORM_EPS)
+            return decode_ops.rms_norm(h, self._feature_ones(), FEATURE_NORM_EPS)
         return F.rms_norm(h.float(), (width,), eps=FEATURE_NORM_EPS).to(h.dtype)
 
 

@@ -81,6 +81,18 @@ class DecoderLM(nn.Module):
                 captured.append(x + delta)
         return (x + delta, captured) if capture else x + delta
 
+    def forward_features(self, input_ids, positions, attn: AttnMetadata, kv_caches, capture: tuple[int, ...],
+                         weight: torch.Tensor, eps: float):
+        """forward() with `capture`, its captured outputs RMS-normalized by `weight` (eps) and the
+        final norm's output after them, in the stack's one C++ call: -> (hidden [T, hidden],
+        features [T, (len(capture) + 1) x hidden]), or None where the modules must run (nothing
+        touched; then forward(capture=) and the norms in Python, the same numbers)."""
+        if not capture or not self.stack.takes_features(weight):
+            return None
+        x = self.embed_tokens(input_ids)  # [T, hidden]
+        return self.stack.run(self.layers, x, positions, attn, kv_caches, capture,
+                              (weight, eps, self.norm.weight, self.norm.eps))
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] (only the rows that need logits) -> [N, vocab] float32."""
         return self.lm_head(self.norm(hidden)).float()
@@ -100,17 +112,25 @@ class LayerStack:
         self.caches: list | None = None  # the KV caches the stack was built for
         self.built = None
 
-    def run(self, layers, x: torch.Tensor, positions, attn: AttnMetadata, kv_caches, capture: tuple[int, ...] = ()):
+    def run(self, layers, x: torch.Tensor, positions, attn: AttnMetadata, kv_caches, capture: tuple[int, ...] = (),
+            norms: tuple | None = None):
         """The layers' output (x + the last delta) for this step, x updated in place as the modules
-        do, and with `capture` (hidden, [the output of each captured layer]); None where the modules
-        must run it (then nothing was touched)."""
+        do, and with `capture` (hidden, [the output of each captured layer]), or with `norms` too
+        (weight, eps, final weight, final eps: DecoderLM.forward_features) (hidden, features); None
+        where the modules must run it (then nothing was touched)."""
         if not self.takes(x, attn.kernels):
             return None
         built = self.built_for(layers, kv_caches)
         if built is None:
             return None
         args = (x, positions, attn.slot_mapping, attn.block_tables, *attn.query_rows())
+        if norms is not None:
+            return built.forward_features(*args, list(capture), *norms)
         return built.forward_captured(*args, list(capture)) if capture else built.forward(*args)
+
+    def takes_features(self, weight: torch.Tensor) -> bool:
+        """Whether forward_features' norms can run in the stack: float32 weights of the hidden size."""
+        return weight.dtype == torch.float32 and weight.shape == (self.dims[0],)
 
     def takes(self, x: torch.Tensor, kernels: str) -> bool:
         """Whether the C++ stack may run these rows x [T, hidden] (else the modules do)."""
