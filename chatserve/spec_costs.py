@@ -235,8 +235,8 @@ class ObservedForwards:
 
     def corrected_table(self, seconds: dict[int, float]) -> dict[int, float] | None:
         """The start-up table `seconds` (rows -> seconds) as corrected() rescales it; None when it is
-        empty or no row count has been seen MIN_SEEN times. The engine asks after every forward it
-        times: only the observed row count's median is new then (observe keeps the others)."""
+        empty or no row count has been seen MIN_SEEN times. The engine asks after each observation
+        that moved a median: only that row count's is new then (observe keeps each as it comes)."""
         if not seconds or not self._medians:
             return None
         points = sorted(seconds)

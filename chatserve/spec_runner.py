@@ -345,7 +345,7 @@ class SpecRunner:
             timed = method.propose(reqs, ks)
             observer = self.step_observers.get(method.step_cost)
             if timed and observer is not None and self._measured_costs is not None:
-                if sum([observer.observe(rows, seconds) for rows, seconds in timed]):
+                if any([observer.observe(rows, seconds) for rows, seconds in timed]):  # a list: each one observed
                     self._costs = self._corrected(observer)
 
     def observe_forward(self, rows: int, seconds: float) -> None:
