@@ -105,31 +105,53 @@ class EagleMethod:
         excluded), so its rows [start, end) take f_{start-1} (kept from before), then the
         features of positions [start, end - 1), and tokens t_start .. t_{end-1}. A running
         decode's rows wait for its next drafting step (req.head_pending); the rest are written now, in
-        one head forward over all requests, no logits. features: the target runner's raw ones
-        (the head's input_features() makes f of them: for an EAGLE-3 head, its fuse)."""
-        features = self.runner.input_features(features)  # [num_tokens, hidden]
-        head_items, inputs, row = [], [], 0
+        one head forward over all requests, no logits. features: the target runner's raw ones.
+
+        The head's input f of a raw feature (its input_features(): an EAGLE-3 head's fuse, whose
+        weights a step reads cold, ~0.17 ms of a SmolLM2 step) is made where it is read: here for the
+        rows written now and the blocks' last rows (the prefix cache's), in one call; a decode's
+        deferred rows and its last feature stay raw until it drafts (propose) or its rows are written.
+        A step in which nothing is written, drafted or completes a block makes none."""
+        raw_rows, fused_rows, head_items, block_ids, block_rows, row = [], [], [], [], [], 0
         block_size = self.runner.block_size
         for s, item in zip(scheduled, items):
             req, start, end = s.req, item.start_pos, s.req.num_computed_tokens
-            fed = features[row : row + len(item.token_ids)]  # [q_len, hidden]: f_start, f_start+1, ...
+            fed = features[row : row + len(item.token_ids)]  # [q_len, width]: raw f_start, f_start+1, ...
             row += len(item.token_ids)
-            rows = torch.cat([self._feature_before(req, start, item.block_ids), fed[: end - start - 1]])
+            own = req.last_feature is not None and req.last_feature[0] == start - 1
+            # rows' inputs: raw when f_{start-1} is the request's own (kept raw), else it comes made
+            # (zeros at position 0, a cached block's) and this request's rows are made and written now
+            before = req.last_feature[1][None] if own else None
             req.last_feature = (end - 1, fed[end - start - 1].clone())
             for pos in range(start + block_size - 1 - start % block_size, end, block_size):  # blocks' last rows
-                self.runner.block_features[item.block_ids[pos // block_size]] = fed[pos - start]
-            start, rows = self._with_pending(req, start, rows)
-            if s.is_decode and req.status is Status.RUNNING and len(rows) < FLUSH_ROWS:
-                req.head_pending = (start, rows)
+                block_ids.append(item.block_ids[pos // block_size])
+                block_rows.append(fed[pos - start : pos - start + 1])
+            if own:
+                start, rows = self._with_pending(req, start, torch.cat([before, fed[: end - start - 1]]))
+                if s.is_decode and req.status is Status.RUNNING and len(rows) < FLUSH_ROWS:
+                    req.head_pending = (start, rows)
+                    continue
             else:
-                head_items.append(BatchItem(req.token_ids[start:end], start, item.block_ids, 0))
-                inputs.append(rows)
+                req.head_pending = None  # rows that do not end here are dropped unwritten (_take_pending)
+                rows = fed[: end - start - 1]
+                fused_rows.append((len(head_items), self._feature_before(req, start, item.block_ids)))
+            head_items.append(BatchItem(req.token_ids[start:end], start, item.block_ids, 0))
+            raw_rows.append(rows)
+        every = block_rows + raw_rows
+        if not every:
+            return
+        made = self.runner.input_features(torch.cat(every)).split([len(r) for r in every])
+        for block_id, f in zip(block_ids, made):
+            self.runner.block_features[block_id] = f[0]
+        inputs = list(made[len(block_ids) :])
+        for i, before in fused_rows:  # a made f_{start-1} first
+            inputs[i] = torch.cat([before, inputs[i]])
         if head_items:
             self.runner.run(head_items, torch.cat(inputs))
 
     def _take_pending(self, req: Request, end: int) -> tuple[int, torch.Tensor] | None:
-        """req's deferred rows (start, [n, hidden]), taken off the request, when they end at `end`;
-        None when there are none or they do not (the request was preempted and starts over: they
+        """req's deferred rows (start, raw features [n, width]), taken off the request, when they end
+        at `end`; None when there are none or they do not (the request was preempted and starts over: they
         are dropped unwritten)."""
         pending, req.head_pending = req.head_pending, None
         return pending if pending is not None and pending[0] + len(pending[1]) == end else None
@@ -145,7 +167,8 @@ class EagleMethod:
         pending = self._take_pending(req, req.num_computed_tokens)
         if pending is not None:
             start, rows = pending
-            self.runner.run([BatchItem(req.token_ids[start : start + len(rows)], start, req.table.block_ids, 0)], rows)
+            self.runner.run([BatchItem(req.token_ids[start : start + len(rows)], start, req.table.block_ids, 0)],
+                            self.runner.input_features(rows))
 
     def _feature_before(self, req: Request, start: int, block_ids: list[int]) -> torch.Tensor:
         """f_{start-1} as [1, hidden]: zeros at position 0, the request's own last feature, or,
@@ -185,7 +208,7 @@ class EagleMethod:
         # chains without a grammar may stop early (a grammar's mask changes what the head offers)
         keep_below = [req.spec.keep_gain if req.grammar is None else 0.0 for req in reqs]
         go_on_below = [req.spec.least_gain if req.grammar is None else 0.0 for req in reqs]
-        features = torch.cat(inputs)  # [rows, hidden]
+        features = self.runner.input_features(torch.cat(inputs))  # [rows, hidden]: the rows' f, made here
         if self.chain_in_cpp and all(req.params.is_greedy and req.grammar is None for req in reqs):
             chained = self.runner.greedy_chain(items, features, ks, keep_below, go_on_below)
             if chained is not None:  # the loop below in one C++ call (this loop is its reference)

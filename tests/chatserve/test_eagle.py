@@ -949,6 +949,28 @@ def test_head_kv_from_the_prefix_cache_equals_a_cold_run(tiny_llama_dir, any_hea
     assert_pool_empty(warm)
 
 
+def test_a_decode_step_that_drafts_and_writes_nothing_makes_no_head_input(tiny_llama_dir, trained_head,
+                                                                           conversation):
+    """The head's input of a raw feature (HeadRunner.input_features: an EAGLE-3 head's fuse, whose
+    weights a step reads cold) is made where it is read: a request that never drafts keeps its
+    deferred decode rows raw, so only the steps that write them (every FLUSH_ROWS) or complete a
+    block make any (the KV those rows write: the tests around this one)."""
+    from chatserve.spec_methods.eagle import FLUSH_ROWS
+
+    engine = make_engine(tiny_llama_dir, trained_head)
+    runner = engine.models.eagle_runner
+    made, input_features = [], runner.input_features
+    runner.input_features = lambda raw: (made.append(len(raw)), input_features(raw))[1]
+    rid = engine.add_request(conversation[0][0], dataclasses.replace(GREEDY, max_tokens=64, num_draft_tokens=0))
+    req, steps, making = engine.requests[rid], 0, 0
+    while engine.has_unfinished():
+        decoding, before = req.num_output_tokens > 0, len(made)
+        engine.step()
+        steps, making = steps + decoding, making + (decoding and len(made) > before)
+    assert steps >= 60 and 0 < making <= 2 * (steps // min(FLUSH_ROWS, 16) + 1), (steps, making)
+    assert_pool_empty(engine)
+
+
 def test_head_rows_deferred_by_an_aborted_request_are_written(tiny_llama_dir, trained_head, conversation):
     """A request that does not draft defers its decode rows (fewer than FLUSH_ROWS here); aborted,
     it writes them while it still holds its blocks, so a next turn over its committed blocks
