@@ -112,7 +112,7 @@ class EagleMethod:
         rows written now and the blocks' last rows (the prefix cache's), in one call; a decode's
         deferred rows and its last feature stay raw until it drafts (propose) or its rows are written.
         A step in which nothing is written, drafted or completes a block makes none."""
-        raw_rows, fused_rows, head_items, block_ids, block_rows, row = [], [], [], [], [], 0
+        raw_rows, made_first, head_items, block_ids, block_rows, row = [], [], [], [], [], 0
         block_size = self.runner.block_size
         for s, item in zip(scheduled, items):
             req, start, end = s.req, item.start_pos, s.req.num_computed_tokens
@@ -134,7 +134,7 @@ class EagleMethod:
             else:
                 req.head_pending = None  # rows that do not end here are dropped unwritten (_take_pending)
                 rows = fed[: end - start - 1]
-                fused_rows.append((len(head_items), self._feature_before(req, start, item.block_ids)))
+                made_first.append((len(head_items), self._made_before(start, item.block_ids)))
             head_items.append(BatchItem(req.token_ids[start:end], start, item.block_ids, 0))
             raw_rows.append(rows)
         every = block_rows + raw_rows
@@ -144,7 +144,7 @@ class EagleMethod:
         for block_id, f in zip(block_ids, made):
             self.runner.block_features[block_id] = f[0]
         inputs = list(made[len(block_ids) :])
-        for i, before in fused_rows:  # a made f_{start-1} first
+        for i, before in made_first:  # a made f_{start-1} first
             inputs[i] = torch.cat([before, inputs[i]])
         if head_items:
             self.runner.run(head_items, torch.cat(inputs))
@@ -170,14 +170,13 @@ class EagleMethod:
             self.runner.run([BatchItem(req.token_ids[start : start + len(rows)], start, req.table.block_ids, 0)],
                             self.runner.input_features(rows))
 
-    def _feature_before(self, req: Request, start: int, block_ids: list[int]) -> torch.Tensor:
-        """f_{start-1} as [1, hidden]: zeros at position 0, the request's own last feature, or,
-        starting from the prefix cache at a block boundary, the cached block's last feature."""
+    def _made_before(self, start: int, block_ids: list[int]) -> torch.Tensor:
+        """The head's input f_{start-1} as [1, hidden] where it is not the request's own (observe
+        takes that raw): zeros at position 0, or, starting from the prefix cache at a block
+        boundary, the cached block's last feature."""
         features = self.runner.block_features
         if start == 0:
             return features.new_zeros(1, features.shape[1])
-        if req.last_feature is not None and req.last_feature[0] == start - 1:
-            return req.last_feature[1][None]
         assert start % self.runner.block_size == 0, "no feature for the position before a step"
         return features[block_ids[start // self.runner.block_size - 1]][None]
 
