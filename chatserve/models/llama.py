@@ -83,12 +83,10 @@ class DecoderLM(nn.Module):
 
     def forward_features(self, input_ids, positions, attn: AttnMetadata, kv_caches, capture: tuple[int, ...],
                          weight: torch.Tensor, eps: float):
-        """forward() with `capture`, its captured outputs RMS-normalized by `weight` (eps) and the
-        final norm's output after them, in the stack's one C++ call: -> (hidden [T, hidden],
-        features [T, (len(capture) + 1) x hidden]), or None where the modules must run (nothing
-        touched; then forward(capture=) and the norms in Python, the same numbers)."""
-        if not capture or not self.stack.takes_features(weight):
-            return None
+        """forward() with `capture` (none: the final norm's output alone), its captured outputs
+        RMS-normalized by `weight` (eps) and the final norm's output after them, in the stack's one
+        C++ call: -> (hidden [T, hidden], features [T, (len(capture) + 1) x hidden]), or None where
+        the modules must run (nothing touched; then forward() and the norms in Python, the same numbers)."""
         x = self.embed_tokens(input_ids)  # [T, hidden]
         return self.stack.run(self.layers, x, positions, attn, kv_caches, capture,
                               (weight, eps, self.norm.weight, self.norm.eps))
@@ -127,10 +125,6 @@ class LayerStack:
         if norms is not None:
             return built.forward_features(*args, list(capture), *norms)
         return built.forward_captured(*args, list(capture)) if capture else built.forward(*args)
-
-    def takes_features(self, weight: torch.Tensor) -> bool:
-        """Whether forward_features' norms can run in the stack: float32 weights of the hidden size."""
-        return weight.dtype == torch.float32 and weight.shape == (self.dims[0],)
 
     def takes(self, x: torch.Tensor, kernels: str) -> bool:
         """Whether the C++ stack may run these rows x [T, hidden] (else the modules do)."""
