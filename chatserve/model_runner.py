@@ -7,13 +7,11 @@ import itertools
 import time
 
 import torch
-import torch.nn.functional as F
 
 from chatserve.batch import Batch, BatchItem, build_batch
 from chatserve.kv_cache import KVCache
 from chatserve.models.eagle_head import EagleHead
 from chatserve.models.llama import DecoderLM
-from kernels import decode_ops
 
 FEATURE_NORM_EPS = 1e-6  # of the weightless RMS norm on captured layers (benchmarks/head_features.py's)
 
@@ -27,7 +25,7 @@ class ModelRunner:
         self.device = kv_cache.device
         # layers whose outputs run_with_features returns before the final feature (an EAGLE-3 head's)
         self.feature_layers: tuple[int, ...] = ()
-        self._ones: torch.Tensor | None = None  # _feature_norm's weight
+        self._ones: torch.Tensor | None = None  # the feature norm's weight
 
     @torch.inference_mode()
     def forward(self, batch: Batch) -> torch.Tensor:
@@ -48,17 +46,8 @@ class ModelRunner:
         without weights (so they enter an EAGLE-3 head's fuse at one scale), then the final norm's
         output (what the LM head reads). Logits only for the rows asked for."""
         batch = build_batch(items, self.block_size, self.device, self.kernels)
-        args = (batch.input_ids, batch.positions, batch.attn, self.kv_cache.layers)
-        out = self.model.forward_features(*args, self.feature_layers, self._feature_ones(), FEATURE_NORM_EPS)
-        if out is not None:
-            hidden, features = out
-        elif not self.feature_layers:
-            hidden = self.model(*args)
-            features = self.model.norm(hidden)
-        else:
-            hidden, captured = self.model(*args, capture=self.feature_layers)
-            captured = [self._feature_norm(h) for h in captured]
-            features = torch.cat([*captured, self.model.norm(hidden)], dim=-1)
+        hidden, features = self.model(batch.input_ids, batch.positions, batch.attn, self.kv_cache.layers,
+                                      capture=self.feature_layers, norms=(self._feature_ones(), FEATURE_NORM_EPS))
         return self.model.compute_logits(hidden[batch.logits_indices]).cpu(), batch.cu_logits, features
 
     def _feature_ones(self) -> torch.Tensor:
@@ -67,15 +56,6 @@ class ModelRunner:
         if self._ones is None or self._ones.shape[0] != width:
             self._ones = torch.ones(width)
         return self._ones
-
-    def _feature_norm(self, h: torch.Tensor) -> torch.Tensor:
-        """h [T, hidden] RMS-normalized without weights: the C++ op with a weight of ones (x 1.0 is
-        exact) where it takes h, one call where F.rms_norm's composite ran five small torch ops (~90 us
-        a captured layer on a 2-core VM, ~0.3 ms of a SmolLM2 step for EAGLE-3's three)."""
-        width = h.shape[-1]
-        if decode_ops.usable(h, width) and h.is_contiguous():
-            return decode_ops.rms_norm(h, self._feature_ones(), FEATURE_NORM_EPS)
-        return F.rms_norm(h.float(), (width,), eps=FEATURE_NORM_EPS).to(h.dtype)
 
 
 class HeadRunner:

@@ -51,12 +51,17 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """norm(x); with `residual`, x += residual (in place) first: the decoder's add + norm."""
-        if decode_ops.usable(x, x.shape[-1]) and x.is_contiguous():
-            return decode_ops.rms_norm(x, self.weight, self.eps, residual)
-        if residual is not None:
-            x += residual
-        # In fp32 whatever the model dtype, as HF does; one op instead of six.
-        return F.rms_norm(x.float(), self.weight.shape, self.weight.float(), self.eps).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps, residual)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """RMSNorm of x [..., dim] by weight [dim] (x += residual in place first, if given): the C++ op
+    where it takes x, else in fp32 whatever the model dtype, as HF does (one op instead of six)."""
+    if decode_ops.usable(x, x.shape[-1]) and x.is_contiguous():
+        return decode_ops.rms_norm(x, weight, eps, residual)
+    if residual is not None:
+        x += residual
+    return F.rms_norm(x.float(), weight.shape, weight.float(), eps).to(x.dtype)
 
 
 class Rotary(nn.Module):

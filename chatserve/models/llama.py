@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from chatserve.batch import AttnMetadata
-from chatserve.models.layers import MLP, Attention, Linear, RMSNorm, Rotary
+from chatserve.models.layers import MLP, Attention, Linear, RMSNorm, Rotary, rms_norm
 from kernels import decode_ops
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -64,14 +64,19 @@ class DecoderLM(nn.Module):
         """Forget the stack: call after replacing layers (quantization) once a forward has run."""
         self.stack.reset()
 
-    def forward(self, input_ids, positions, attn: AttnMetadata, kv_caches, capture: tuple[int, ...] = ()):
+    def forward(self, input_ids, positions, attn: AttnMetadata, kv_caches, capture: tuple[int, ...] = (),
+                norms: tuple[torch.Tensor, float] | None = None):
         """-> hidden [T, hidden] (before the final norm); with `capture` (increasing layer indices)
         -> (hidden, [the residual stream after each captured layer]): x + delta as the next layer's
-        norm adds it in place, so the same numbers, from the one C++ call or the modules alike."""
+        norm adds it in place, so the same numbers, from the one C++ call or the modules alike.
+        With `norms` = (weight, eps) -> (hidden, features [T, (len(capture) + 1) x hidden]): the
+        captured outputs RMS-normalized by weight, then the final norm's output (an EAGLE head's
+        features; in the stack's one C++ call where it runs these rows)."""
         if capture and (list(capture) != sorted(set(capture)) or not 0 <= capture[0] <= capture[-1] < self.num_layers):
             raise ValueError(f"capture: increasing layer indices below {self.num_layers}, got {capture}")
         x = self.embed_tokens(input_ids)  # [T, hidden]
-        out = self.stack.run(self.layers, x, positions, attn, kv_caches, capture)
+        stack_norms = None if norms is None else (*norms, self.norm.weight, self.norm.eps)
+        out = self.stack.run(self.layers, x, positions, attn, kv_caches, capture, stack_norms)
         if out is not None:
             return out
         delta, captured = None, []
@@ -79,17 +84,10 @@ class DecoderLM(nn.Module):
             x, delta = layer(positions, x, attn, kv_cache, delta)
             if i in capture:
                 captured.append(x + delta)
-        return (x + delta, captured) if capture else x + delta
-
-    def forward_features(self, input_ids, positions, attn: AttnMetadata, kv_caches, capture: tuple[int, ...],
-                         weight: torch.Tensor, eps: float):
-        """forward() with `capture` (none: the final norm's output alone), its captured outputs
-        RMS-normalized by `weight` (eps) and the final norm's output after them, in the stack's one
-        C++ call: -> (hidden [T, hidden], features [T, (len(capture) + 1) x hidden]), or None where
-        the modules must run (nothing touched; then forward() and the norms in Python, the same numbers)."""
-        x = self.embed_tokens(input_ids)  # [T, hidden]
-        return self.stack.run(self.layers, x, positions, attn, kv_caches, capture,
-                              (weight, eps, self.norm.weight, self.norm.eps))
+        hidden = x + delta
+        if norms is not None:
+            return hidden, torch.cat([*(rms_norm(h, *norms) for h in captured), self.norm(hidden)], dim=-1)
+        return (hidden, captured) if capture else hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] (only the rows that need logits) -> [N, vocab] float32."""
@@ -114,7 +112,7 @@ class LayerStack:
             norms: tuple | None = None):
         """The layers' output (x + the last delta) for this step, x updated in place as the modules
         do, and with `capture` (hidden, [the output of each captured layer]), or with `norms` too
-        (weight, eps, final weight, final eps: DecoderLM.forward_features) (hidden, features); None
+        (weight, eps, final weight, final eps: DecoderLM.forward's) (hidden, features); None
         where the modules must run it (then nothing was touched)."""
         if not self.takes(x, attn.kernels):
             return None

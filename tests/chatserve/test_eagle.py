@@ -131,14 +131,17 @@ def test_captured_layers_leave_the_forward_unchanged(tiny_llama_dir):
     runner, model = engine.models.target_runner, engine.models.target
     ids = engine.tokenizer.encode("Captured and not, the same numbers. " * 2)
     blocks = list(range(-(-(len(ids) + 1) // 16)))
-    hooked = {}
+    hooked, embedded = {}, []
     model.layers[0].register_forward_hook(lambda m, i, out: hooked.__setitem__("h", out[0] + out[1]))
+    model.embed_tokens.register_forward_hook(lambda m, i, out: embedded.append(len(out)))
 
     def run(layers, stack):
         runner.feature_layers, model.stack.enabled = layers, stack
+        embedded.clear()
         prefill = runner.run_with_features([BatchItem(ids, 0, blocks, 1)])
         hooked.clear()  # the decode row's alone
         decode = runner.run_with_features([BatchItem([ids[0]], len(ids), blocks, 1)])
+        assert embedded == [len(ids), 1], "each forward embeds its rows once, whoever runs the layers"
         return prefill, decode, hooked.get("h")
 
     decoded = {}
