@@ -10,7 +10,8 @@ same data); an EAGLE-3 head's fuse, paid once a target step on the rows it fed, 
 attribute), to pair a decision against the default inside one run, e.g.
 --variant two_prices:keeps_computed_drafts=true no_stop:confidence_stop=false k8:num_draft_tokens=8
 (METHOD.ATTRIBUTE sets a speculation method's attribute, e.g. suffix.probe_every=4; upkeep:drafts=false
-keeps the head up but drafts nothing: what being ready to draft costs)
+keeps the head up but drafts nothing: what being ready to draft costs). --no-eagle runs off and the draft
+model alone (a target with no head), its variants then the draft's, e.g. --variant ema20:accept_ema=0.2
 
     python benchmarks/eagle_head.py --model qwen2.5-coder-1.5b-instruct \
         --draft-model qwen2.5-coder-0.5b-instruct --out benchmarks/results/eagle_qwen.json
@@ -58,7 +59,8 @@ def best_ms(fn, reps: int = 5) -> float:
 
 @torch.inference_mode()
 def step_costs(engine: Engine, context: int) -> dict:
-    """One-row target forward vs one head draft step (layer + norm + LM head), both at `context`."""
+    """One-row target forward vs one head draft step (layer + norm + LM head), both at `context`: the
+    modules' (head_step_ms, as sampled drafts run) and the C++ chain's (head_chain_ms, greedy drafts)."""
     models, table = engine.models, BlockTable()
     assert engine.block_manager.allocate(table, context + 1)
     try:
@@ -70,10 +72,15 @@ def step_costs(engine: Engine, context: int) -> dict:
         # the step as served with this head: features too (an EAGLE-3 head's layers captured, in segments)
         target_features_ms = best_ms(lambda: models.target_runner.run_with_features([item]))
         head_ms = best_ms(lambda: head.compute_logits(head.norm(runner.run([item], feature))))
+        # as served (EagleMethod.propose at T = 0): one greedy draft in the head's C++ chain, glue included
+        def draft():
+            return runner.greedy_chain([item], feature, [1], [0.0], [0.0])
+        chain_ms = best_ms(draft) if draft() is not None else None  # None: the head has no C++ chain
         fuse_ms = best_ms(lambda: runner.input_features(raw))  # a decode row's, once a target step
     finally:
         engine.block_manager.free(table)
     return {"context": context, "target_ms": target_ms, "head_step_ms": head_ms, "ratio": head_ms / target_ms,
+            "head_chain_ms": chain_ms, "chain_ratio": chain_ms / target_ms if chain_ms else None,
             "target_features_ms": target_features_ms, "fuse_ms": fuse_ms}
 
 
@@ -170,6 +177,7 @@ def main() -> None:
     ap.add_argument("--eagle-head", nargs="*", default=[None],
                     help="head file(s) (default: the cache's head for the model's weights); several run as eagle1, ...")
     ap.add_argument("--draft-model", default=None)
+    ap.add_argument("--no-eagle", action="store_true", help="no EAGLE head: --variant then changes the draft's settings")
     ap.add_argument("--quantization", default="int4")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--threads", type=int, default=2)
@@ -180,8 +188,8 @@ def main() -> None:
                          "each round's speed over off's: speedup_vs_off is then their geometric mean, with its "
                          "standard error and the rounds ahead")
     ap.add_argument("--variant", nargs="*", default=[], metavar="NAME:SETTING=VALUE,...",
-                    help="the (first) EAGLE head again with SpecConfig fields or the attributes "
-                         f"{RUNNER_SETTINGS + METHOD_SETTINGS} changed, run beside the others as NAME")
+                    help="the (first) EAGLE head (with --no-eagle the draft model) again with SpecConfig fields or "
+                         f"the attributes {RUNNER_SETTINGS + METHOD_SETTINGS} changed, run beside the others as NAME")
     ap.add_argument("--workloads", nargs="+", default=["code", "chat"], choices=["code", "chat", "edit", "paste"],
                     help="paste: a long file and a question (its prefix cached before the rounds)")
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 2])
@@ -197,17 +205,20 @@ def main() -> None:
                   kv_cache_dtype=kv)
     # No suffix corpus: every workload runs its prompts at batch 1 then 2 and greedy replies repeat,
     # so a corpus of replies (mixed into draft and eagle requests) would draft replies it has seen.
-    heads = args.eagle_head or [None]
+    heads = [] if args.no_eagle else args.eagle_head or [None]
+    if not heads and not args.draft_model:
+        raise SystemExit("--no-eagle needs --draft-model")
     configs = {"off": None}
     for i, head in enumerate(heads, start=1):
         configs["eagle" if len(heads) == 1 else f"eagle{i}"] = SpecConfig(method="eagle", eagle_head=head,
                                                                             suffix_corpus_tokens=0)
     head_names, runner_settings = list(configs)[1:], {}
-    for text in args.variant:
-        name, fields, runner_settings[name] = parse_variant(text)
-        configs[name] = dataclasses.replace(configs[head_names[0]], **fields)
     if args.draft_model:
         configs["draft"] = SpecConfig(method="draft", draft_model=args.draft_model, suffix_corpus_tokens=0)
+    base = head_names[0] if heads else "draft"  # what a variant changes
+    for text in args.variant:
+        name, fields, runner_settings[name] = parse_variant(text)
+        configs[name] = dataclasses.replace(configs[base], **fields)
     results: dict = {"model": args.model, "rounds": args.rounds, "variants": args.variant, "kv_cache_dtype": kv,
                      "runs": {}}
     engines = {}
@@ -219,7 +230,7 @@ def main() -> None:
                     method.offer = (lambda *args: None) if not value else method.offer
                 continue
             method, _, attr = key.rpartition(".")
-            method = method or ("eagle" if attr in METHOD_SETTINGS else "")
+            method = method or (configs[base].method if attr in METHOD_SETTINGS else "")
             setattr(engine.spec.methods[method] if method else engine.spec, attr, value)
         engine.generate([engine.tokenizer.encode("warm-up")], SamplingParams(max_tokens=8, temperature=0.0))
         if name in head_names:
@@ -262,14 +273,13 @@ def main() -> None:
                           if args.lockstep else "")
                 print(f"{name:6s} {key}: {run['tok_per_s']:.2f} tok/s (best of {args.rounds}), acceptance "
                       f"{run['acceptance']}, equal {run['greedy_equal']}{paired}", file=sys.stderr)
-            if args.lockstep:  # each variant against the head's default, round by round
-                base = ratios[head_names[0]]
+            if args.lockstep:  # each variant against its base's default, round by round
                 for name in runner_settings:
-                    pairs = [v / b for v, b in zip(ratios[name], base)]
+                    pairs = [v / b for v, b in zip(ratios[name], ratios[base])]
                     over = {"speedup": statistics.geometric_mean(pairs), "rounds_ahead": sum(x > 1 for x in pairs),
                             "se": statistics.stdev(pairs) / len(pairs) ** 0.5 if len(pairs) > 1 else None}
-                    results["runs"][key][name][f"over_{head_names[0]}"] = over
-                    print(f"{name:6s} {key}: x {head_names[0]} {over['speedup']:.3f} (se {over['se'] or 0:.3f}, "
+                    results["runs"][key][name][f"over_{base}"] = over
+                    print(f"{name:6s} {key}: x {base} {over['speedup']:.3f} (se {over['se'] or 0:.3f}, "
                           f"{over['rounds_ahead']} of {len(pairs)} rounds ahead)", file=sys.stderr)
     for runs in results["runs"].values():
         for run in runs.values():
