@@ -299,6 +299,17 @@ def chain_or_tree(first_s_right: list[float], top_n: list[float], target_ms: lis
     return {name: {"speedup": round(v, 3), "shape": shape} for name, (v, shape) in best.items()}
 
 
+def lm_head_as(linear: torch.nn.Linear, fmt: str) -> torch.nn.Module:
+    """A head's kept LM head in `fmt`: float as trained, int8 rows (as served under int4 weights), or int4
+    (quant.apply's choice for a linear of that shape: Q4_K, else groups of 32)."""
+    from quant.apply import quantize_module
+    from quant.int8 import Int8Linear
+
+    if fmt == "int8":
+        return Int8Linear.from_linear(linear, keep_dense=False)
+    return quantize_module(linear, "int4") if fmt == "int4" else linear
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
@@ -329,6 +340,8 @@ def main() -> None:
                     help="with --temperature: the head's drafts at temperature T x each (0: its argmax)")
     ap.add_argument("--emas", type=float, nargs="*", default=[0.02, 0.05, 0.1, 0.2, 0.3],
                     help="a request's acceptance estimate's weights to fit against its walked outcomes (streaks)")
+    ap.add_argument("--lm-heads", nargs="+", default=["float"], choices=["float", "int8", "int4"],
+                    help="each head again with its kept LM head in each format (served: int8 under int4 weights)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     target_ms = None
@@ -340,8 +353,12 @@ def main() -> None:
                                  enable_prefix_caching=False))
     target_dir = resolve(args.model)
     cfg = read_config(target_dir)
-    heads = {path: load_head(Path(path).expanduser(), args.model, target_dir, cfg, engine.max_model_len, torch.float32)
-             for path in args.heads}
+    heads = {}
+    for path in args.heads:
+        for fmt in args.lm_heads:
+            head = load_head(Path(path).expanduser(), args.model, target_dir, cfg, engine.max_model_len, torch.float32)
+            head.lm_head = lm_head_as(head.lm_head, fmt)
+            heads[path if fmt == "float" else f"{path}:{fmt}"] = head
     # the replies' features as the EAGLE-3 heads read them (the final feature last: what an EAGLE-1 head reads)
     layers = {h.feature_layers for h in heads.values() if h.feature_layers}
     if len(layers) > 1:

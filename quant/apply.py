@@ -31,8 +31,10 @@ NATIVE_SCHEMES = ("int4", "int8")
 USE_Q4K = os.environ.get("CHATSERVE_Q4K", "1") != "0"  # the ones quantize_module does layer by layer (streamed while loading)
 
 
-def quantize_weights(model: nn.Module, scheme: str) -> nn.Module:
-    """Swap, in place, every layer of `model` that `scheme` quantizes; returns model."""
+def quantize_weights(model: nn.Module, scheme: str, int8_head: bool = True) -> nn.Module:
+    """Swap, in place, every layer of `model` that `scheme` quantizes; returns model. int8_head=False:
+    an int4 model's `lm_head` goes to int4 like its other layers (an EAGLE head's kept rows, which
+    choose a draft the target verifies, where the target's own LM head chooses the output)."""
     if scheme not in WEIGHT_QUANT_SCHEMES:
         raise ValueError(f"quantization: one of {WEIGHT_QUANT_SCHEMES}, got {scheme!r}")
     if scheme.startswith("bnb-"):
@@ -43,7 +45,8 @@ def quantize_weights(model: nn.Module, scheme: str) -> nn.Module:
         prepare(scheme)
         for parent_name, parent in list(model.named_modules()):
             for name, child in list(parent.named_children()):
-                replacement = quantize_module(child, scheme, is_head=f"{parent_name}.{name}".lstrip(".").startswith("lm_head"))
+                is_head = int8_head and f"{parent_name}.{name}".lstrip(".").startswith("lm_head")
+                replacement = quantize_module(child, scheme, is_head=is_head)
                 if replacement is not child:
                     setattr(parent, name, replacement)
     if hasattr(model, "reset_decode_stack"):  # a stack built before holds the old layers' weights

@@ -834,7 +834,8 @@ def test_a_greedy_chain_in_one_cpp_call_drafts_as_the_modules_do(tiny_llama_dir,
     """DecodeStack.draft_chain (HeadRunner.greedy_chain) drafts what propose's loop over the modules
     drafts: the same tokens, cut and stopped at the same places, over turns, batches with deferred
     rows, and prices that stop some chains; the steps it times are the ones it ran. Float32 (the
-    embedding's rows as they are) and int4 (int8 embedding rows, an int4 fc, an int8 LM head)."""
+    embedding's rows as they are) and int4 (int8 embedding rows, an int4 fc and kept LM head, where
+    the target's LM head stays int8)."""
     import chatserve.spec_runner as spec_runner
     from chatserve.spec_costs import SpecCosts
 
@@ -843,6 +844,9 @@ def test_a_greedy_chain_in_one_cpp_call_drafts_as_the_modules_do(tiny_llama_dir,
     runs = {}
     for in_cpp in (True, False):
         engine = make_engine(tiny_llama_dir, trained_head, adaptive=True, stall_limit=0, quantization=quantization)
+        if quantization:
+            assert type(engine.models.eagle_runner.head.lm_head).__name__ == "Int4Linear"
+            assert type(engine.models.target.lm_head).__name__ == "Int8Linear"
         engine.spec.costs = SpecCosts({r: 1.0 + 0.01 * (r - 1) for r in range(1, 65)}, {},
                                       head_seconds={r: 0.01 for r in range(1, 17)})  # by hand, and
         engine.spec.gap_limit = 0  # no gap limit: no timing decides what is drafted
