@@ -103,6 +103,7 @@ def lockstep_runs(engines: dict[str, Engine], prompts: list[list[int]], batch: i
     names = names[first % len(names):] + names[: first % len(names)]
     outs: dict[str, list] = {name: [] for name in names}
     spent = dict.fromkeys(names, 0.0)
+    steps: dict[str, list[float]] = {name: [] for name in names}  # each step's seconds
     for i in range(0, len(prompts), batch):
         results = {}
         for name in names:
@@ -114,7 +115,8 @@ def lockstep_runs(engines: dict[str, Engine], prompts: list[list[int]], batch: i
                     continue
                 start = time.perf_counter()
                 deltas = engines[name].step()
-                spent[name] += time.perf_counter() - start
+                steps[name].append(time.perf_counter() - start)
+                spent[name] += steps[name][-1]
                 for d in deltas:
                     r = results[name][d.request_id]
                     r["token_ids"] += d.token_ids
@@ -122,7 +124,23 @@ def lockstep_runs(engines: dict[str, Engine], prompts: list[list[int]], batch: i
                         r["stats"] = d.stats
         for name in names:
             outs[name] += list(results[name].values())  # in the prompts' order
-    return {name: summarize(outs[name], spent[name], batch) for name in engines}
+    return {name: {**summarize(outs[name], spent[name], batch), "median_step_ms": statistics.median(steps[name]) * 1e3}
+            for name in engines}
+
+
+def served_head_steps(method) -> list[tuple[int, float]]:
+    """Record each draft step an EAGLE method takes from now on, (rows drafting, seconds) as propose
+    times it for SpecRunner's price (the head's forward, norm, kept logits and glue): the list, appended to."""
+    timed: list[tuple[int, float]] = []
+    propose = method.propose
+
+    def recorded(reqs, ks):
+        steps = propose(reqs, ks)
+        timed.extend(steps)
+        return steps
+
+    method.propose = recorded
+    return timed
 
 
 def summarize(outs: list[dict], seconds: float, batch: int) -> dict:
@@ -221,7 +239,7 @@ def main() -> None:
         configs[name] = dataclasses.replace(configs[base], **fields)
     results: dict = {"model": args.model, "rounds": args.rounds, "variants": args.variant, "kv_cache_dtype": kv,
                      "runs": {}}
-    engines = {}
+    engines, head_steps = {}, {}
     for name, spec in configs.items():  # all loaded first: the runs below alternate between them
         engine = engines[name] = Engine(EngineConfig(**common, spec=spec))
         for key, value in runner_settings.get(name, {}).items():
@@ -233,6 +251,8 @@ def main() -> None:
             method = method or (configs[base].method if attr in METHOD_SETTINGS else "")
             setattr(engine.spec.methods[method] if method else engine.spec, attr, value)
         engine.generate([engine.tokenizer.encode("warm-up")], SamplingParams(max_tokens=8, temperature=0.0))
+        if engine.spec is not None and "eagle" in engine.spec.methods:
+            head_steps[name] = served_head_steps(engine.spec.methods["eagle"])
         if name in head_names:
             costs, info = [step_costs(engine, c) for c in (128, 1024)], engine.models.eagle_runner.head.info
             info = {**info, "feature_layers": list(engine.models.eagle_runner.head.feature_layers)}
@@ -250,6 +270,8 @@ def main() -> None:
         for batch in args.batches:
             key, best = f"{kind}/b{batch}", {}
             ratios: dict[str, list[float]] = {name: [] for name in configs}
+            for timed in head_steps.values():
+                timed.clear()
             for r in range(args.rounds):  # off, eagle, ... then the reverse order: drift hits both alike
                 if args.lockstep:
                     runs = lockstep_runs(engines, prompts, batch, args.max_tokens, first=r)
@@ -269,6 +291,18 @@ def main() -> None:
                     run["speedup_se"] = statistics.stdev(rs) / len(rs) ** 0.5 if len(rs) > 1 else None
                     run["lockstep_speedup"] = statistics.geometric_mean(rs)
                 results["runs"].setdefault(key, {})[name] = {k: v for k, v in run.items() if k != "token_ids"}
+                if head_steps.get(name):  # the head's draft steps as served, by rows drafting
+                    by_rows = {}
+                    for rows, seconds in head_steps[name]:
+                        by_rows.setdefault(rows, []).append(seconds * 1e3)
+                    served = {rows: statistics.median(ms) for rows, ms in sorted(by_rows.items())}
+                    results["runs"][key][name]["head_step_ms_served"] = served
+                    if args.lockstep and 1 in served:
+                        ratio = served[1] / best["off"]["median_step_ms"]
+                        results["runs"][key][name]["head_step_over_off_step"] = ratio
+                        print(f"{name:6s} {key}: a head step of one row {served[1]:.3f} ms served (median of "
+                              f"{len(by_rows[1])}), {ratio:.3f} of off's median step "
+                              f"{best['off']['median_step_ms']:.2f} ms", file=sys.stderr)
                 paired = (f", x off {run['lockstep_speedup']:.3f} (se {run['speedup_se'] or 0:.3f}, rounds paired)"
                           if args.lockstep else "")
                 print(f"{name:6s} {key}: {run['tok_per_s']:.2f} tok/s (best of {args.rounds}), acceptance "
