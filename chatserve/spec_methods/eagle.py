@@ -86,6 +86,7 @@ class EagleMethod:
         self.sampler = sampler
         self.accept_rate = AcceptanceEMA(ema=0.05, prior=0.7)
         self.chain_in_cpp = True  # greedy chains in one C++ call where the head has the path (False: the modules)
+        self.flush_rows = FLUSH_ROWS
 
     @classmethod
     def create(cls, config: SpecConfig, models, sampler) -> EagleMethod | None:
@@ -128,7 +129,7 @@ class EagleMethod:
                 block_rows.append(fed[pos - start : pos - start + 1])
             if own:
                 start, rows = self._with_pending(req, start, torch.cat([before, fed[: end - start - 1]]))
-                if s.is_decode and req.status is Status.RUNNING and len(rows) < FLUSH_ROWS:
+                if s.is_decode and req.status is Status.RUNNING and len(rows) < self.flush_rows:
                     req.head_pending = (start, rows)
                     continue
             else:
