@@ -4,7 +4,7 @@ Runs after loading, so models/ never mentions quantization. Schemes:
 - "int4": weight-only 4-bit. Linear layers whose in_features is a multiple of 256 in GGUF's Q4_K
   layout (quant/q4k.py: 4.75 bits per weight; the file's own Q4_K blocks when the layer is Q4_K
   there), others in groups of 32 (quant/int4.py: 5 bits); the LM head and the embedding table as
-  int8 rows.
+  int8 rows (an EAGLE head's kept LM head in int4: quantize_weights' int8_head).
 - "int8": weight-only int8 per output channel, bf16 maths (quant/int8.py): the fast CPU path,
   ~2.5x fewer bytes per decode step than bf16. Includes the LM head (a fifth to a quarter of a
   small model's weights), which gets its own int8 copy when it is tied to the embedding.

@@ -86,7 +86,7 @@ class EagleMethod:
         self.sampler = sampler
         self.accept_rate = AcceptanceEMA(ema=0.05, prior=0.7)
         self.chain_in_cpp = True  # greedy chains in one C++ call where the head has the path (False: the modules)
-        self.flush_rows = FLUSH_ROWS
+        self.flush_rows = FLUSH_ROWS  # a benchmark variant may change it (eagle.flush_rows=64)
 
     @classmethod
     def create(cls, config: SpecConfig, models, sampler) -> EagleMethod | None:
