@@ -195,7 +195,8 @@ def main() -> None:
     ap.add_argument("--eagle-head", nargs="*", default=[None],
                     help="head file(s) (default: the cache's head for the model's weights); several run as eagle1, ...")
     ap.add_argument("--draft-model", default=None)
-    ap.add_argument("--no-eagle", action="store_true", help="no EAGLE head: --variant then changes the draft's settings")
+    ap.add_argument("--no-eagle", action="store_true",
+                    help="no EAGLE head: --variant then changes the draft's settings")
     ap.add_argument("--quantization", default="int4")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--threads", type=int, default=2)
