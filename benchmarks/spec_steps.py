@@ -1,0 +1,93 @@
+"""Where a speculating engine's time goes, step by step: one engine decodes the held-out prompts of
+chatserve/data/prompts.json (or long_context.py's pasted files) at batch B, T = 0, and each decode step of
+B requests is filed under the batch's ks (each request's drafts that step, sorted): how many steps took
+each, their median wall time and tokens, and what the served cost table prices (the target over 1..N rows,
+a draft step, a catch-up). Not a speed comparison (one engine, no lockstep): the shape of the decisions,
+e.g. whether the steps that draft pay per token against the steps that do not.
+
+    python benchmarks/spec_steps.py --model qwen2.5-coder-1.5b-instruct --draft-model qwen2.5-coder-0.5b-instruct \
+        --workload code --batch 2 --out /tmp/steps.json
+"""
+import argparse
+import collections
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from chatserve.cli import _kv_cache_dtype  # noqa: E402
+from chatserve.config import EngineConfig, SpecConfig  # noqa: E402
+from chatserve.engine import Engine  # noqa: E402
+from chatserve.sampling_params import SamplingParams  # noqa: E402
+from eagle_head import workload_prompts  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
+    ap.add_argument("--draft-model", default=None, help="speculate with this draft model (default: the EAGLE head)")
+    ap.add_argument("--workload", default="code", choices=["code", "chat", "edit", "paste"])
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--fixed-k", type=int, default=None, help="no adaptive k: every request drafts this many")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    spec = (SpecConfig(method="draft", draft_model=args.draft_model, suffix_corpus_tokens=0) if args.draft_model
+            else SpecConfig(method="eagle", suffix_corpus_tokens=0))
+    if args.fixed_k is not None:
+        spec = dataclasses.replace(spec, adaptive=False, num_draft_tokens=args.fixed_k)
+    engine = Engine(EngineConfig(model=args.model, quantization="int4", kv_cache_memory=1 << 30,
+                                 kv_cache_dtype=_kv_cache_dtype("auto", "cpu", "float32"), spec=spec))
+    tok = engine.tokenizer
+    prompts = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in workload_prompts(args.workload)]
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    steps: dict[tuple, list[tuple[float, int]]] = collections.defaultdict(list)  # ks -> [(seconds, tokens)]
+    other = [0, 0.0]  # steps with a prefill or fewer than --batch requests, and their seconds
+    for i in range(0, len(prompts), args.batch):
+        for p in prompts[i : i + args.batch]:
+            engine.add_request(p, params)
+        while engine.has_unfinished():
+            reqs = list(engine.scheduler.running)
+            full = len(reqs) == args.batch and all(not r.is_prefilling and r.num_output_tokens > 0 for r in reqs)
+            before = sum(r.num_output_tokens for r in reqs)
+            start = time.perf_counter()
+            engine.step()
+            seconds = time.perf_counter() - start
+            if full:
+                ks = tuple(sorted(r.num_lookahead_tokens for r in reqs))
+                steps[ks].append((seconds, sum(r.num_output_tokens for r in reqs) - before))
+            else:
+                other[0] += 1
+                other[1] += seconds
+    rows = {}
+    for ks, taken in sorted(steps.items()):
+        ms = statistics.median(s for s, _ in taken) * 1e3
+        tokens = sum(t for _, t in taken) / len(taken)
+        rows[str(ks)] = {"steps": len(taken), "median_ms": ms, "tokens": tokens, "ms_per_token": ms / tokens}
+        print(f"ks {str(ks):10s} {len(taken):5d} steps, median {ms:7.2f} ms, {tokens:.2f} tokens a step, "
+              f"{ms / tokens:6.2f} ms a token")
+    print(f"other steps (a prefill, or fewer than {args.batch} requests): {other[0]}, {other[1]:.2f} s")
+    costs = engine.spec.costs
+    table = None
+    if costs is not None:
+        table = {"target_ms": {r: costs.target(r) * 1e3 for r in range(1, 2 * (args.batch + 4) + 1)},
+                 "draft_ms": {r: costs.draft(r) * 1e3 for r in range(1, args.batch + 1)},
+                 "head_ms": {r: costs.head(r) * 1e3 for r in range(1, args.batch + 1)},
+                 "catch_up_ms": {r: costs.catch_up(r) * 1e3 for r in (2, 4, 8, 16)}}
+        print("served table:", json.dumps({k: {r: round(v, 2) for r, v in t.items()} for k, t in table.items()}))
+    if args.out:
+        args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "by_ks": rows,
+                                        "other_steps": other, "served_table": table}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
