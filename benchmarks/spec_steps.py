@@ -2,8 +2,10 @@
 chatserve/data/prompts.json (or long_context.py's pasted files) at batch B, T = 0, and each decode step of
 B requests is filed under the batch's ks (each request's drafts that step, sorted): how many steps took
 each, their median wall time and tokens, and what the served cost table prices (the target over 1..N rows,
-a draft step, a catch-up). Not a speed comparison (one engine, no lockstep): the shape of the decisions,
-e.g. whether the steps that draft pay per token against the steps that do not.
+a draft step, a catch-up); the steps with a prefill and those with fewer requests (a batch's tail) are
+summed apart. --fixed-k 0 gives the same engine's steps without drafts to set beside them. Not a speed
+comparison (one engine, no lockstep): the shape of the decisions, e.g. whether the steps that draft pay per
+token against the steps that do not.
 
     python benchmarks/spec_steps.py --model qwen2.5-coder-1.5b-instruct --draft-model qwen2.5-coder-0.5b-instruct \
         --workload code --batch 2 --out /tmp/steps.json
@@ -49,25 +51,25 @@ def main() -> None:
                                  kv_cache_dtype=_kv_cache_dtype("auto", "cpu", "float32"), spec=spec))
     tok = engine.tokenizer
     prompts = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in workload_prompts(args.workload)]
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)  # as eagle_head.py runs them
     steps: dict[tuple, list[tuple[float, int]]] = collections.defaultdict(list)  # ks -> [(seconds, tokens)]
-    other = [0, 0.0]  # steps with a prefill or fewer than --batch requests, and their seconds
+    other = {"prefill": [0, 0.0, 0], "fewer": [0, 0.0, 0]}  # steps, seconds, tokens: a prefill; fewer than --batch
     for i in range(0, len(prompts), args.batch):
         for p in prompts[i : i + args.batch]:
             engine.add_request(p, params)
         while engine.has_unfinished():
             reqs = list(engine.scheduler.running)
-            full = len(reqs) == args.batch and all(not r.is_prefilling and r.num_output_tokens > 0 for r in reqs)
+            prefill = any(r.is_prefilling or r.num_output_tokens == 0 for r in reqs) or engine.scheduler.waiting
             before = sum(r.num_output_tokens for r in reqs)
             start = time.perf_counter()
             engine.step()
             seconds = time.perf_counter() - start
-            if full:
-                ks = tuple(sorted(r.num_lookahead_tokens for r in reqs))
-                steps[ks].append((seconds, sum(r.num_output_tokens for r in reqs) - before))
+            tokens = sum(r.num_output_tokens for r in reqs) - before
+            if not prefill and len(reqs) == args.batch:
+                steps[tuple(sorted(r.num_lookahead_tokens for r in reqs))].append((seconds, tokens))
             else:
-                other[0] += 1
-                other[1] += seconds
+                kind = other["prefill" if prefill else "fewer"]
+                kind[0], kind[1], kind[2] = kind[0] + 1, kind[1] + seconds, kind[2] + tokens
     rows = {}
     for ks, taken in sorted(steps.items()):
         ms = statistics.median(s for s, _ in taken) * 1e3
@@ -75,7 +77,10 @@ def main() -> None:
         rows[str(ks)] = {"steps": len(taken), "median_ms": ms, "tokens": tokens, "ms_per_token": ms / tokens}
         print(f"ks {str(ks):10s} {len(taken):5d} steps, median {ms:7.2f} ms, {tokens:.2f} tokens a step, "
               f"{ms / tokens:6.2f} ms a token")
-    print(f"other steps (a prefill, or fewer than {args.batch} requests): {other[0]}, {other[1]:.2f} s")
+    full = sum(s for taken in steps.values() for s, _ in taken), sum(t for taken in steps.values() for _, t in taken)
+    print(f"full-batch steps: {full[0]:.2f} s, {full[1]} tokens; steps with a prefill: {other['prefill'][0]}, "
+          f"{other['prefill'][1]:.2f} s, {other['prefill'][2]} tokens; with fewer than {args.batch} requests: "
+          f"{other['fewer'][0]}, {other['fewer'][1]:.2f} s, {other['fewer'][2]} tokens")
     costs = engine.spec.costs
     table = None
     if costs is not None:
@@ -86,7 +91,7 @@ def main() -> None:
         print("served table:", json.dumps({k: {r: round(v, 2) for r, v in t.items()} for k, t in table.items()}))
     if args.out:
         args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "by_ks": rows,
-                                        "other_steps": other, "served_table": table}, indent=1))
+                                        "full_batch": full, "other_steps": other, "served_table": table}, indent=1))
 
 
 if __name__ == "__main__":
