@@ -2,9 +2,9 @@
 chatserve/data/prompts.json (or long_context.py's pasted files) at batch B, T = 0, and each decode step of
 B requests is filed under the batch's ks (each request's drafts that step, sorted): how many steps took
 each, their median wall time and tokens, and what the served cost table prices (the target over 1..N rows,
-a draft step, a catch-up); the steps with a prefill and those with fewer requests (a batch's tail) are
-summed apart. --fixed-k 0 gives the same engine's steps without drafts to set beside them. Not a speed
-comparison (one engine, no lockstep): the shape of the decisions, e.g. whether the steps that draft pay per
+a draft step, a catch-up); each request's drafts are named by the method that offered them (a draft
+model's, or a free proposal of suffix decoding mixed in); the steps with a prefill and those with fewer
+requests (a batch's tail) are summed apart. Not a speed comparison (one engine, no lockstep): the shape of the decisions, e.g. whether the steps that draft pay per
 token against the steps that do not.
 
     python benchmarks/spec_steps.py --model qwen2.5-coder-1.5b-instruct --draft-model qwen2.5-coder-0.5b-instruct \
@@ -31,6 +31,12 @@ from chatserve.sampling_params import SamplingParams  # noqa: E402
 from eagle_head import workload_prompts  # noqa: E402
 
 
+def _drafted(req) -> str:
+    """A request's drafts this step and the method that offered them, e.g. "1 suffix" ("0": none)."""
+    offer = req.spec.offer if req.spec is not None else None
+    return f"{req.num_lookahead_tokens} {offer.method.name}" if req.num_lookahead_tokens and offer else "0"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
@@ -38,7 +44,7 @@ def main() -> None:
     ap.add_argument("--workload", default="code", choices=["code", "chat", "edit", "paste"])
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--fixed-k", type=int, default=None, help="no adaptive k: every request drafts this many")
+    ap.add_argument("--fixed-k", type=int, default=None, help="no adaptive k: every request drafts this many (1-16)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
@@ -66,7 +72,7 @@ def main() -> None:
             seconds = time.perf_counter() - start
             tokens = sum(r.num_output_tokens for r in reqs) - before
             if not prefill and len(reqs) == args.batch:
-                steps[tuple(sorted(r.num_lookahead_tokens for r in reqs))].append((seconds, tokens))
+                steps[tuple(sorted(_drafted(r) for r in reqs))].append((seconds, tokens))
             else:
                 kind = other["prefill" if prefill else "fewer"]
                 kind[0], kind[1], kind[2] = kind[0] + 1, kind[1] + seconds, kind[2] + tokens
@@ -75,7 +81,7 @@ def main() -> None:
         ms = statistics.median(s for s, _ in taken) * 1e3
         tokens = sum(t for _, t in taken) / len(taken)
         rows[str(ks)] = {"steps": len(taken), "median_ms": ms, "tokens": tokens, "ms_per_token": ms / tokens}
-        print(f"ks {str(ks):10s} {len(taken):5d} steps, median {ms:7.2f} ms, {tokens:.2f} tokens a step, "
+        print(f"ks {str(ks):24s} {len(taken):5d} steps, median {ms:7.2f} ms, {tokens:.2f} tokens a step, "
               f"{ms / tokens:6.2f} ms a token")
     full = sum(s for taken in steps.values() for s, _ in taken), sum(t for taken in steps.values() for _, t in taken)
     print(f"full-batch steps: {full[0]:.2f} s, {full[1]} tokens; steps with a prefill: {other['prefill'][0]}, "
