@@ -4,8 +4,8 @@ B requests is filed under the batch's ks (each request's drafts that step, sorte
 each, their median wall time and tokens, and what the served cost table prices (the target over 1..N rows,
 a draft step, a catch-up); each request's drafts are named by the method that offered them (a draft
 model's, or a free proposal of suffix decoding mixed in); the steps with a prefill and those with fewer
-requests (a batch's tail) are summed apart. Not a speed comparison (one engine, no lockstep): the shape of the decisions, e.g. whether the steps that draft pay per
-token against the steps that do not.
+requests (a batch's tail) are summed apart. Not a speed comparison (one engine, no lockstep): the shape of
+the decisions, e.g. whether the steps that draft pay per token against the steps that do not.
 
     python benchmarks/spec_steps.py --model qwen2.5-coder-1.5b-instruct --draft-model qwen2.5-coder-0.5b-instruct \
         --workload code --batch 2 --out /tmp/steps.json
