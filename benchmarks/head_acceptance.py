@@ -300,14 +300,11 @@ def chain_or_tree(first_s_right: list[float], top_n: list[float], target_ms: lis
 
 
 def lm_head_as(linear: torch.nn.Linear, fmt: str) -> torch.nn.Module:
-    """A head's kept LM head in `fmt`: float as trained, int8 rows (as served under int4 weights), or int4
-    (quant.apply's choice for a linear of that shape: Q4_K, else groups of 32)."""
+    """A head's kept LM head in `fmt`: float as trained, int8 rows (what an int4 model's LM head gets), or
+    int4 (quant.apply's choice for a linear of that shape: Q4_K, else groups of 32; served since session 49)."""
     from quant.apply import quantize_module
-    from quant.int8 import Int8Linear
 
-    if fmt == "int8":
-        return Int8Linear.from_linear(linear, keep_dense=False)
-    return quantize_module(linear, "int4") if fmt == "int4" else linear
+    return linear if fmt == "float" else quantize_module(linear, "int4", is_head=fmt == "int8")
 
 
 def main() -> None:
