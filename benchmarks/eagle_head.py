@@ -47,6 +47,11 @@ def workload_prompts(kind: str) -> list[str]:
     return [data["paste_turns"][0].format(name=name, code=code) for name, code in data["files"].items()]
 
 
+def chat_prompts(tokenizer, kind: str) -> list[list[int]]:
+    """A workload's user messages (workload_prompts) as the chat template lays out a first turn."""
+    return [tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in workload_prompts(kind)]
+
+
 def best_ms(fn, reps: int = 5) -> float:
     fn()
     times = []
@@ -264,7 +269,7 @@ def main() -> None:
             print(name, json.dumps(costs), file=sys.stderr)
     tok = engines["off"].tokenizer
     for kind in () if args.costs_only else args.workloads:
-        prompts = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in workload_prompts(kind)]
+        prompts = chat_prompts(tok, kind)
         if kind not in PROMPTS:  # every engine's prefix cache holds the files: the rounds time the replies
             for engine in engines.values():
                 engine.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0))

@@ -28,7 +28,7 @@ from chatserve.cli import _kv_cache_dtype  # noqa: E402
 from chatserve.config import EngineConfig, SpecConfig  # noqa: E402
 from chatserve.engine import Engine  # noqa: E402
 from chatserve.sampling_params import SamplingParams  # noqa: E402
-from eagle_head import workload_prompts  # noqa: E402
+from eagle_head import chat_prompts  # noqa: E402
 
 
 def _drafted(req) -> str:
@@ -55,8 +55,7 @@ def main() -> None:
         spec = dataclasses.replace(spec, adaptive=False, num_draft_tokens=args.fixed_k)
     engine = Engine(EngineConfig(model=args.model, quantization="int4", kv_cache_memory=1 << 30,
                                  kv_cache_dtype=_kv_cache_dtype("auto", "cpu", "float32"), spec=spec))
-    tok = engine.tokenizer
-    prompts = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in workload_prompts(args.workload)]
+    prompts = chat_prompts(engine.tokenizer, args.workload)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)  # as eagle_head.py runs them
     steps: dict[tuple, list[tuple[float, int]]] = collections.defaultdict(list)  # ks -> [(seconds, tokens)]
     other = {"prefill": [0, 0.0, 0], "fewer": [0, 0.0, 0]}  # steps, seconds, tokens: a prefill; fewer than --batch

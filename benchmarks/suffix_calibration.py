@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from chatserve.config import EngineConfig  # noqa: E402
 from chatserve.engine import Engine  # noqa: E402
 from chatserve.sampling_params import SamplingParams  # noqa: E402
-from eagle_head import workload_prompts  # noqa: E402
+from eagle_head import chat_prompts  # noqa: E402
 from spec.suffix import SuffixProposer  # noqa: E402
 
 
@@ -37,7 +37,7 @@ def main() -> None:
     engine = Engine(EngineConfig(model=args.model, quantization="int4", kv_cache_memory=1 << 30))
     tok, proposer, results = engine.tokenizer, SuffixProposer(), {}
     for kind in args.workloads:
-        prompts = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in workload_prompts(kind)]
+        prompts = chat_prompts(tok, kind)
         params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
         replies = [o["token_ids"] for i in range(0, len(prompts), 2)
                    for o in engine.generate(prompts[i : i + 2], params)]
