@@ -214,9 +214,9 @@ class DecodeStack {
 
   // forward_captured(), its captured outputs RMS-normalized by `weight` (eps) and then the last
   // layer's output by `final_w` (final_eps), side by side: -> (the last layer's output [T, hidden],
-  // features [T, (capture.size() + 1) * hidden]). ModelRunner.run_with_features's norms and concat of
-  // forward_captured's outputs, the same kernels, in this call (in Python they cost ~0.17 ms of a
-  // SmolLM2 step on cold caches).
+  // features [T, (capture.size() + 1) * hidden]). DecoderLM.forward(norms=)'s norms and concat after
+  // its module loop, the same kernels, in this call (in Python they cost ~0.17 ms of a SmolLM2 step
+  // on cold caches).
   std::tuple<torch::Tensor, torch::Tensor> forward_features(
       torch::Tensor x, torch::Tensor positions, torch::Tensor slots, torch::Tensor block_tables, torch::Tensor seqs,
       torch::Tensor contexts, std::vector<int64_t> capture, torch::Tensor weight, double eps, torch::Tensor final_w,
