@@ -101,7 +101,8 @@ class GrammarMatcher:
     def __init__(self, tokenizer: LLTokenizer, grammar: str):
         self.matcher = LLMatcher(tokenizer, grammar, log_level=0)
         self.eos_token_ids = frozenset(tokenizer.eos_tokens)
-        self._bitmask = np.zeros((tokenizer.vocab_size + 31) // 32, dtype=np.int32)  # [num_words], reused
+        self.vocab_size = tokenizer.vocab_size
+        self._bitmask = np.zeros((self.vocab_size + 31) // 32, dtype=np.int32)  # [num_words], reused
         if self.matcher.is_error():
             raise ValueError(self.matcher.get_error())
 
@@ -115,8 +116,14 @@ class GrammarMatcher:
         return self.matcher.is_stopped()
 
     def num_valid(self, token_ids: Sequence[int]) -> int:
-        """How many of token_ids, from the start, the grammar allows next (state unchanged)."""
-        return self.matcher.validate_tokens(list(token_ids))
+        """How many of token_ids, from the start, the grammar allows next (state unchanged). Checked
+        up to the first id past the tokenizer's vocabulary (a padding row of the LM head, never
+        allowed): llguidance's validate_tokens given one counts wrong (an EOS the grammar refuses
+        passed as valid) and leaves the matcher stopped, and a reply then ended mid-object; a
+        draft model samples such ids after an EOS draft, where its mask allows everything."""
+        token_ids = list(token_ids)
+        end = next((j for j, t in enumerate(token_ids) if not 0 <= t < self.vocab_size), len(token_ids))
+        return self.matcher.validate_tokens(token_ids[:end])
 
     def mask(self, vocab_size: int, drafts: Sequence[int] = ()) -> torch.Tensor:  # [vocab_size] bool
         """The tokens allowed after the emitted tokens and then `drafts` (each drawn from the mask

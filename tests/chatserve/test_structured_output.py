@@ -7,6 +7,7 @@ import json
 from typing import Literal
 
 import pytest
+import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from chatserve.config import EngineConfig, SpecConfig
@@ -88,6 +89,39 @@ def test_sampled_replies_match_the_schema(tiny_llama_dir, tiny_draft_dir, method
         assert_valid(r)
     if method:
         assert sum(r["stats"].num_drafted for r in results) > 0
+    assert_pool_empty(engine)
+
+
+def test_drafts_with_padding_ids_leave_the_grammar_as_it_was(tiny_llama_dir):
+    """Drafts holding an id past the tokenizer's vocabulary (a padding row of the LM head, which a
+    draft model samples after an EOS draft): counted valid up to it, and the matcher's mask
+    unchanged after (llguidance's validate_tokens given one counted a refused EOS valid and
+    stopped the matcher)."""
+    engine = make_engine(tiny_llama_dir)
+    tok, eos, vocab = engine.tokenizer, engine.tokenizer.eos_token_ids[0], engine.models.vocab_size
+    padding = len(tok.hf)
+    assert padding < vocab  # the tiny model's LM head has padding rows
+    close, word = tok.encode("}"), tok.encode('"na')
+    for text, num_valid in (('{"name":"Ann","age":7,"ok":true,"color":"red"', 2), ('{"name":"Ann"', 0), ("{", 0)):
+        for drafts, expected in ((close + [eos, padding], num_valid), ([eos, padding], 0), ([padding], 0),
+                                 (word + [padding], len(word) if text == "{" else 0)):
+            grammar = engine._grammar_matcher(GREEDY)
+            for t in tok.encode(text):
+                grammar.consume(t)
+            before = grammar.mask(vocab)
+            assert grammar.num_valid(drafts) == expected, (text, drafts)
+            assert torch.equal(grammar.mask(vocab), before) and not grammar.is_stopped
+
+
+def test_sampled_replies_with_drafts_all_close_their_object(tiny_llama_dir, tiny_draft_dir):
+    """Sampled chat replies under the draft model, one seed each: every reply that stops parses
+    (seed 5 once stopped mid-object: its draft chain held an EOS and a padding id after it)."""
+    engine = make_engine(tiny_llama_dir, "draft", tiny_draft_dir)
+    prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": "Who are you?"}])
+    for seed in range(8):
+        result = engine.generate([prompt], dataclasses.replace(GREEDY, temperature=1.0, seed=seed))[0]
+        if result["finish_reason"] == "stop":
+            assert_valid(result)
     assert_pool_empty(engine)
 
 
