@@ -1,10 +1,13 @@
 """How well a suffix proposal's price predicts its acceptance, offline (no timing: runs beside anything).
 
-The target answers the held-out prompts of chatserve/data/prompts.json greedily; at every reply position
-suffix decoding proposes one token from the request's own tokens so far (no corpus, as eagle_head.py runs
-it), and the proposal counts as accepted when it is the target's next token. Printed per workload: the
-acceptance by the proposal's (count, total) (how often its token followed the matched context, which
-SuffixMethod.offer prices as (count + rate) / (total + 1)) and by the match's length.
+The target answers prompts greedily (held-out: chatserve/data/prompts.json as eagle_head.py serves them;
+train: the first --train-prompts of each of head_prompts.json's code and chat lists, the prompts a table
+of prices is fitted on); at every reply position suffix decoding proposes up to --depth tokens from the
+request's own tokens so far (no corpus, as eagle_head.py runs it), walked while the target agrees: a
+draft counts as accepted when it and every draft before it are the target's next tokens. Printed per
+workload: the first draft's acceptance by its (count, total) (how often its token followed the matched
+context) and by the match's length, and every walked draft's acceptance by its depth (the match's length
+plus the drafts before it, the context it continues) and against its price in SuffixMethod.offer.
 
     python benchmarks/suffix_calibration.py --model qwen2.5-coder-1.5b-instruct --out /tmp/suffix.json
 """
@@ -21,15 +24,44 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from chatserve.config import EngineConfig  # noqa: E402
 from chatserve.engine import Engine  # noqa: E402
+from chatserve.head_data import PROMPTS_FILE  # noqa: E402
 from chatserve.sampling_params import SamplingParams  # noqa: E402
+from chatserve.spec_methods.suffix import PRIOR_RATE, position_price  # noqa: E402
 from eagle_head import chat_prompts  # noqa: E402
 from spec.suffix import SuffixProposer  # noqa: E402
+
+
+def train_prompts(tokenizer, kind: str, n: int) -> list[list[int]]:
+    prompts = json.loads(PROMPTS_FILE.read_text())[kind][:n]
+    return [tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+
+
+def walk_rows(proposer: SuffixProposer, ids: list[int], start: int, depth: int) -> list[tuple]:
+    """(position, j, depth, count, total, match_len, accepted) for the drafts walked at every position from
+    start: a proposal's draft j counts while drafts 0..j-1 were the target's tokens."""
+    rows = []
+    for i in range(start, len(ids)):
+        draft = proposer.propose(ids[:i], min(depth, len(ids) - i))
+        for j, (token, count, total) in enumerate(zip(draft.token_ids, draft.counts, draft.totals)):
+            hit = int(token == ids[i + j])
+            rows.append((i, j, draft.match_len + j, count, total, draft.match_len, hit))
+            if not hit:
+                break
+    return rows
+
+
+def table_line(name: str, table: dict) -> str:
+    cells = sorted(table.items(), key=lambda kv: (len(str(kv[0])), str(kv[0])))
+    return f"  by {name}: " + ", ".join(f"{k} {h / n:.2f} ({n})" for k, (n, h) in cells)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
     ap.add_argument("--workloads", nargs="+", default=["code", "chat"], choices=["code", "chat", "edit", "paste"])
+    ap.add_argument("--prompts", default="held-out", choices=["held-out", "train"])
+    ap.add_argument("--train-prompts", type=int, default=20, help="with --prompts train: prompts per workload")
+    ap.add_argument("--depth", type=int, default=4, help="drafts walked per proposal")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
@@ -37,35 +69,42 @@ def main() -> None:
     engine = Engine(EngineConfig(model=args.model, quantization="int4", kv_cache_memory=1 << 30))
     tok, proposer, results = engine.tokenizer, SuffixProposer(), {}
     for kind in args.workloads:
-        prompts = chat_prompts(tok, kind)
+        if args.prompts == "train" and kind not in ("code", "chat"):
+            raise SystemExit("--prompts train: head_prompts.json holds code and chat prompts")
+        prompts = chat_prompts(tok, kind) if args.prompts == "held-out" else train_prompts(tok, kind, args.train_prompts)
         params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
         replies = [o["token_ids"] for i in range(0, len(prompts), 2)
                    for o in engine.generate(prompts[i : i + 2], params)]
-        rows = []  # (count, total, match_len, accepted)
-        for prompt, reply in zip(prompts, replies):
-            ids = list(prompt) + list(reply)
-            for i in range(len(prompt) + 1, len(ids)):
-                draft = proposer.propose(ids[:i], 1)
-                if draft.token_ids:
-                    rows.append((draft.counts[0], draft.totals[0], draft.match_len, int(draft.token_ids[0] == ids[i])))
-        by_counts, by_length = collections.defaultdict(lambda: [0, 0]), collections.defaultdict(lambda: [0, 0])
-        for count, total, length, hit in rows:
-            key = f"{min(count, 4)}/{min(total, 4)}" if count < total else f"all/{min(total, 4)}"
-            for table, k in ((by_counts, key), (by_length, min(length, 8))):
-                table[k][0] += 1
-                table[k][1] += hit
+        rows = []  # (reply, position, j, depth, count, total, match_len, accepted)
+        for n, (prompt, reply) in enumerate(zip(prompts, replies)):
+            rows += [(n, *row) for row in walk_rows(proposer, list(prompt) + list(reply), len(prompt) + 1, args.depth)]
+        by_counts, by_length, by_depth, by_price = (collections.defaultdict(lambda: [0, 0]) for _ in range(4))
+        for _, _, j, depth, count, total, length, hit in rows:
+            cells = [(by_depth, min(depth, 12)), (by_price, round(position_price(depth, count, total, PRIOR_RATE), 1))]
+            if j == 0:
+                key = f"{min(count, 4)}/{min(total, 4)}" if count < total else f"all/{min(total, 4)}"
+                cells += [(by_counts, key), (by_length, min(length, 8))]
+            for table, key in cells:
+                table[key][0] += 1
+                table[key][1] += hit
         positions = sum(len(r) - 1 for r in replies)
-        rate = sum(r[3] for r in rows) / max(len(rows), 1)
-        print(f"{kind}: proposals at {len(rows)} of {positions} reply positions, accepted {rate:.3f}")
-        for name, table in (("count/total", by_counts), ("match length", by_length)):
-            cells = sorted(table.items(), key=str)
-            print(f"  by {name}: " + ", ".join(f"{k} {h / n:.2f} ({n})" for k, (n, h) in cells))
-        results[kind] = {"positions": positions, "proposals": len(rows), "accepted": rate,
+        first = [r[-1] for r in rows if r[2] == 0]
+        rate = sum(first) / max(len(first), 1)
+        walked = sum(r[-1] for r in rows)
+        print(f"{kind}: proposals at {len(first)} of {positions} reply positions, the first draft accepted "
+              f"{rate:.3f}, {walked / max(len(first), 1):.2f} drafts accepted a proposal (walked to {args.depth})")
+        for name, table in (("count/total (first draft)", by_counts), ("match length (first draft)", by_length),
+                            ("depth (every draft)", by_depth), ("price (every draft)", by_price)):
+            print(table_line(name, table))
+        results[kind] = {"positions": positions, "proposals": len(first), "accepted": rate,
                          "by_count_total": {k: {"n": n, "accepted": h / n} for k, (n, h) in by_counts.items()},
                          "by_match_length": {str(k): {"n": n, "accepted": h / n} for k, (n, h) in by_length.items()},
+                         "by_depth": {str(k): {"n": n, "accepted": h / n} for k, (n, h) in by_depth.items()},
+                         "by_price": {str(k): {"n": n, "accepted": h / n} for k, (n, h) in by_price.items()},
                          "rows": rows}
     if args.out:
-        args.out.write_text(json.dumps({"model": args.model, "max_tokens": args.max_tokens, "workloads": results}))
+        args.out.write_text(json.dumps({"model": args.model, "prompts": args.prompts, "depth": args.depth,
+                                        "max_tokens": args.max_tokens, "workloads": results}))
 
 
 if __name__ == "__main__":

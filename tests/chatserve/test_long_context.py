@@ -316,8 +316,8 @@ def test_a_seeded_request_samples_the_same_text_whatever_the_measured_costs(tiny
 
 
 def test_a_long_free_draft_waits_until_the_streams_steps_are_long(tiny_llama_dir, conversation):
-    """Rows at 25% of a step and a trusted suffix proposer: unbounded, the third step already
-    verifies 11 drafts (3.75x a plain step). With the gap limit (2.5) a step costs at most 2.5x
+    """Rows at 25% of a step and a trusted suffix proposer (~0.98 a draft at any depth): unbounded,
+    the third step already verifies 11 drafts (3.75x a plain step). With the gap limit (2.5) a step costs at most 2.5x
     the stream's typical step: a plain one's until it has 3 steps (so <= 6 drafts), then the
     median of its latest; as its steps grow, so may its drafts. Greedy output unchanged."""
     from spec.adaptive import AcceptanceEMA
@@ -333,6 +333,7 @@ def test_a_long_free_draft_waits_until_the_streams_steps_are_long(tiny_llama_dir
             method="suffix", num_draft_tokens=4, num_free_draft_tokens=16)))
         engine.spec.costs, engine.spec.gap_limit = costs, gap_limit
         engine.spec.methods["suffix"].accept_rate = AcceptanceEMA(0.05, 0.95)
+        engine.spec.methods["suffix"].depth_prices = (1.0,)
         ks, propose = [], engine.spec.methods["suffix"].propose
 
         def recording_propose(reqs, step_ks, propose=propose, ks=ks):
@@ -363,6 +364,8 @@ def test_free_proposals_draft_past_num_draft_tokens_only_when_priced(tiny_llama_
         if adaptive:
             engine.spec.costs = FIXED_COSTS
         engine.spec.methods[method].accept_rate = AcceptanceEMA(0.05, 0.95)
+        if method == "suffix":  # trusted at every depth
+            engine.spec.methods[method].depth_prices = (1.0,)
         ks, propose = [], engine.spec.methods[method].propose
 
         def recording_propose(reqs, step_ks, propose=propose, ks=ks):

@@ -130,3 +130,33 @@ def test_token_array_follows_an_appended_list_and_starts_over_when_it_shrinks():
         views.append((view, list(tokens)))
     assert all(v.tolist() == t for v, t in views)  # earlier views still hold their tokens
     assert arr.of([3, 2, 1]).tolist() == [3, 2, 1] and arr.of([]).tolist() == []
+
+
+def test_an_offer_prices_a_long_match_above_a_one_token_match():
+    """SuffixMethod.offer prices each draft by its depth (the matched context it continues) and the
+    share of earlier occurrences it followed: a lone one-token match is worth less than a draft after
+    four matched tokens, a split continuation less than a unanimous one, and deeper drafts of a
+    walk more than its first."""
+    from chatserve.config import SpecConfig
+    from chatserve.request import Request
+    from chatserve.sampling_params import SamplingParams
+    from chatserve.spec_methods import SpecState
+    from chatserve.spec_methods.suffix import SuffixMethod, position_price
+
+    method = SuffixMethod(SpecConfig(method="suffix", suffix_corpus_tokens=0))
+
+    def offer(prompt):
+        req = Request("r", prompt, SamplingParams(temperature=0.0))
+        req.spec = SpecState((method,))
+        return method.offer(req, 4, 0.6)
+
+    one = offer([5, 9, 8, 7, 5])  # [5] once before, then 9
+    long = offer([1, 2, 3, 4, 9, 8, 7, 6, 1, 2, 3, 4])  # [1 2 3 4] once before, then 9 8 7 6
+    split = offer([5, 9, 5, 7, 5])  # [5] twice before: 9 and 7
+    assert one.token_ids == [9] and long.token_ids == [9, 8, 7, 6] and split.token_ids[:1] in ([7], [9])
+    assert one.gains == [pytest.approx(position_price(1, 1, 1, 0.6))]
+    assert one.gains[0] < 0.5 < long.gains[0]
+    assert split.gains[0] == pytest.approx(one.gains[0] / 2)
+    conditional = [b / a for a, b in zip(long.gains, long.gains[1:])]
+    assert all(c >= long.gains[0] for c in conditional), conditional
+    assert position_price(1, 1, 1, 0.9) > position_price(1, 1, 1, 0.1)  # the measured rate pulls
