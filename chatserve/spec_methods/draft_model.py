@@ -7,6 +7,8 @@ SpecRunner decides when and in what chunks it catches up (SpecConfig.draft_catch
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from chatserve.batch import BatchItem
@@ -46,19 +48,25 @@ class DraftModelMethod:
         unseen = len(req.token_ids) - req.num_draft_computed_tokens
         return Offer(self, geometric_gains(accept_rate, cap), num_catch_up_tokens=unseen)
 
-    def propose(self, reqs: list[Request], ks: list[int]) -> None:
+    def propose(self, reqs: list[Request], ks: list[int]) -> list[tuple[int, float]]:
         """Catch the draft up on the tokens it has not seen, then draft k tokens one by one;
         every request's step s is one forward over the requests still drafting. A request
         with k = 0 only catches up, on its next req.spec.num_catch_up_tokens tokens, in the
-        first of those forwards (one pass over the weights for both kinds)."""
+        first of those forwards (one pass over the weights for both kinds).
+
+        Returns (sequences drafting, seconds) of each forward that only drafts (every row draws a
+        draft and feeds at most two tokens, as a caught-up draft does), sampling included: what
+        one draft position costs as served, which the start-up table's draft_seconds follow."""
         items = []
         for req, k in zip(reqs, ks):
             start = req.num_draft_computed_tokens
             end = len(req.token_ids) if k else start + req.spec.num_catch_up_tokens
             items.append(BatchItem(req.token_ids[start:end], start, req.table.block_ids, 1 if k else 0))
         probs: list[list[torch.Tensor]] = [[] for _ in reqs]
-        active = list(range(len(reqs)))
+        active, timed = list(range(len(reqs))), []
         while active:
+            start = time.perf_counter()
+            is_plain = all(ks[i] for i in active) and all(len(item.token_ids) <= 2 for item in items)
             logits, cu_logits = self.runner.run(items)  # [drafting rows, vocab]
             next_active, next_items = [], []
             for row, i in enumerate(active):
@@ -74,9 +82,12 @@ class DraftModelMethod:
                     pos = len(req.token_ids) + len(req.draft_token_ids) - 1
                     next_active.append(i)
                     next_items.append(BatchItem([token], pos, req.table.block_ids, 1))
+            if is_plain:
+                timed.append((len(active), time.perf_counter() - start))
             active, items = next_active, next_items
         for req, rows in zip(reqs, probs):
             req.draft_probs = torch.cat(rows) if rows else None  # [k, vocab]
+        return timed
 
     def finish(self, req: Request) -> None:
         pass

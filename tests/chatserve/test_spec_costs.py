@@ -1,6 +1,7 @@
 """The speculation cost tables are measured in scratch blocks that go back to the pool, and
 round up to the next measured row count; with no room to measure, a linear model stands in."""
 
+import dataclasses
 import time
 
 import pytest
@@ -9,6 +10,7 @@ from chatserve.block_manager import BlockTable
 from chatserve.config import EngineConfig, SpecConfig
 from chatserve.engine import Engine
 from chatserve.spec_costs import MAX_ROWS, SpecCosts, assumed_spec_costs, measure_spec_costs, row_grid
+from spec.adaptive import AcceptanceEMA
 
 
 def test_lookup_and_grid():
@@ -286,3 +288,43 @@ def test_the_engine_reports_its_decode_forwards_and_costs_set_by_hand_stay(tiny_
     engine.spec.costs = pinned
     engine.generate([[1, 5, 9, 5, 9, 5, 9, 2] * 4], params)
     assert engine.spec.costs is pinned
+
+
+def test_a_draft_models_served_steps_reprice_its_table(monkeypatch, tiny_llama_dir, tiny_draft_dir):
+    """propose times each draft position that only drafts (the draft model's forward with its
+    sampling) and the engine's draft table follows them: a draft model timed at start-up as nearly
+    free, then slowed by 30 ms a forward, is priced at >= 30 ms once its steps are seen, the rows it
+    was never timed at keep their keys, and the allocator then stops buying its drafts."""
+    from chatserve import spec_runner
+    from chatserve.sampling_params import SamplingParams
+    from chatserve.spec_costs import ObservedForwards
+    from tests.chatserve.test_engine import assert_pool_empty
+
+    measure = spec_runner.measure_spec_costs
+
+    def nearly_free_draft(*args, **kwargs):
+        costs = measure(*args, **kwargs)
+        return dataclasses.replace(costs, draft_seconds={r: t / 100 for r, t in costs.draft_seconds.items()})
+
+    monkeypatch.setattr(spec_runner, "measure_spec_costs", nearly_free_draft)
+    spec = SpecConfig(method="draft", draft_model=str(tiny_draft_dir), num_draft_tokens=4, suffix_corpus_tokens=0)
+    engine = Engine(EngineConfig(model=str(tiny_llama_dir), kv_cache_memory=8 << 20, spec=spec, max_num_seqs=2))
+    measured = engine.spec.costs
+    method = engine.spec.methods["draft"]
+    method.accept_rate = AcceptanceEMA(ema=0.05, prior=0.9)  # trusted: the random draft drafts from the start
+    timed, observe = [], engine.spec.step_observers["draft"].observe
+    engine.spec.step_observers["draft"].observe = lambda rows, seconds: (timed.append(rows), observe(rows, seconds))[1]
+    run = method.runner.run
+    method.runner.run = lambda *a, **kw: (time.sleep(0.03), run(*a, **kw))[1]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    engine.generate([[1, 5, 9, 2] * 4], params)
+    assert len(timed) >= ObservedForwards.MIN_SEEN and set(timed) == {1}
+    assert sorted(engine.spec.costs.draft_seconds) == sorted(measured.draft_seconds)
+    assert engine.spec.costs.draft(1) >= 0.03 > measured.draft(1)
+    assert engine.spec.costs.target_seconds.keys() == measured.target_seconds.keys()
+    before = engine.spec.stats_by_method["draft"].num_draft_tokens
+    method.accept_rate = AcceptanceEMA(ema=0.05, prior=0.9)
+    engine.generate([[3, 6, 8, 4] * 4], params)
+    # a draft position now costs 30 ms beside a few-ms target step: only the probes draft
+    assert engine.spec.stats_by_method["draft"].num_draft_tokens - before <= 24 // method.probe_every + 1
+    assert_pool_empty(engine)
