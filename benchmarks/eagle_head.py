@@ -321,6 +321,11 @@ def main() -> None:
                     results["runs"][key][name][f"over_{base}"] = over
                     print(f"{name:6s} {key}: x {base} {over['speedup']:.3f} (se {over['se'] or 0:.3f}, "
                           f"{over['rounds_ahead']} of {len(pairs)} rounds ahead)", file=sys.stderr)
+    # each engine's cost table as service left it (ms): the prices its last decisions were made at
+    results["served_costs_ms"] = {
+        name: {"target": {r: e.spec.costs.target(r) * 1e3 for r in range(1, 7)}, "draft_1": e.spec.costs.draft(1) * 1e3,
+               "head_1": e.spec.costs.head(1) * 1e3}
+        for name, e in engines.items() if e.spec is not None and e.spec.costs is not None}
     for runs in results["runs"].values():
         for run in runs.values():
             run["speedup_vs_off"] = run.get("lockstep_speedup", run["tok_per_s"] / runs["off"]["tok_per_s"])

@@ -50,6 +50,13 @@ def walk_rows(proposer: SuffixProposer, ids: list[int], start: int, depth: int) 
     return rows
 
 
+def brier(rows: list[tuple], **price) -> float:
+    """Mean squared error of position_price (at the method's prior rate; `price`: its depth_prices and
+    rate_weight) against the walked drafts' outcomes. The flat price, depth_prices=(1.0,) and rate_weight
+    0.5, is the one before session 50, (count + rate) / (total + 1), where count = total."""
+    return sum((position_price(r[3], r[4], r[5], PRIOR_RATE, **price) - r[-1]) ** 2 for r in rows) / max(len(rows), 1)
+
+
 def table_line(name: str, table: dict) -> str:
     cells = sorted(table.items(), key=lambda kv: (len(str(kv[0])), str(kv[0])))
     return f"  by {name}: " + ", ".join(f"{k} {h / n:.2f} ({n})" for k, (n, h) in cells)
@@ -93,10 +100,12 @@ def main() -> None:
         walked = sum(r[-1] for r in rows)
         print(f"{kind}: proposals at {len(first)} of {positions} reply positions, the first draft accepted "
               f"{rate:.3f}, {walked / max(len(first), 1):.2f} drafts accepted a proposal (walked to {args.depth})")
+        scores = {"brier": brier(rows), "brier_flat": brier(rows, depth_prices=(1.0,), rate_weight=0.5)}
+        print(f"  Brier score of the price: {scores['brier']:.4f} (flat, the price before: {scores['brier_flat']:.4f})")
         for name, table in (("count/total (first draft)", by_counts), ("match length (first draft)", by_length),
                             ("depth (every draft)", by_depth), ("price (every draft)", by_price)):
             print(table_line(name, table))
-        results[kind] = {"positions": positions, "proposals": len(first), "accepted": rate,
+        results[kind] = {"positions": positions, "proposals": len(first), "accepted": rate, **scores,
                          "by_count_total": {k: {"n": n, "accepted": h / n} for k, (n, h) in by_counts.items()},
                          "by_match_length": {str(k): {"n": n, "accepted": h / n} for k, (n, h) in by_length.items()},
                          "by_depth": {str(k): {"n": n, "accepted": h / n} for k, (n, h) in by_depth.items()},

@@ -10,13 +10,15 @@ from spec.adaptive import ACCEPT_EMA, PROBE_EVERY, AcceptanceEMA
 from spec.suffix import SuffixCorpus, SuffixProposer
 
 # A draft's acceptance by its depth, the tokens of context it continues (the match's length plus the drafts
-# before it), for depths 1..7 and more (3-6 pooled): 1,251 + 1,112 greedy first-turn replies' positions of Qwen2.5-Coder-1.5B
-# to head_prompts.json's code and chat prompts, drafts where every earlier occurrence agreed (count = total;
-# benchmarks/suffix_calibration.py --prompts train). A one-token match is accepted 0.28 of the time, and the
-# depth tells more than the counts: (count + rate) / (total + 1), the price until session 50, gave ~0.8 to a
-# token that followed its context once, and such drafts were accepted 0.44.
-DEPTH_PRICES = (0.28, 0.43, 0.56, 0.56, 0.56, 0.56, 0.69)
-RATE_WEIGHT = 0.3  # of the measured acceptance rate against the table: a request whose drafts hold earns more
+# before it): depths 1-7 from 1,251 + 1,112 greedy first-turn replies' positions of Qwen2.5-Coder-1.5B to
+# head_prompts.json's code and chat prompts, drafts where every earlier occurrence agreed (count = total;
+# benchmarks/suffix_calibration.py --prompts train; 3-6 pooled); deeper, where a reply copies its context, from
+# prompts.json's edit prompts (the 1.5B, 0.90 at 8-11, 0.98 from 12) and SmolLM2's train replies (0.82-0.94).
+# A one-token match is accepted 0.28 of the time, and the depth tells more than the counts: (count + rate) /
+# (total + 1), the price until session 50, gave ~0.8 to a token that followed its context once, and such drafts
+# were accepted 0.44.
+DEPTH_PRICES = (0.28, 0.43, 0.56, 0.56, 0.56, 0.56, 0.69) + (0.75,) * 4 + (0.9,) * 4 + (0.95,)  # depth 1..16+
+RATE_WEIGHT = 0.4  # of the measured acceptance rate against the table: a request whose drafts hold earns more
 PRIOR_RATE = 0.6  # the engine-wide rate before any draft
 
 
