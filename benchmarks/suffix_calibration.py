@@ -78,7 +78,8 @@ def main() -> None:
     for kind in args.workloads:
         if args.prompts == "train" and kind not in ("code", "chat"):
             raise SystemExit("--prompts train: head_prompts.json holds code and chat prompts")
-        prompts = chat_prompts(tok, kind) if args.prompts == "held-out" else train_prompts(tok, kind, args.train_prompts)
+        prompts = (chat_prompts(tok, kind) if args.prompts == "held-out"
+                   else train_prompts(tok, kind, args.train_prompts))
         params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
         replies = [o["token_ids"] for i in range(0, len(prompts), 2)
                    for o in engine.generate(prompts[i : i + 2], params)]

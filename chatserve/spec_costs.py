@@ -196,18 +196,19 @@ def median_of_rounds(forwards: dict, rounds: dict) -> dict:
 
 
 class ObservedForwards:
-    """The target's decode-only forwards as the engine times them (with their rows' verification
-    and sampling, which the start-up table leaves out: at T > 0 a row's sampling is a real share of
-    a step), or with table="head_seconds" / "draft_seconds" an EAGLE head's or a draft model's draft
-    steps as propose times them (with their drafting glue), keyed by the sequences drafting: the latest `window` per row count.
-    corrected(costs) rescales that start-up table by what service says: a row count seen at least
-    MIN_SEEN times costs the median of its forwards; one not seen takes the ratio (seen / table) of
-    the nearest row count seen, so the table's shape stands where nothing says otherwise; and the
-    result never falls as rows grow (a cheap-looking 6 rows beside dear 5 would buy a row for
-    nothing). A median of a window, not a running mean: one slow forward moves nothing, a slow
-    minute moves the price while it lasts. Rows that service never buys are never measured again,
-    but the rows that are bought are: a batch that stops drafting because drafts looked dear
-    measures its plain steps, and the probes of free proposals keep one more row measured."""
+    """The target's decode-only forwards as the engine times them (with their rows' verification and
+    sampling, which the start-up table leaves out: at T > 0 a row's sampling is a real share of a
+    step), or with table="head_seconds" / "draft_seconds" an EAGLE head's or a draft model's draft
+    steps as propose times them (with their drafting glue), keyed by the sequences drafting: the
+    latest `window` per row count. corrected(costs) rescales that start-up table by what service
+    says: a row count seen at least MIN_SEEN times costs the median of its forwards; one not seen
+    takes the ratio (seen / table) of the nearest row count seen, so the table's shape stands where
+    nothing says otherwise; and the result never falls as rows grow (a cheap-looking 6 rows beside
+    dear 5 would buy a row for nothing). A median of a window, not a running mean: one slow forward
+    moves nothing, a slow minute moves the price while it lasts. Rows that service never buys are
+    never measured again, but the rows that are bought are: a batch that stops drafting because
+    drafts looked dear measures its plain steps, and the probes of free proposals keep one more row
+    measured."""
 
     WINDOW = 9
     MIN_SEEN = 3
