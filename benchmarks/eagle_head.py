@@ -47,9 +47,10 @@ def workload_prompts(kind: str) -> list[str]:
     return [data["paste_turns"][0].format(name=name, code=code) for name, code in data["files"].items()]
 
 
-def chat_prompts(tokenizer, kind: str) -> list[list[int]]:
-    """A workload's user messages (workload_prompts) as the chat template lays out a first turn."""
-    return [tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in workload_prompts(kind)]
+def chat_prompts(tokenizer, kind: str, messages: list[str] | None = None) -> list[list[int]]:
+    """A workload's user messages (workload_prompts, or `messages`) as the chat template lays out a first turn."""
+    messages = workload_prompts(kind) if messages is None else messages
+    return [tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in messages]
 
 
 def best_ms(fn, reps: int = 5) -> float:

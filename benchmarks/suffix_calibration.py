@@ -31,11 +31,6 @@ from eagle_head import chat_prompts  # noqa: E402
 from spec.suffix import SuffixProposer  # noqa: E402
 
 
-def train_prompts(tokenizer, kind: str, n: int) -> list[list[int]]:
-    prompts = json.loads(PROMPTS_FILE.read_text())[kind][:n]
-    return [tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
-
-
 def walk_rows(proposer: SuffixProposer, ids: list[int], start: int, depth: int) -> list[tuple]:
     """(position, j, depth, count, total, match_len, accepted) for the drafts walked at every position from
     start: a proposal's draft j counts while drafts 0..j-1 were the target's tokens."""
@@ -78,8 +73,8 @@ def main() -> None:
     for kind in args.workloads:
         if args.prompts == "train" and kind not in ("code", "chat"):
             raise SystemExit("--prompts train: head_prompts.json holds code and chat prompts")
-        prompts = (chat_prompts(tok, kind) if args.prompts == "held-out"
-                   else train_prompts(tok, kind, args.train_prompts))
+        train = json.loads(PROMPTS_FILE.read_text())[kind][: args.train_prompts] if args.prompts == "train" else None
+        prompts = chat_prompts(tok, kind, train)
         params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
         replies = [o["token_ids"] for i in range(0, len(prompts), 2)
                    for o in engine.generate(prompts[i : i + 2], params)]
