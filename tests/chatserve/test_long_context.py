@@ -316,10 +316,11 @@ def test_a_seeded_request_samples_the_same_text_whatever_the_measured_costs(tiny
 
 
 def test_a_long_free_draft_waits_until_the_streams_steps_are_long(tiny_llama_dir, conversation):
-    """Rows at 25% of a step and a trusted suffix proposer (~0.98 a draft at any depth): unbounded,
-    the third step already verifies 11 drafts (3.75x a plain step). With the gap limit (2.5) a step
-    costs at most 2.5x the stream's typical step: a plain one's until it has 3 steps (so <= 6 drafts), then the
-    median of its latest; as its steps grow, so may its drafts. Greedy output unchanged."""
+    """Rows at 25% of a step and a trusted suffix proposer (~0.98 a draft at any depth): unbounded, the
+    third step already verifies 11 drafts (3.75x a plain step). With the gap limit (2.5) a step
+    costs at most 2.5x the stream's typical step: a plain one's until it has 3 steps (so <= 6
+    drafts), then the median of its latest; as its steps grow, so may its drafts. Greedy output
+    unchanged."""
     from spec.adaptive import AcceptanceEMA
 
     costs = SpecCosts({r: 1.0 + 0.25 * (r - 1) for r in range(1, 65)}, {r: 0.1 for r in range(1, 17)},
