@@ -160,3 +160,48 @@ def test_an_offer_prices_a_long_match_above_a_one_token_match():
     conditional = [b / a for a, b in zip(long.gains, long.gains[1:])]
     assert all(c >= long.gains[0] for c in conditional), conditional
     assert position_price(1, 1, 1, 0.9) > position_price(1, 1, 1, 0.1)  # the measured rate pulls
+
+
+def test_a_request_whose_drafts_held_is_priced_above_the_table():
+    """With calibration on, a suffix offer's prices scale by the request's own record: drafts accepted
+    over what the table's priors summed (SpecRunner.record adds each tried position, the accepted ones
+    and the first rejected) raise the next offer's prices, below MAX_PRICE; drafts rejected lower them;
+    a request with no record is priced by the table."""
+    import types
+
+    from chatserve.config import SpecConfig
+    from chatserve.request import Request
+    from chatserve.sampling_params import SamplingParams
+    from chatserve.spec_methods import SpecState
+    from chatserve.spec_methods.suffix import MAX_PRICE, calibration_ratio
+    from chatserve.spec_runner import SpecRunner
+
+    models = types.SimpleNamespace(max_model_len=64, draft_runner=None, eagle_runner=None)
+    runner = SpecRunner(SpecConfig(method="suffix", suffix_corpus_tokens=0, adaptive=False), models, sampler=None)
+    method = runner.methods["suffix"]
+    method.calibration, method.rate_weight = 10.0, 0.0
+    prompt = [1, 2, 3, 4, 9, 8, 7, 6, 1, 2, 3, 4]  # [1 2 3 4] once before, then 9 8 7 6
+
+    def request():
+        req = Request("r", prompt, SamplingParams(temperature=0.0))
+        req.spec = SpecState((method,))
+        req.spec.offer = method.offer(req, 4, 0.6)
+        return req
+
+    fresh, held, missed = request(), request(), request()
+    priors = fresh.spec.offer.priors
+    assert fresh.spec.offer.gains[0] == pytest.approx(priors[0])  # ratio 1: the table's price
+    for _ in range(3):
+        runner.record(held, 4, 4)  # all four tried and accepted
+        runner.record(missed, 4, 1)  # the first accepted, the second rejected: two tried
+    assert held.spec.calibration["suffix"] == [pytest.approx(12), pytest.approx(3 * sum(priors))]
+    assert missed.spec.calibration["suffix"] == [pytest.approx(3), pytest.approx(3 * sum(priors[:2]))]
+    ratio = calibration_ratio(12, 3 * sum(priors), 10.0)
+    assert ratio > 1.2
+    up, down = method.offer(held, 4, 0.6), method.offer(missed, 4, 0.6)
+    assert up.gains[0] == pytest.approx(min(priors[0] * ratio, MAX_PRICE))
+    conditional = [b / a for a, b in zip(up.gains, up.gains[1:])]
+    assert all(c <= MAX_PRICE + 1e-9 for c in conditional) and conditional[-1] > priors[-1]
+    assert down.gains[0] < priors[0]
+    method.calibration = 0.0  # off: the record is kept but not read
+    assert method.offer(held, 4, 0.6).gains[0] == pytest.approx(priors[0])
