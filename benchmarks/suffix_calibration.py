@@ -26,13 +26,7 @@ from chatserve.config import EngineConfig  # noqa: E402
 from chatserve.engine import Engine  # noqa: E402
 from chatserve.head_data import PROMPTS_FILE  # noqa: E402
 from chatserve.sampling_params import SamplingParams  # noqa: E402
-from chatserve.spec_methods.suffix import (  # noqa: E402
-    DEPTH_PRICES,
-    PRIOR_RATE,
-    calibration_ratio,
-    position_price,
-    table_price,
-)
+from chatserve.spec_methods.suffix import PRIOR_RATE, position_price  # noqa: E402
 from eagle_head import chat_prompts  # noqa: E402
 from spec.adaptive import ACCEPT_EMA, AcceptanceEMA  # noqa: E402
 from spec.suffix import SuffixProposer  # noqa: E402
@@ -59,49 +53,36 @@ def brier(rows: list[tuple], **price) -> float:
     return sum((position_price(r[3], r[4], r[5], PRIOR_RATE, **price) - r[-1]) ** 2 for r in rows) / max(len(rows), 1)
 
 
-def served_brier(rows: list[tuple], pseudo: float = 0.0, **price) -> float:
+def served_brier(rows: list[tuple], **price) -> float:
     """Brier score of the price as a request would be served its proposals: each reply's positions in order,
     the next proposal after the accepted drafts and the token after them, priced at the request's measured
-    rate (AcceptanceEMA at ACCEPT_EMA from the method's prior, as SpecRunner's controller keeps it) and its
-    calibration ratio with `pseudo` pseudo-drafts (SpecRunner.record's sums of the table's priors)."""
-    depth_prices = price.get("depth_prices", DEPTH_PRICES)
+    rate (AcceptanceEMA at ACCEPT_EMA from the method's prior, as SpecRunner's controller keeps it)."""
     proposals = collections.defaultdict(list)  # (reply, position) -> its walked drafts in order
     for n, i, j, depth, count, total, _, hit in rows:
         proposals[(n, i)].append((j, depth, count, total, hit))
     error, num = 0.0, 0
     for n in sorted({n for n, _ in proposals}):
-        rate, accepted, expected = AcceptanceEMA(ACCEPT_EMA, PRIOR_RATE), 0.0, 0.0
+        rate = AcceptanceEMA(ACCEPT_EMA, PRIOR_RATE)
         positions = sorted(i for m, i in proposals if m == n)
         i = positions[0]
         while i <= positions[-1]:
             drafts = sorted(proposals.get((n, i), []))
-            ratio = calibration_ratio(accepted, expected, pseudo)
             for _, depth, count, total, hit in drafts:
-                error += (position_price(depth, count, total, rate.rate, ratio=ratio, **price) - hit) ** 2
+                error += (position_price(depth, count, total, rate.rate, **price) - hit) ** 2
                 num += 1
-                accepted, expected = accepted + hit, expected + table_price(depth, count, total, depth_prices)
             held = sum(d[-1] for d in drafts)
             rate.update(len(drafts), held)
             i += held + 1
     return error / max(num, 1)
 
 
-PSEUDOS = (2.0, 5.0, 10.0)  # the calibration's pseudo-drafts served_scores tries
-
-
 def served_scores(rows: list[tuple]) -> dict[str, float]:
-    """served_brier of the price (rate weight 0.4, no calibration), the flat one, and the calibrated
-    table for each of PSEUDOS, alone (rate weight 0) and pulled toward the rate as now (0.4)."""
-    scores = {"served": served_brier(rows), "served_flat": served_brier(rows, depth_prices=(1.0,), rate_weight=0.5)}
-    for pseudo in PSEUDOS:
-        scores[f"served_calibrated_{pseudo:g}"] = served_brier(rows, pseudo, rate_weight=0.0)
-        scores[f"served_calibrated_{pseudo:g}_rate"] = served_brier(rows, pseudo)
-    return scores
+    """served_brier of the price and of the flat one."""
+    return {"served": served_brier(rows), "served_flat": served_brier(rows, depth_prices=(1.0,), rate_weight=0.5)}
 
 
 def print_scores(scores: dict[str, float]) -> None:
-    print("  served Brier: " + ", ".join(f"{k.removeprefix('served_') if k != 'served' else 'now'} {v:.4f}"
-                                         for k, v in scores.items() if k.startswith("served")))
+    print(f"  served Brier: {scores['served']:.4f} (flat {scores['served_flat']:.4f})")
 
 
 def rescore(paths: list[Path]) -> None:

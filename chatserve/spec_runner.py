@@ -397,8 +397,7 @@ class SpecRunner:
         its confidence (num_drafted < num_offered) counts as rejected where it stopped: the rate
         keeps meaning what the pricing assumes, the chance that a priced position is accepted
         (counted on the kept drafts alone it rose, the pricing gave more drafts, and the stopped
-        chains ran more head steps for the same rows: session 44). An offer with priors adds its
-        tried positions to the request's calibration (SpecState), which its method reads."""
+        chains ran more head steps for the same rows: session 44)."""
         method = req.spec.offer.method
         req.stats.spec.update(num_drafted, num_accepted)
         self.stats_by_method[method.name].update(num_drafted, num_accepted)
@@ -406,11 +405,6 @@ class SpecRunner:
         method.accept_rate.update(num_offered, num_accepted)
         if method.name in req.spec.controllers:
             req.spec.controllers[method.name].update(num_offered, num_accepted)
-        priors = req.spec.offer.priors
-        if priors is not None and num_offered:
-            seen = req.spec.calibration.setdefault(method.name, [0.0, 0.0])
-            seen[0] += num_accepted
-            seen[1] += sum(priors[: min(num_accepted + 1, num_offered)])
 
 
 def _within_grammar(req: Request, offer: Offer | None) -> Offer | None:
@@ -420,10 +414,7 @@ def _within_grammar(req: Request, offer: Offer | None) -> Offer | None:
     if offer is None or offer.token_ids is None or req.grammar is None:
         return offer
     n = req.grammar.num_valid(offer.token_ids)
-    if not n:
-        return None
-    priors = offer.priors[:n] if offer.priors is not None else None
-    return dataclasses.replace(offer, gains=offer.gains[:n], token_ids=offer.token_ids[:n], priors=priors)
+    return dataclasses.replace(offer, gains=offer.gains[:n], token_ids=offer.token_ids[:n]) if n else None
 
 
 def _best(offers: list[Offer | None]) -> Offer | None:

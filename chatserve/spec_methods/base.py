@@ -32,16 +32,13 @@ class Offer:
     gains[j - 1]: the probability that the first j drafts are all accepted (so the cap is
     len(gains)); token_ids: the proposal itself when it was free to make now (n-gram), None
     when propose() must run a model; num_catch_up_tokens: tokens the method's model must see
-    before its first draft (SpecRunner prices them from the measured costs); priors[j]: draft
-    j's chance of acceptance, given the drafts before it held, as the method predicts it before
-    what the request's own drafts say (its outcomes are then summed in SpecState.calibration).
+    before its first draft (SpecRunner prices them from the measured costs).
     """
 
     method: SpecMethod
     gains: list[float]
     token_ids: list[int] | None = None
     num_catch_up_tokens: int = 0
-    priors: list[float] | None = None
 
     @property
     def cap(self) -> int:
@@ -70,9 +67,6 @@ class SpecState:
     # the chain's drafts so far are accepted is >= keep_gain, the next is computed while P >= least_gain
     keep_gain: float = 0.0
     least_gain: float = 0.0
-    # method name -> [drafts accepted, their priors summed] over the positions verified of its offers
-    # that carried priors (each position tried: the accepted ones and the first rejected)
-    calibration: dict[str, list[float]] = field(default_factory=dict)
 
     @property
     def method(self) -> SpecMethod:

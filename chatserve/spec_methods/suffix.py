@@ -20,32 +20,14 @@ from spec.suffix import SuffixCorpus, SuffixProposer
 DEPTH_PRICES = (0.28, 0.43, 0.56, 0.56, 0.56, 0.56, 0.69) + (0.75,) * 4 + (0.9,) * 4 + (0.95,)  # depth 1..16+
 RATE_WEIGHT = 0.4  # of the measured acceptance rate against the table: a request whose drafts hold earns more
 PRIOR_RATE = 0.6  # the engine-wide rate before any draft
-CALIBRATION = 0.0  # pseudo-drafts of the request's calibration ratio (0: none; calibration_ratio)
-MAX_PRICE = 0.98  # what a calibrated price stays below: a sure draft it is not
-
-
-def calibration_ratio(accepted: float, expected: float, pseudo: float) -> float:
-    """How much likelier the request's drafts were accepted than the table said: (accepted + pseudo) /
-    (expected + pseudo), 1 before any and with pseudo = 0 (off). A reply that copies its prompt is
-    accepted 0.90 at depth 8-11 where first-turn replies are 0.61-0.68 (docs/benchmarks.md, session 50):
-    one table cannot price both, the request's own drafts tell them apart."""
-    return (accepted + pseudo) / (expected + pseudo) if pseudo else 1.0
-
-
-def table_price(depth: int, count: int, total: int, depth_prices=DEPTH_PRICES) -> float:
-    """A draft's chance of acceptance given the ones before it held, by the table alone: its depth's
-    price times the share of earlier occurrences its token followed."""
-    return count / total * depth_prices[min(depth, len(depth_prices)) - 1]
 
 
 def position_price(depth: int, count: int, total: int, accept_rate: float, depth_prices=DEPTH_PRICES,
-                   rate_weight: float = RATE_WEIGHT, ratio: float = 1.0) -> float:
+                   rate_weight: float = RATE_WEIGHT) -> float:
     """A draft's chance of acceptance given the ones before it held: its depth's price pulled toward the
-    measured rate and scaled by the request's calibration ratio (below MAX_PRICE), times the share of
-    earlier occurrences its token followed."""
+    measured rate, times the share of earlier occurrences its token followed."""
     table = depth_prices[min(depth, len(depth_prices)) - 1]
-    price = (1 - rate_weight) * table + rate_weight * accept_rate
-    return count / total * min(price * ratio, MAX_PRICE)
+    return count / total * ((1 - rate_weight) * table + rate_weight * accept_rate)
 
 
 class SuffixMethod:
@@ -62,8 +44,7 @@ class SuffixMethod:
         self.proposer = SuffixProposer()
         self.corpus = SuffixCorpus(config.suffix_corpus_tokens) if config.suffix_corpus_tokens else None
         self.accept_rate = AcceptanceEMA(ema=0.05, prior=PRIOR_RATE)
-        # attributes: a benchmark's variant sets them
-        self.depth_prices, self.rate_weight, self.calibration = DEPTH_PRICES, RATE_WEIGHT, CALIBRATION
+        self.depth_prices, self.rate_weight = DEPTH_PRICES, RATE_WEIGHT  # attributes: a benchmark's variant sets them
 
     @classmethod
     def create(cls, config: SpecConfig, models, sampler) -> SuffixMethod:
@@ -75,14 +56,12 @@ class SuffixMethod:
         draft = self.proposer.propose(req.spec.tokens.of(req.token_ids), cap, self.corpus)
         if not draft.token_ids:
             return None
-        ratio = calibration_ratio(*req.spec.calibration.get(self.name, (0.0, 0.0)), self.calibration)
-        gains, gain, priors = [], 1.0, []  # a few positions: plain floats (numpy's small calls cost more here)
+        gains, gain = [], 1.0  # a few positions: plain floats (numpy's small calls cost more here)
         for j, (count, total) in enumerate(zip(draft.counts, draft.totals)):
-            depth = draft.match_len + j
-            gain *= position_price(depth, count, total, accept_rate, self.depth_prices, self.rate_weight, ratio)
+            gain *= position_price(draft.match_len + j, count, total, accept_rate, self.depth_prices,
+                                   self.rate_weight)
             gains.append(gain)
-            priors.append(table_price(depth, count, total, self.depth_prices))
-        return Offer(self, gains, draft.token_ids, priors=priors)
+        return Offer(self, gains, draft.token_ids)
 
     def propose(self, reqs: list[Request], ks: list[int]) -> None:
         for req, k in zip(reqs, ks):
