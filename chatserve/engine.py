@@ -179,7 +179,8 @@ class Engine:
     def step(self) -> list[Delta]:
         start = time.perf_counter()
         if self.spec:
-            self.spec.plan(self.scheduler.running, self.scheduler.prefill_tokens_next_step())
+            self.spec.plan(self.scheduler.running, self.scheduler.prefill_tokens_next_step(),
+                           self.scheduler.num_streams_next_step())
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return []

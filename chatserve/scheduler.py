@@ -166,6 +166,11 @@ class Scheduler:
             req.stats.first_scheduled_time = time.perf_counter()
         self.running.append(req)
 
+    def num_streams_next_step(self) -> int:
+        """The running requests and the waiting ones admissible while sequence slots last: the
+        batch that the running decodes will share once the new prompts are in."""
+        return len(self.running) + len(self._admissible(max(self.max_num_seqs - len(self.running), 0)))
+
     def prefill_tokens_next_step(self) -> int:
         """About how many prompt tokens the next schedule() feeds next to the decodes: running
         prefill chunks, then waiting requests while sequence slots last (prefix-cache hits not

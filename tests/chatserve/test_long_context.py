@@ -163,6 +163,31 @@ def test_the_draft_catches_up_only_when_its_drafts_will_pay(tiny_llama_dir, max_
     assert_pool_empty(engine)
 
 
+def test_a_request_prefilling_beside_counts_in_the_catch_up_price(tiny_llama_dir):
+    """Rows that cost almost nothing at batch 1 (a second row +5%) and a full row each past two:
+    a draft pays for one stream, not for two. Request A decodes while B's 600-token prompt is
+    prefilled in chunks: A's draft does not catch up on its own 600 tokens then, since A will
+    decode beside B (it did, priced as if alone, and the two then never drafted: the default
+    pair's batch-2 loss, docs/benchmarks.md session 51); once B is done A catches up and drafts."""
+    target = {1: 1.0, 2: 1.05, **{r: 0.55 * r for r in range(3, 65)}}
+    engine = make_engine(tiny_llama_dir, tiny_llama_dir, "draft", adaptive=True, max_num_batched_tokens=128)
+    engine.spec.costs = SpecCosts(target, {r: 0.1 for r in range(1, 17)}, FIXED_COSTS.catch_up_seconds)
+    rows = record_draft_forwards(engine)
+    prompt_a, prompt_b = [(13 * i) % 250 + 3 for i in range(600)], [(7 * i) % 250 + 3 for i in range(600)]
+    a = engine.add_request(prompt_a, dataclasses.replace(GREEDY, max_tokens=200))
+    while not engine.scheduler.running or engine.scheduler.running[0].num_output_tokens == 0:
+        engine.step()
+    b = engine.add_request(prompt_b, dataclasses.replace(GREEDY, max_tokens=8))
+    done: set[str] = set()
+    while b not in done:
+        done |= {d.request_id for d in engine.step() if d.finished}
+    assert rows == [], rows  # no catch-up while B prefilled and decoded beside A
+    while engine.has_unfinished():
+        done |= {d.request_id for d in engine.step() if d.finished}
+    assert a in done and rows and max(rows) <= 64  # alone, A caught up in chunks
+    assert_pool_empty(engine)
+
+
 @pytest.fixture
 def one_thread():
     """Tiny ops on one thread: with two, a busy machine stalls each op for milliseconds."""
