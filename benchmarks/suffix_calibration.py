@@ -7,9 +7,11 @@ request's own tokens so far (no corpus, as eagle_head.py runs it), walked while 
 draft counts as accepted when it and every draft before it are the target's next tokens. Printed per
 workload: the first draft's acceptance by its (count, total) (how often its token followed the matched
 context) and by the match's length, and every walked draft's acceptance by its depth (the match's length
-plus the drafts before it, the context it continues) and against its price in SuffixMethod.offer.
+plus the drafts before it, the context it continues) and against its price in SuffixMethod.offer, and the
+price's Brier score at every walked draft and as served (served_brier; --rescore: of saved runs, no model).
 
     python benchmarks/suffix_calibration.py --model qwen2.5-coder-1.5b-instruct --out /tmp/suffix.json
+    python benchmarks/suffix_calibration.py --rescore /tmp/suffix.json
 """
 import argparse
 import collections
