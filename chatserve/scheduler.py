@@ -119,8 +119,7 @@ class Scheduler:
         prompt_budget = min(budget, self.prompt_budget(bool(decodes)))
         stream_budget = self.prompt_budget(True)
         prefills = [r for r in self.running if r.is_prefilling]
-        free_slots = max(self.max_num_seqs - len(self.running), 0)
-        arrivals = [self._attach_cached_prefix(r) for r in self._admissible(free_slots)]
+        arrivals = [self._attach_cached_prefix(r) for r in self._admissible()]
         admitting = True
         for req in sorted(prefills + arrivals, key=lambda r: r.num_uncomputed_tokens):
             if prompt_budget <= 0:
@@ -145,8 +144,9 @@ class Scheduler:
                 prompt_budget = min(prompt_budget, stream_budget)
         return scheduled
 
-    def _admissible(self, free_slots: int) -> list[Request]:
-        """The first `free_slots` waiting requests that wait for no sibling's prompt."""
+    def _admissible(self) -> list[Request]:
+        """The first waiting requests that wait for no sibling's prompt, as many as sequence slots are free."""
+        free_slots = max(self.max_num_seqs - len(self.running), 0)
         return list(islice((r for r in self.waiting if not _waits_for_prompt_source(r)), free_slots))
 
     def _attach_cached_prefix(self, req: Request) -> Request:
@@ -169,7 +169,7 @@ class Scheduler:
     def num_streams_next_step(self) -> int:
         """The running requests and the waiting ones admissible while sequence slots last: the
         batch that the running decodes will share once the new prompts are in."""
-        return len(self.running) + len(self._admissible(max(self.max_num_seqs - len(self.running), 0)))
+        return len(self.running) + len(self._admissible())
 
     def prefill_tokens_next_step(self) -> int:
         """About how many prompt tokens the next schedule() feeds next to the decodes: running
@@ -178,8 +178,7 @@ class Scheduler:
         (SpecRunner.plan)."""
         num_decodes = sum(1 for r in self.running if not r.is_prefilling)
         pending = sum(r.num_uncomputed_tokens for r in self.running if r.is_prefilling)
-        free_slots = max(self.max_num_seqs - len(self.running), 0)
-        pending += sum(r.num_uncomputed_tokens for r in self._admissible(free_slots))
+        pending += sum(r.num_uncomputed_tokens for r in self._admissible())
         return min(pending, max(self.max_num_batched_tokens - num_decodes, 0), self.prompt_budget(num_decodes > 0))
 
     def _allocate_or_preempt(self, req: Request, num_tokens: int, scheduled: list[ScheduledSeq]) -> bool:

@@ -108,7 +108,7 @@ class SpecRunner:
         req.spec = SpecState((method, *mixed))
         req.stats.spec_method = method.name
 
-    def plan(self, running: list[Request], prefill_rows: int = 0, num_streams: int | None = None) -> None:
+    def plan(self, running: list[Request], prefill_rows: int = 0, num_streams: int = 0) -> None:
         """Set req.num_lookahead_tokens (this step's k) for every running request that will
         decode next step, req.spec.offer (the method that drafts for it) and
         req.spec.num_catch_up_tokens (its draft model's catch-up this step, if any).
@@ -129,7 +129,7 @@ class SpecRunner:
         A draft model drafts only once it has seen all but a step's worth of a request's tokens
         (_catch_up_budget); until then it catches up in chunks that keep the step short, when
         the drafts it will make are worth the catch-up (_is_worth_catching_up) at a batch of
-        num_streams (default: every running request; the engine adds the waiting ones about to
+        num_streams (at least every running request; the engine adds the waiting ones about to
         be admitted): a request still prefilling decodes beside it in a few steps (priced at the
         decodes alone, a request caught up while its neighbour's prompt went in, then the two
         never drafted: session 51), and the request drafts by its other methods meanwhile.
@@ -148,7 +148,7 @@ class SpecRunner:
             # a fixed k gets fixed chunks too, so its drafts do not depend on timings either
             req_budget = budget if self._is_adaptive(req) or budget >= 1 << 30 else CATCH_UP_CHUNK
             offers = self._offers(req, req_budget)
-            self._plan_catch_up(req, req_budget, max(num_streams or 0, len(running)))
+            self._plan_catch_up(req, req_budget, max(num_streams, len(running)))
             if self._is_adaptive(req):
                 priced.append((req, offers))
             else:
