@@ -48,10 +48,13 @@ def walk_rows(proposer: SuffixProposer, ids: list[int], start: int, depth: int) 
     return rows
 
 
+# position_price's settings that give the price before session 50, (count + rate) / (total + 1), where count = total
+FLAT = {"depth_prices": (1.0,), "rate_weight": 0.5}
+
+
 def brier(rows: list[tuple], **price) -> float:
     """Mean squared error of position_price (at the method's prior rate; `price`: its depth_prices and
-    rate_weight) against the walked drafts' outcomes. The flat price, depth_prices=(1.0,) and rate_weight
-    0.5, is the one before session 50, (count + rate) / (total + 1), where count = total."""
+    rate_weight, e.g. FLAT) against the walked drafts' outcomes."""
     return sum((position_price(r[3], r[4], r[5], PRIOR_RATE, **price) - r[-1]) ** 2 for r in rows) / max(len(rows), 1)
 
 
@@ -59,16 +62,15 @@ def served_brier(rows: list[tuple], **price) -> float:
     """Brier score of the price as a request would be served its proposals: each reply's positions in order,
     the next proposal after the accepted drafts and the token after them, priced at the request's measured
     rate (AcceptanceEMA at ACCEPT_EMA from the method's prior, as SpecRunner's controller keeps it)."""
-    proposals = collections.defaultdict(list)  # (reply, position) -> its walked drafts in order
+    replies = collections.defaultdict(lambda: collections.defaultdict(list))  # reply -> position -> its drafts
     for n, i, j, depth, count, total, _, hit in rows:
-        proposals[(n, i)].append((j, depth, count, total, hit))
+        replies[n][i].append((j, depth, count, total, hit))
     error, num = 0.0, 0
-    for n in sorted({n for n, _ in proposals}):
+    for proposals in replies.values():
         rate = AcceptanceEMA(ACCEPT_EMA, PRIOR_RATE)
-        positions = sorted(i for m, i in proposals if m == n)
-        i = positions[0]
-        while i <= positions[-1]:
-            drafts = sorted(proposals.get((n, i), []))
+        i, last = min(proposals), max(proposals)
+        while i <= last:
+            drafts = sorted(proposals.get(i, []))
             for _, depth, count, total, hit in drafts:
                 error += (position_price(depth, count, total, rate.rate, **price) - hit) ** 2
                 num += 1
@@ -80,7 +82,7 @@ def served_brier(rows: list[tuple], **price) -> float:
 
 def served_scores(rows: list[tuple]) -> dict[str, float]:
     """served_brier of the price and of the flat one."""
-    return {"served": served_brier(rows), "served_flat": served_brier(rows, depth_prices=(1.0,), rate_weight=0.5)}
+    return {"served": served_brier(rows), "served_flat": served_brier(rows, **FLAT)}
 
 
 def print_scores(scores: dict[str, float]) -> None:
@@ -143,7 +145,7 @@ def main() -> None:
         walked = sum(r[-1] for r in rows)
         print(f"{kind}: proposals at {len(first)} of {positions} reply positions, the first draft accepted "
               f"{rate:.3f}, {walked / max(len(first), 1):.2f} drafts accepted a proposal (walked to {args.depth})")
-        scores = {"brier": brier(rows), "brier_flat": brier(rows, depth_prices=(1.0,), rate_weight=0.5)}
+        scores = {"brier": brier(rows), "brier_flat": brier(rows, **FLAT)}
         print(f"  Brier score of the price: {scores['brier']:.4f} (flat, the price before: {scores['brier_flat']:.4f})")
         scores |= served_scores(rows)
         print_scores(scores)
