@@ -505,12 +505,18 @@ def run(engine, model: str, target_dir: Path, cfg: TrainConfig, out: Path | None
         save_head(head_path, head, target_hash, {**info, "steps": state["step"], "train_seconds": round(state["seconds"], 1),
                                                  "val_top1": state["val_top1"], "val_accepted": val_accepted})
 
-    bar = _bar(show_progress, total=round(remaining), unit="s", desc="training")
-    train_start = time.perf_counter()
+    # in percent of the run, whichever of its budgets (--minutes, --max-steps) ends it first, as the lr's
+    # schedule counts it: a bar in seconds of --minutes showed 10 hours left of a run that --max-steps ended in 3.6
+    bar = _bar(show_progress, total=1000, desc="training",
+               bar_format="{desc}: {percentage:3.0f}%|{bar}| [{elapsed}<{remaining}{postfix}]")
+    train_start, first_step = time.perf_counter(), state.get("step", 0)
 
     def progress(metrics: dict) -> None:
         if bar is not None:
-            bar.update(max(min(int(time.perf_counter() - train_start), bar.total) - bar.n, 0))
+            done = (time.perf_counter() - train_start) / remaining if remaining > 0 else 1.0
+            if cfg.max_steps is not None:
+                done = max(done, (metrics["step"] - first_step) / max(cfg.max_steps - first_step, 1))
+            bar.update(max(min(int(1000 * done), 1000) - bar.n, 0))
             chained = {k: f"{v:.2f}" for k, v in metrics.items() if k.startswith("top1_")}
             held_out = ({"val": f"{state['val_top1']:.2f}", "val_len": f"{state['val_accepted']:.2f}"}
                         if "val_accepted" in state else {})

@@ -1109,7 +1109,7 @@ def test_a_head_for_other_weights_is_refused(tiny_llama_dir, tiny_draft_dir, tra
         engine.add_request([1, 2, 3], EAGLE)
 
 
-def test_train_head_command_saves_by_weight_hash_and_resumes(tiny_llama_dir, tmp_path, monkeypatch):
+def test_train_head_command_saves_by_weight_hash_and_resumes(tiny_llama_dir, tmp_path, monkeypatch, capsys):
     """`chatserve train-head` on the tiny model: data (its own replies + stdlib source), a few
     steps, the head in the cache under the weights' hash, where `--draft eagle` finds it; run
     again, it continues from the checkpoint."""
@@ -1117,9 +1117,12 @@ def test_train_head_command_saves_by_weight_hash_and_resumes(tiny_llama_dir, tmp
     from chatserve.head_store import default_head_path
 
     monkeypatch.setenv("CHATSERVE_CACHE", str(tmp_path))
-    args = ["train-head", "--model", str(tiny_llama_dir), "--dtype", "float32", "-q", "none", "--quiet",
+    args = ["train-head", "--model", str(tiny_llama_dir), "--dtype", "float32", "-q", "none",
             "--reply-tokens", "16", "--head-vocab-size", "100", "--minutes", "5"]  # max-steps ends it
     assert main([*args, "--max-data-tokens", "600", "--max-steps", "2", "--train-dtype", "float32"]) == 0
+    # the progress bar counts the run by whichever budget ends it: done at 2 steps, long before 5 minutes
+    assert "training: 100%" in capsys.readouterr().err.replace("\r", "\n")
+    args.append("--quiet")
     path = default_head_path(weights_hash(tiny_llama_dir))
     first = torch.load(path, weights_only=True)
     assert first["info"]["steps"] == 2 and first["info"]["num_kept"] >= 100
