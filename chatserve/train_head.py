@@ -384,9 +384,7 @@ def train(head: EagleHead, embed, sequences: list[Sequence], cfg: TrainConfig, s
     head.train()
     first_step = state["step"]
     while time.perf_counter() - start < seconds and (cfg.max_steps is None or state["step"] < cfg.max_steps):
-        done = (time.perf_counter() - start) / seconds if seconds > 0 else 0.0
-        if cfg.max_steps is not None:
-            done = max(done, (state["step"] - first_step) / max(cfg.max_steps - first_step, 1))
+        done = run_fraction(cfg, time.perf_counter() - start, seconds, state["step"], first_step)
         for group in opt.param_groups:
             group["lr"] = cfg.lr * lr_scale(cfg, state["step"], done)
         with torch.enable_grad():
@@ -419,6 +417,16 @@ def train(head: EagleHead, embed, sequences: list[Sequence], cfg: TrainConfig, s
     if save:
         save(state)
     return state
+
+
+def run_fraction(cfg: TrainConfig, elapsed: float, seconds: float, step: int, first_step: int) -> float:
+    """How far (0-1) a run that began at optimizer step first_step is through its budget at step
+    `step` (in all), `elapsed` of its `seconds` gone: by whichever of --minutes and --max-steps ends
+    it first (the lr's schedule and the progress bar)."""
+    done = elapsed / seconds if seconds > 0 else 0.0
+    if cfg.max_steps is not None:
+        done = max(done, (step - first_step) / max(cfg.max_steps - first_step, 1))
+    return done
 
 
 def lr_scale(cfg: TrainConfig, step: int, done: float) -> float:
@@ -513,9 +521,7 @@ def run(engine, model: str, target_dir: Path, cfg: TrainConfig, out: Path | None
 
     def progress(metrics: dict) -> None:
         if bar is not None:
-            done = (time.perf_counter() - train_start) / remaining if remaining > 0 else 1.0
-            if cfg.max_steps is not None:
-                done = max(done, (metrics["step"] - first_step) / max(cfg.max_steps - first_step, 1))
+            done = run_fraction(cfg, time.perf_counter() - train_start, remaining, metrics["step"], first_step)
             bar.update(max(min(int(1000 * done), 1000) - bar.n, 0))
             chained = {k: f"{v:.2f}" for k, v in metrics.items() if k.startswith("top1_")}
             held_out = ({"val": f"{state['val_top1']:.2f}", "val_len": f"{state['val_accepted']:.2f}"}

@@ -255,10 +255,16 @@ def test_each_run_warms_up_then_decays_its_learning_rate_over_its_budget():
     """lr_scale: linear warm-up, then a cosine from 1 to min_lr_ratio at the end of the run's
     budget, whichever of time and max_steps ends it; a resumed run (step past warm-up) starts
     again at the top."""
-    from chatserve.train_head import lr_scale
+    from chatserve.train_head import lr_scale, run_fraction
 
     cfg = TrainConfig(warmup_steps=10, min_lr_ratio=0.1)
     assert lr_scale(cfg, 0, 0.0) == pytest.approx(0.1) and lr_scale(cfg, 9, 0.0) == pytest.approx(1.0)
+    # how far a run is: by time alone, then by a resumed run's own steps (100 of 400 left) where they end it first
+    assert run_fraction(cfg, 30.0, 120.0, 700, 600) == pytest.approx(0.25)
+    steps_cfg = TrainConfig(max_steps=1000)
+    assert run_fraction(steps_cfg, 30.0, 120.0, 700, 600) == pytest.approx(0.25)
+    assert run_fraction(steps_cfg, 30.0, 120.0, 800, 600) == pytest.approx(0.5)
+    assert run_fraction(steps_cfg, 90.0, 120.0, 800, 600) == pytest.approx(0.75)
     assert lr_scale(cfg, 500, 0.5) == pytest.approx(0.55) and lr_scale(cfg, 500, 1.0) == pytest.approx(0.1)
     assert lr_scale(cfg, 500, 0.0) == 1.0 and lr_scale(cfg, 500, 2.0) == pytest.approx(0.1)
     seen = []
