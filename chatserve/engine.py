@@ -187,10 +187,8 @@ class Engine:
         num_prompts = sum(s.req.is_prefilling for s in scheduled)
         num_prompt_tokens = sum(s.num_new_tokens for s in scheduled if s.req.is_prefilling)
         self.num_prompt_tokens_computed += sum(_num_prompt_positions(s) for s in scheduled)
-        propose_start = time.perf_counter()
         if self.spec:
             self.spec.propose(scheduled)
-        propose_seconds = time.perf_counter() - propose_start
         items = [self._batch_item(s) for s in scheduled]
         features = None
         forward_start = time.perf_counter()
@@ -207,20 +205,16 @@ class Engine:
             delta = self._update(s, rows, now)
             if delta is not None:
                 deltas.append(delta)
-        forward_seconds = time.perf_counter() - forward_start
         if self.spec and not num_prompt_tokens:
             # the forward with its verification and sampling: at T > 0 a row's temperature, top-p and
             # softmax over the vocabulary cost ~1.5 ms on SmolLM2 (a fifth of its forward), which
             # adaptive k must pay for each draft it buys
-            self.spec.observe_forward(sum(len(it.token_ids) for it in items), forward_seconds)
+            self.spec.observe_forward(sum(len(it.token_ids) for it in items), time.perf_counter() - forward_start)
         if features is not None and self.spec and self.spec.reads_features:
             self.spec.observe(scheduled, items, features)  # [num_tokens, hidden]
         if self.feature_observer:
             self.feature_observer(scheduled, items, features)
-        seconds = time.perf_counter() - start
-        if self.spec and not num_prompt_tokens:  # the rest of a decode step, drafts or none
-            self.spec.observe_step(seconds - forward_seconds - propose_seconds)
-        self.scheduler.costs.observe(seconds, num_prompt_tokens, len(scheduled) - num_prompts)
+        self.scheduler.costs.observe(time.perf_counter() - start, num_prompt_tokens, len(scheduled) - num_prompts)
         return deltas
 
     def _batch_item(self, s: ScheduledSeq) -> BatchItem:

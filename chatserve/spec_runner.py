@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import statistics
-from collections import deque
 
 import torch
 
@@ -37,9 +36,6 @@ CATCH_UP_CHUNK = 64
 # not wall times: the cost table may be in units of a forward (assumed costs, tests).
 GAP_LIMIT = 2.5
 MIN_GAP_SAMPLES = 3
-# A decode step's time besides its forwards (OVERHEAD_WINDOW latest, their median once MIN_OVERHEADS are in)
-OVERHEAD_WINDOW = 33
-MIN_OVERHEADS = 3
 MIN_MADE_DRAFTS = 32  # drafts made before their acceptance prices how far a confident chain goes on
 
 
@@ -63,10 +59,6 @@ class SpecRunner:
         # turn, docs/benchmarks.md session 45), 1.00-1.03x with steps interleaved (session 47): one price
         # stays, the simpler rule; to be measured where rows are cheap (eagle_head.py --variant)
         self.keeps_computed_drafts = False
-        # True: drafts are priced against the whole step, its overhead included (observe_step); a
-        # benchmark variant may turn it off (prices_step_overhead=false)
-        self.prices_step_overhead = True
-        self._overheads: deque[float] = deque(maxlen=OVERHEAD_WINDOW)
         self.costs = None
         if config.adaptive:
             measured = measure_spec_costs(models, config.num_draft_tokens, max_num_seqs, config.max_draft_tokens)
@@ -210,8 +202,7 @@ class SpecRunner:
         target = self.costs.step_target(len(priced), prefill_rows)
         draft = self._draft_step_seconds(offers)
         ks = allocate_drafts([o.gains if o else [] for o in offers], target, draft, runs_model, setup,
-                             self._max_step_seconds([r for r, _ in priced], target(len(priced))),
-                             self.step_overhead)
+                             self._max_step_seconds([r for r, _ in priced], target(len(priced))))
         ks = [self._probe_k(req, offer, k) for (req, _), offer, k in zip(priced, offers, ks)]
         price = step_seconds(ks, target, draft, runs_model, setup)
         for req, _ in priced:
@@ -369,22 +360,6 @@ class SpecRunner:
         stay as they are."""
         if self._measured_costs is not None and self._observed.observe(rows, seconds):
             self._costs = self._corrected(self._observed)
-
-    def observe_step(self, overhead_seconds: float) -> None:
-        """A decode-only step spent `overhead_seconds` besides its target forward (with its rows'
-        verification and sampling) and its drafts (propose): planning, scheduling, an EAGLE head's
-        rows written after the forward, the engine's glue. Paid whether the step drafts or not."""
-        self._overheads.append(overhead_seconds)
-
-    @property
-    def step_overhead(self) -> float:
-        """What allocate_drafts adds to every step it prices: the median of the latest decode steps'
-        overheads (observe_step); 0 before MIN_OVERHEADS, with prices_step_overhead off, or with costs
-        that are not measured seconds (assumed ones are in units of a forward; set by hand, as set). On
-        SmolLM2 with an EAGLE head ~1 ms of a ~7 ms step (session 53); on Qwen 1.5B a few % of one."""
-        if not self.prices_step_overhead or self._measured_costs is None or len(self._overheads) < MIN_OVERHEADS:
-            return 0.0
-        return statistics.median(self._overheads)
 
     def _corrected(self, observer: ObservedForwards) -> SpecCosts:
         """The costs in use with observer's table corrected afresh from the start-up one (the

@@ -155,7 +155,6 @@ def allocate_drafts(
     runs_model: list[bool] | None = None,
     setup_seconds: list[float] | None = None,
     max_seconds: float | None = None,
-    overhead_seconds: float = 0.0,
 ) -> list[int]:
     """Batch-level draft lengths: k_i <= len(gains[i]) for each decoding sequence of one step,
     chosen to maximize expected emitted tokens per second of the whole step.
@@ -179,17 +178,13 @@ def allocate_drafts(
     have one, so a dear setup cannot keep the others from drafting.
     max_seconds, when given, bounds a step that drafts (a stream's gap between deltas); plain
     decoding is always allowed.
-    overhead_seconds is what every step costs besides its forwards (scheduling, sampling glue, an
-    EAGLE head's upkeep), drafts or none: a rate is tokens over the whole step, so it counts on
-    both sides (left out, a draft must pay for its rows out of the forward's time alone, and a
-    batch declines drafts that speed up the step as served: SmolLM2 at batch 2, session 53).
-    Returns all zeros when no allocation beats plain decoding (b tokens for target_seconds(b) + overhead).
+    Returns all zeros when no allocation beats plain decoding (b tokens for target_seconds(b)).
     """
     b = len(gains)
     caps = [len(g) for g in gains]
     if b == 0 or not any(caps):
         return [0] * b
-    best_rate, best = b / (target_seconds(b) + overhead_seconds), []
+    best_rate, best = b / target_seconds(b), []
     candidates = [caps]
     if setup_seconds is not None and any(setup_seconds):  # also try without the sequences that need one
         candidates.append([0 if setup_seconds[i] else c for i, c in enumerate(caps)])
@@ -229,9 +224,8 @@ def allocate_drafts(
                     seconds += sum(draft_at[a] for a in active_per_step[1:])
                 if max_seconds is not None and seconds > max_seconds:
                     break  # a step's seconds only grow with n
-                rate = tokens / (seconds + overhead_seconds)
-                if rate > best_rate:
-                    best_rate, best = rate, chosen[:n]
+                if tokens / seconds > best_rate:
+                    best_rate, best = tokens / seconds, chosen[:n]
     ks = [0] * b
     for _, _, i in best:
         ks[i] += 1

@@ -290,34 +290,6 @@ def test_the_engine_reports_its_decode_forwards_and_costs_set_by_hand_stay(tiny_
     assert engine.spec.costs is pinned
 
 
-def test_the_engine_reports_each_decode_steps_overhead(tiny_llama_dir):
-    """Each decode-only step reports its time besides the forward and the drafts (observe_step):
-    scheduling slowed by 20 ms shows in it, a propose slowed by 50 ms does not, a prompt's steps
-    report nothing; step_overhead, what allocate_drafts adds to every step it prices, is their
-    median, and 0 with prices_step_overhead off or costs not measured in seconds."""
-    from chatserve.sampling_params import SamplingParams
-
-    spec = SpecConfig(method="ngram", num_draft_tokens=2)
-    engine = Engine(EngineConfig(model=str(tiny_llama_dir), kv_cache_memory=8 << 20, spec=spec, max_num_seqs=2))
-    forwards, overheads = [], []
-    observe_forward, observe_step = engine.spec.observe_forward, engine.spec.observe_step
-    engine.spec.observe_forward = lambda rows, seconds: (forwards.append(rows), observe_forward(rows, seconds))
-    engine.spec.observe_step = lambda seconds: (overheads.append(seconds), observe_step(seconds))
-    schedule, propose = engine.scheduler.schedule, engine.spec.propose
-    engine.scheduler.schedule = lambda *a, **kw: (time.sleep(0.02), schedule(*a, **kw))[1]
-    engine.spec.propose = lambda *a, **kw: (time.sleep(0.05), propose(*a, **kw))[1]
-    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    engine.generate([[1, 5, 9, 5, 9, 5, 9, 2] * 4], params)
-    assert len(overheads) == len(forwards) >= 4  # the decode steps, not the prompt's
-    assert all(0.02 <= seconds < 0.05 for seconds in overheads)
-    assert 0.02 <= engine.spec.step_overhead < 0.05
-    engine.spec.prices_step_overhead = False
-    assert engine.spec.step_overhead == 0.0
-    engine.spec.prices_step_overhead = True
-    engine.spec.costs = SpecCosts({1: 1.0, 8: 1.3}, {})  # set by hand (here in units of a forward): no seconds added
-    assert engine.spec.step_overhead == 0.0
-
-
 def test_a_draft_models_served_steps_reprice_its_table(monkeypatch, tiny_llama_dir, tiny_draft_dir):
     """propose times each draft position that only drafts (the draft model's forward with its
     sampling) and the engine's draft table follows them: a draft model timed at start-up as nearly

@@ -253,31 +253,6 @@ def test_allocate_drafts_uses_free_rows_and_refuses_a_new_tile():
     assert allocate_drafts(_gains([], []), _tiled) == []
 
 
-def test_allocate_drafts_counts_a_steps_overhead_on_both_sides():
-    """A step's overhead (paid with or without drafts) makes a draft cheaper relative to the step:
-    at 0.45 a draft whose row costs half a forward loses on the forward alone (1.45 tokens for 1.5
-    against 1 for 1) and wins on the whole step with 1.0 of overhead (1.45 for 2.5 against 1 for 2)."""
-    linear = lambda rows: 1.0 + 0.5 * (rows - 1)  # noqa: E731
-    assert allocate_drafts(_gains([0.45], [1]), linear) == [0]
-    assert allocate_drafts(_gains([0.45], [1]), linear, overhead_seconds=1.0) == [1]
-    assert allocate_drafts(_gains([0.2], [1]), linear, overhead_seconds=1.0) == [0]  # 1.2 / 2.5 < 1 / 2
-
-
-@pytest.mark.parametrize("seed", range(20))
-def test_allocate_drafts_with_an_overhead_is_optimal_without_a_draft_model(seed):
-    import random
-
-    rng = random.Random(200 + seed)
-    b = rng.randint(1, 4)
-    rates = [rng.choice([0.0, 0.1, 0.5, 0.8, 0.95, 1.0, rng.random()]) for _ in range(b)]
-    caps = [rng.randint(0, 4) for _ in range(b)]
-    overhead = rng.choice([0.0, 0.1, 0.5, 2.0])
-    with_overhead = lambda rows: _tiled(rows) + overhead  # noqa: E731  what the brute force prices
-    ks = allocate_drafts(_gains(rates, caps), _tiled, overhead_seconds=overhead)
-    _, best_rate = _brute_force(rates, caps, with_overhead)
-    assert _rate(rates, ks, with_overhead) == pytest.approx(best_rate)
-
-
 def test_allocate_drafts_prices_only_draft_model_sequences_for_draft_steps():
     draft = lambda rows: 0.6  # noqa: E731  an expensive draft step
     # One sequence at 0.5 acceptance: a 0.6 draft step is not worth 0.5 of a token...
