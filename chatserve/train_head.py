@@ -361,7 +361,8 @@ def train(head: EagleHead, embed, sequences: list[Sequence], cfg: TrainConfig, s
           save=None, progress=None, val: list[Sequence] = (), on_best=None) -> dict:
     """Optimize head on sequences for `seconds` (or up to cfg.max_steps in all). state: {"step",
     "seconds", "optimizer"} from a checkpoint, or empty; updated. save(state) is called every
-    cfg.checkpoint_seconds and at the end; progress(metrics) after every step. With `val`, the
+    cfg.checkpoint_seconds and at the end; progress(metrics) after every step, with its "step" (in
+    all) and "done", how far the run is through its budget (run_fraction). With `val`, the
     head is validated at those times too (state["val_top1"]: validate; state["val_accepted"]:
     validate_chain, the best so far in "best_val_accepted"), and on_best(val_accepted) is called
     when it beats the best. The forward and loss run in
@@ -403,7 +404,8 @@ def train(head: EagleHead, embed, sequences: list[Sequence], cfg: TrainConfig, s
             raise FloatingPointError(f"train-head: loss {metrics['loss']} at step {state['step']}")
         state["step"] += 1
         if progress:
-            progress({**metrics, "step": state["step"]})
+            done = run_fraction(cfg, time.perf_counter() - start, seconds, state["step"], first_step)
+            progress({**metrics, "step": state["step"], "done": done})
         if (save or val) and time.perf_counter() - last_save > cfg.checkpoint_seconds:
             state.update(seconds=state["seconds"] + time.perf_counter() - last_save, optimizer=opt.state_dict())
             _validate_into(state, head, embed, val, on_best)
@@ -517,12 +519,10 @@ def run(engine, model: str, target_dir: Path, cfg: TrainConfig, out: Path | None
     # schedule counts it: a bar in seconds of --minutes showed 10 hours left of a run that --max-steps ended in 3.6
     bar = _bar(show_progress, total=1000, desc="training",
                bar_format="{desc}: {percentage:3.0f}%|{bar}| [{elapsed}<{remaining}{postfix}]")
-    train_start, first_step = time.perf_counter(), state.get("step", 0)
 
     def progress(metrics: dict) -> None:
         if bar is not None:
-            done = run_fraction(cfg, time.perf_counter() - train_start, remaining, metrics["step"], first_step)
-            bar.update(max(min(int(1000 * done), 1000) - bar.n, 0))
+            bar.update(max(min(int(1000 * metrics["done"]), 1000) - bar.n, 0))
             chained = {k: f"{v:.2f}" for k, v in metrics.items() if k.startswith("top1_")}
             held_out = ({"val": f"{state['val_top1']:.2f}", "val_len": f"{state['val_accepted']:.2f}"}
                         if "val_accepted" in state else {})
