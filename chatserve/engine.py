@@ -209,7 +209,7 @@ class Engine:
             # the forward with its verification and sampling: at T > 0 a row's temperature, top-p and
             # softmax over the vocabulary cost ~1.5 ms on SmolLM2 (a fifth of its forward), which
             # adaptive k must pay for each draft it buys
-            self.spec.observe_forward(items, time.perf_counter() - forward_start)
+            self.spec.observe_forward(sum(len(it.token_ids) for it in items), time.perf_counter() - forward_start)
         if features is not None and self.spec and self.spec.reads_features:
             self.spec.observe(scheduled, items, features)  # [num_tokens, hidden]
         if self.feature_observer:

@@ -36,10 +36,6 @@ from chatserve.block_manager import BlockTable
 from spec.sampling import argmax_rows
 
 CONTEXT = 48  # tokens already in the cache when the timed rows arrive: a short chat
-# ...and the longer context timed beside it, for what each token of context adds (its attention):
-# SmolLM2 int4 on a 2-core AVX2 VM, one sequence, 1 / 3 / 5 rows: 5.5 / 7.1 / 10.3 ms at 48 tokens,
-# 9.2 / 13.4 / 19.0 at 1,024, 12.7 / 20.0 / 27.1 at 2,032 (scratch, session 54)
-LONG_CONTEXT = 1024
 MAX_ROWS = 64  # beyond this, cost is extrapolated in proportion to rows
 ROUNDS = 5  # timings of each forward of up to FEW_ROWS rows (median_of_rounds); 2 for longer ones
 FEW_ROWS = 16
@@ -62,27 +58,16 @@ class SpecCosts:
     draft_seconds: dict[int, float]  # rows -> one draft forward (a logit row each); empty without a draft model
     catch_up_seconds: dict[int, float] = field(default_factory=dict)  # rows -> a draft forward with one logit row
     head_seconds: dict[int, float] = field(default_factory=dict)  # rows -> one EAGLE head draft step; empty without
-    # rows of one sequence -> seconds each token of its context past CONTEXT adds to a target forward; empty: none
-    context_seconds: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self):  # the row counts in order, once (allocate_drafts looks up ~100 a step)
         object.__setattr__(self, "_target_rows", sorted(self.target_seconds))
         object.__setattr__(self, "_draft_rows", sorted(self.draft_seconds))
         object.__setattr__(self, "_catch_up_rows", sorted(self.catch_up_seconds))
         object.__setattr__(self, "_head_rows", sorted(self.head_seconds))
-        object.__setattr__(self, "_context_rows", sorted(self.context_seconds))
 
     def target(self, rows: int) -> float:
         """Seconds of one target forward over `rows` rows (looked up)."""
         return _lookup(self.target_seconds, self._target_rows, rows)
-
-    def context(self, rows: int, start: int) -> float:
-        """Seconds that `rows` rows of one sequence placed after `start` tokens cost in a target
-        forward beyond what target() says (rows placed after CONTEXT tokens): their attention over
-        the longer context. 0 without a measured context table."""
-        if not self.context_seconds or start <= CONTEXT:
-            return 0.0
-        return _lookup(self.context_seconds, self._context_rows, rows) * (start - CONTEXT)
 
     def step_target(self, num_decodes: int, prefill_rows: int = 0):
         """rows -> seconds, as allocate_drafts should price a step that also feeds prefill_rows
@@ -278,8 +263,7 @@ class ObservedForwards:
 def measure_spec_costs(models, max_k: int, max_num_seqs: int, max_rows_k: int | None = None,
                        rounds: int = ROUNDS) -> SpecCosts | None:
     """None when the pool cannot spare the scratch blocks (then assumed_spec_costs apply).
-    Every row count up to max_k + 1 is timed (also after LONG_CONTEXT tokens, for
-    context_seconds, where the pool has room), then row_grid's steps up to max_num_seqs
+    Every row count up to max_k + 1 is timed, then row_grid's steps up to max_num_seqs
     sequences of max_rows_k drafts (default max_k; free proposals may draft further).
     A draft model's forwards are timed only with one (models.draft_runner), an EAGLE head's steps
     only with one (models.eagle_runner). Forwards of up to FEW_ROWS rows (the steps that batch-1
@@ -294,18 +278,8 @@ def measure_spec_costs(models, max_k: int, max_num_seqs: int, max_rows_k: int | 
         catch_up_rows = ()  # a small pool: price catch-ups from the decode grid instead
         if not bm.allocate(table, CONTEXT + max_rows):
             return None
-    # One sequence's rows at a long context too, where the pool and the model's length allow (the table of
-    # context_seconds: each token of context a verification's rows see adds their attention over it).
-    context_rows = range(1, max_k + 2)
-    long = min(LONG_CONTEXT, getattr(models, "max_model_len", LONG_CONTEXT) - len(context_rows))
-    long_table = BlockTable()
-    if long < 4 * CONTEXT or not bm.allocate(long_table, long + len(context_rows)):
-        context_rows = ()
     try:
         forwards, num_rounds = {}, {}
-        for rows in context_rows:
-            forwards["long", rows] = _forward(models.target_runner, long_table, long, rows)
-            num_rounds["long", rows] = rounds
         for kind, runner, grid, num_logits in (
                 ("target", models.target_runner, row_grid(max_rows, max_k), None),
                 ("draft", models.draft_runner, row_grid(max_num_seqs, 3) if has_draft_model else (), None),
@@ -319,11 +293,6 @@ def measure_spec_costs(models, max_k: int, max_num_seqs: int, max_rows_k: int | 
         typical = median_of_rounds(forwards, num_rounds)
     finally:
         bm.free(table)
-        bm.free(long_table)
     tables = {kind: {rows: t for (k, rows), t in typical.items() if k == kind}
-              for kind in ("target", "draft", "catch_up", "head", "long")}
-    context, floor = {}, 0.0  # never below 0 (a noisy pair), never falling as rows grow
-    for rows, seconds in sorted(tables["long"].items()):
-        floor = max(floor, (seconds - tables["target"][rows]) / (long - CONTEXT))
-        context[rows] = floor
-    return SpecCosts(tables["target"], tables["draft"], tables["catch_up"], tables["head"], context)
+              for kind in ("target", "draft", "catch_up", "head")}
+    return SpecCosts(tables["target"], tables["draft"], tables["catch_up"], tables["head"])

@@ -59,9 +59,6 @@ class SpecRunner:
         # turn, docs/benchmarks.md session 45), 1.00-1.03x with steps interleaved (session 47): one price
         # stays, the simpler rule; to be measured where rows are cheap (eagle_head.py --variant)
         self.keeps_computed_drafts = False
-        # True: each request's rows priced at its context and served forwards brought back to the start-up
-        # table's before they correct it (context_seconds); False: rows priced alike at any context
-        self.prices_context = True
         self.costs = None
         if config.adaptive:
             measured = measure_spec_costs(models, config.num_draft_tokens, max_num_seqs, config.max_draft_tokens)
@@ -204,17 +201,10 @@ class SpecRunner:
         setup = [self._catch_up_seconds(r, o) for (r, _), o in zip(priced, offers)] if has_catch_up else None
         target = self.costs.step_target(len(priced), prefill_rows)
         draft = self._draft_step_seconds(offers)
-        gains = [o.gains if o else [] for o in offers]
-        # each request's rows priced at its own context: a verification late in a long reply costs more
-        context = None
-        if self.prices_context and self.costs.context_seconds:
-            context = [[self.costs.context(k + 1, req.num_computed_tokens) for k in range(len(g) + 1)]
-                       for (req, _), g in zip(priced, gains)]
-        plain = target(len(priced)) + (sum(c[0] for c in context) if context else 0.0)
-        ks = allocate_drafts(gains, target, draft, runs_model, setup,
-                             self._max_step_seconds([r for r, _ in priced], plain), context)
+        ks = allocate_drafts([o.gains if o else [] for o in offers], target, draft, runs_model, setup,
+                             self._max_step_seconds([r for r, _ in priced], target(len(priced))))
         ks = [self._probe_k(req, offer, k) for (req, _), offer, k in zip(priced, offers, ks)]
-        price = step_seconds(ks, target, draft, runs_model, setup, context)
+        price = step_seconds(ks, target, draft, runs_model, setup)
         for req, _ in priced:
             req.spec.recent_steps.append(price)
         stop_gains = self._stop_gains(offers, ks, target, draft, len(priced))
@@ -363,20 +353,12 @@ class SpecRunner:
                 if any([observer.observe(rows, seconds) for rows, seconds in timed]):  # a list: each one observed
                     self._costs = self._corrected(observer)
 
-    def observe_forward(self, items: list[BatchItem], seconds: float) -> None:
-        """A decode-only step's target forward over `items`, with the verification and sampling of
-        their rows, took `seconds`: measured costs follow what service's steps cost
-        (spec_costs.ObservedForwards), each forward brought back to the start-up table's short
-        context first (what its rows' contexts add, by the start-up context_seconds), so a row count
-        that service buys late in long replies is not priced at their contexts everywhere (SmolLM2,
-        two sequences of 2 rows each: 8.7 / 10.1 / 11.0 ms after 48 / 256 / 512 tokens). Assumed
-        costs, in units of a forward rather than seconds, stay as they are."""
-        if self._measured_costs is None:
-            return
-        rows = sum(len(it.token_ids) for it in items)
-        if self.prices_context:
-            seconds -= sum(self._measured_costs.context(len(it.token_ids), it.start_pos) for it in items)
-        if self._observed.observe(rows, seconds):
+    def observe_forward(self, rows: int, seconds: float) -> None:
+        """A decode-only step's target forward over `rows` rows, with the verification and sampling
+        of its rows, took `seconds`: measured costs follow what service's steps cost
+        (spec_costs.ObservedForwards); assumed ones, in units of a forward rather than seconds,
+        stay as they are."""
+        if self._measured_costs is not None and self._observed.observe(rows, seconds):
             self._costs = self._corrected(self._observed)
 
     def _corrected(self, observer: ObservedForwards) -> SpecCosts:

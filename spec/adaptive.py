@@ -13,8 +13,6 @@ arXiv:2211.17192, eq. 1): the j-th draft position adds alpha^j.
 
 from __future__ import annotations
 
-import itertools
-
 
 class AcceptanceEMA:
     """alpha, the probability that a draft position is accepted: accepted / attempted positions,
@@ -103,9 +101,6 @@ class AdaptiveDraftLength:
         self._alpha.update(num_drafted, num_accepted)
 
 
-CONTEXT_PASSES = 3  # allocate_drafts' scans at most, with context_seconds
-
-
 def geometric_gains(accept_rate: float, cap: int) -> list[float]:
     """Expected tokens of each draft position at one acceptance rate per position: [alpha, alpha^2, ...]."""
     return [accept_rate ** j for j in range(1, cap + 1)]
@@ -117,12 +112,9 @@ def step_seconds(
     draft_seconds=None,
     runs_model: list[bool] | None = None,
     setup_seconds: list[float] | None = None,
-    context_seconds: list[list[float]] | None = None,
 ) -> float:
     """What allocate_drafts prices a step at whose sequences draft ks (same arguments)."""
     seconds = target_seconds(len(ks) + sum(ks))
-    if context_seconds is not None:
-        seconds += sum(context[k] for context, k in zip(context_seconds, ks))
     if setup_seconds is not None:
         seconds += sum(setup for setup, k in zip(setup_seconds, ks) if k)
     if draft_seconds is not None:
@@ -156,13 +148,6 @@ def chain_stop_gains(target_seconds, draft_seconds, num_seqs: int, num_drafts: i
     return keep, (keep + step * num_seqs / plain) / max(made_accept_rate, 0.05)
 
 
-def _net_gains(gains: list[list[float]], context_seconds: list[list[float]], rate: float) -> list[list[float]]:
-    """Each draft's gain less what its row's context costs in tokens at `rate` (tokens a second),
-    made non-increasing within each sequence, so its positions are still taken in order."""
-    return [list(itertools.accumulate((g - rate * (c[j + 1] - c[j]) for j, g in enumerate(gs)), min))
-            for gs, c in zip(gains, context_seconds)]
-
-
 def allocate_drafts(
     gains: list[list[float]],
     target_seconds,
@@ -170,7 +155,6 @@ def allocate_drafts(
     runs_model: list[bool] | None = None,
     setup_seconds: list[float] | None = None,
     max_seconds: float | None = None,
-    context_seconds: list[list[float]] | None = None,
 ) -> list[int]:
     """Batch-level draft lengths: k_i <= len(gains[i]) for each decoding sequence of one step,
     chosen to maximize expected emitted tokens per second of the whole step.
@@ -194,21 +178,13 @@ def allocate_drafts(
     have one, so a dear setup cannot keep the others from drafting.
     max_seconds, when given, bounds a step that drafts (a stream's gap between deltas); plain
     decoding is always allowed.
-    context_seconds[i][k], when given (k = 0 .. len(gains[i])), is what sequence i's k + 1 rows add to
-    the target forward for the context they see (their attention over it): a row of a long
-    conversation costs more than one of a short chat, and its own sequence's rows share the reads.
-    Drafts are then taken in order of gain net of their context's seconds (as tokens at plain
-    decoding's rate, then again at the best rate found, up to CONTEXT_PASSES scans; kept in order
-    within each sequence): a close heuristic, tested against enumeration. By gain alone, two
-    sequences alike but for their contexts drafted both or none.
     Returns all zeros when no allocation beats plain decoding (b tokens for target_seconds(b)).
     """
     b = len(gains)
     caps = [len(g) for g in gains]
     if b == 0 or not any(caps):
         return [0] * b
-    plain_context = sum(c[0] for c in context_seconds) if context_seconds is not None else 0.0
-    best_rate, best = b / (target_seconds(b) + plain_context), []
+    best_rate, best = b / target_seconds(b), []
     candidates = [caps]
     if setup_seconds is not None and any(setup_seconds):  # also try without the sequences that need one
         candidates.append([0 if setup_seconds[i] else c for i, c in enumerate(caps)])
@@ -216,54 +192,40 @@ def allocate_drafts(
     draft_at = [0.0] * (b + 1)  # draft_at[a]: one draft step over a sequences (draft_at[0] = 0)
     if draft_seconds is not None:
         draft_at[1:] = [draft_seconds(a) for a in range(1, b + 1)]
-    rate_of_order, ranked = best_rate, None  # what a second of context is worth in tokens, ordering the drafts
-    for _ in range(CONTEXT_PASSES if context_seconds is not None else 1):
-        order = gains
-        if context_seconds is not None:
-            order = _net_gains(gains, context_seconds, rate_of_order)
-            ranking = sorted(((o, -j, i) for i, os in enumerate(order) for j, o in enumerate(os, 1)), reverse=True)
-            if [(j, i) for _, j, i in ranking] == ranked:
-                break  # the drafts in the same order as the last scan's: it would find what that one did
-            ranked = [(j, i) for _, j, i in ranking]
-        for caps_tried in candidates:
-            if not any(caps_tried):
-                continue
-            # (order, -j, i): largest (net) gain first; equal ones keep each sequence's positions in order.
-            chosen_all = sorted(((order[i][j - 1], -j, i) for i in range(b) for j in range(1, caps_tried[i] + 1)),
-                                reverse=True)
-            top = max(caps_tried)
-            limits = [top]
-            if draft_seconds is not None:
-                # A limit past every model-run sequence's cap cuts free proposals alone, which cost no draft
-                # step: the scan without a limit (top) sees every such set's drafts or better ones.
-                model_top = max((c for i, c in enumerate(caps_tried) if runs_model is None or runs_model[i]), default=0)
-                limits = [*range(1, min(model_top, top - 1) + 1), top]
-            for max_steps in limits:
-                chosen = [g for g in chosen_all if -g[1] <= max_steps]
-                tokens, setup, context = float(b), 0.0, plain_context
-                active_per_step = [0] * (max_steps + 1)  # active_per_step[s]: model-run sequences drafting >= s tokens
-                for n, (_, neg_j, i) in enumerate(chosen, start=1):
-                    tokens += gains[i][-neg_j - 1]
-                    if runs_model is None or runs_model[i]:
-                        active_per_step[-neg_j] += 1
-                    if setup_seconds is not None and neg_j == -1:
-                        setup += setup_seconds[i]
-                    if context_seconds is not None:  # sequence i's j-th draft, its positions taken in order
-                        context += context_seconds[i][-neg_j] - context_seconds[i][-neg_j - 1]
-                    rows = b + n
-                    seconds = target_at.get(rows)
-                    if seconds is None:
-                        seconds = target_at[rows] = target_seconds(rows)
-                    seconds += setup + context
-                    if draft_seconds is not None:
-                        seconds += sum(draft_at[a] for a in active_per_step[1:])
-                    if max_seconds is not None and seconds > max_seconds:
-                        break  # a step's seconds only grow with n
-                    if tokens / seconds > best_rate:
-                        best_rate, best = tokens / seconds, chosen[:n]
-        if best_rate <= rate_of_order:
-            break
-        rate_of_order = best_rate  # again at the best rate found: a second costs more tokens there
+    for caps_tried in candidates:
+        if not any(caps_tried):
+            continue
+        # (gain, -j, i): largest gain first; equal gains keep each sequence's positions in order.
+        chosen_all = sorted(((gains[i][j - 1], -j, i) for i in range(b) for j in range(1, caps_tried[i] + 1)),
+                            reverse=True)
+        top = max(caps_tried)
+        limits = [top]
+        if draft_seconds is not None:
+            # A limit past every model-run sequence's cap cuts free proposals alone, which cost no draft
+            # step: the scan without a limit (top) sees every such set's drafts or better ones.
+            model_top = max((c for i, c in enumerate(caps_tried) if runs_model is None or runs_model[i]), default=0)
+            limits = [*range(1, min(model_top, top - 1) + 1), top]
+        for max_steps in limits:
+            chosen = [g for g in chosen_all if -g[1] <= max_steps]
+            tokens, setup = float(b), 0.0
+            active_per_step = [0] * (max_steps + 1)  # active_per_step[s]: model-run sequences drafting >= s tokens
+            for n, (gain, neg_j, i) in enumerate(chosen, start=1):
+                tokens += gain
+                if runs_model is None or runs_model[i]:
+                    active_per_step[-neg_j] += 1
+                if setup_seconds is not None and neg_j == -1:
+                    setup += setup_seconds[i]
+                rows = b + n
+                seconds = target_at.get(rows)
+                if seconds is None:
+                    seconds = target_at[rows] = target_seconds(rows)
+                seconds += setup
+                if draft_seconds is not None:
+                    seconds += sum(draft_at[a] for a in active_per_step[1:])
+                if max_seconds is not None and seconds > max_seconds:
+                    break  # a step's seconds only grow with n
+                if tokens / seconds > best_rate:
+                    best_rate, best = tokens / seconds, chosen[:n]
     ks = [0] * b
     for _, _, i in best:
         ks[i] += 1

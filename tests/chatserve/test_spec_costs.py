@@ -59,8 +59,6 @@ def test_costs_are_measured_and_the_pool_is_left_as_it_was(tiny_llama_dir, tiny_
     assert max(costs.target_seconds) == 20 and sorted(costs.draft_seconds) == [1, 2, 3, 4]
     assert sorted(costs.catch_up_seconds) == [16, 32, 64, 128, 256]
     assert all(t > 0 for t in costs.target_seconds.values())
-    assert sorted(costs.context_seconds) == [1, 2, 3, 4, 5]  # one sequence's 1..k + 1 rows after a long context
-    assert all(t >= 0 for t in costs.context_seconds.values())
     assert bm.num_free_blocks == bm.num_blocks
     bm.check_invariants()
     # the engine's own: 4 sequences of up to num_free_draft_tokens (16) free drafts
@@ -194,41 +192,6 @@ def test_a_slow_spell_of_the_machine_does_not_bend_the_table(monkeypatch, spell_
     assert set(costs.catch_up_seconds) == set(spec_costs.CATCH_UP_ROWS)
 
 
-class _ContextRunner:
-    """A forward that costs 1 ms a row and 1 us a row for each token of context before it."""
-
-    def __init__(self, clock: _Clock):
-        self.clock = clock
-
-    def run(self, items):
-        rows = sum(len(it.token_ids) for it in items)
-        self.clock.now += sum(len(it.token_ids) * (1e-3 + it.start_pos * 1e-6) for it in items)
-        self.clock.calls += rows
-
-
-def test_what_a_token_of_context_costs_is_measured_per_row_count(monkeypatch):
-    """context_seconds: one sequence's 1..k + 1 rows timed after LONG_CONTEXT tokens as well as after
-    CONTEXT, per token between them; SpecCosts.context prices rows after any context by it (nothing
-    up to CONTEXT, which the table already holds). A model too short for the long context has none."""
-    import types
-
-    from chatserve import spec_costs
-
-    clock = _Clock(range(0))
-    monkeypatch.setattr(spec_costs.time, "perf_counter", clock)
-    models = types.SimpleNamespace(block_manager=_Pool(), target_runner=_ContextRunner(clock), draft_runner=None,
-                                   eagle_runner=None, max_model_len=4096)
-    costs = measure_spec_costs(models, 2, 2)
-    assert costs.context_seconds == {r: pytest.approx(r * 1e-6) for r in (1, 2, 3)}
-    assert costs.target(3) == pytest.approx(3 * (1e-3 + spec_costs.CONTEXT * 1e-6))
-    assert costs.context(3, spec_costs.CONTEXT + 500) == pytest.approx(3 * 1e-6 * 500)
-    assert costs.context(3, 10) == 0.0 and costs.context(2, spec_costs.CONTEXT) == 0.0
-    assert costs.context(6, 1048) == pytest.approx(6e-3)  # past the table: in proportion to rows
-    short = types.SimpleNamespace(**{**vars(models), "max_model_len": 128})
-    assert measure_spec_costs(short, 2, 2).context_seconds == {}
-    assert SpecCosts({1: 1.0}, {}).context(4, 5000) == 0.0  # no table: no context priced
-
-
 def test_service_forwards_reprice_the_table():
     """Rows seen in service cost what they took (median); a row count not seen keeps the table's
     shape at the level of its nearest seen neighbour; nothing is corrected before MIN_SEEN."""
@@ -307,8 +270,7 @@ def test_the_engine_reports_its_decode_forwards_and_costs_set_by_hand_stay(tiny_
     measured = engine.spec.costs
     seen = []
     observe = engine.spec.observe_forward
-    engine.spec.observe_forward = lambda items, seconds: (seen.append(sum(len(it.token_ids) for it in items)),
-                                                          observe(items, seconds))
+    engine.spec.observe_forward = lambda rows, seconds: (seen.append(rows), observe(rows, seconds))
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     engine.generate([[1, 5, 9, 5, 9, 5, 9, 2] * 4, [2, 6, 8, 6, 8, 6, 8, 3] * 4], params)
     assert len(seen) >= 6 and all(1 <= rows <= 2 * 3 for rows in seen)  # decodes and drafts, never a prompt
@@ -318,7 +280,7 @@ def test_the_engine_reports_its_decode_forwards_and_costs_set_by_hand_stay(tiny_
     engine.sampler.verify = lambda *a, **kw: (time.sleep(0.02), slow[0](*a, **kw))[1]
     engine.sampler.sample = lambda *a, **kw: (time.sleep(0.02), slow[1](*a, **kw))[1]
     times = []
-    engine.spec.observe_forward = lambda items, seconds: (times.append(seconds), observe(items, seconds))
+    engine.spec.observe_forward = lambda rows, seconds: (times.append(seconds), observe(rows, seconds))
     engine.generate([[1, 5, 9, 5, 9, 5, 9, 2] * 4], params)
     assert times and min(times) >= 0.02
     engine.sampler.verify, engine.sampler.sample = slow
@@ -366,70 +328,3 @@ def test_a_draft_models_served_steps_reprice_its_table(monkeypatch, tiny_llama_d
     # a draft position now costs 30 ms beside a few-ms target step: only the probes draft
     assert engine.spec.stats_by_method["draft"].num_draft_tokens - before <= 24 // method.probe_every + 1
     assert_pool_empty(engine)
-
-
-def test_served_forwards_are_brought_to_the_tables_context_before_they_reprice_it(monkeypatch, tiny_llama_dir):
-    """observe_forward takes off what each item's rows cost for their context (the start-up
-    context_seconds) before the forward reprices its row count: 4 rows over two long sequences that
-    took what the table says plus their context leave the table as it was; dearer by 2 ms at either
-    context, the row count is priced 2 ms dearer."""
-    from chatserve import spec_runner
-    from chatserve.batch import BatchItem
-    from chatserve.spec_costs import CONTEXT, ObservedForwards
-
-    table = SpecCosts({1: 0.010, 2: 0.011, 4: 0.013, 8: 0.02}, {}, context_seconds={1: 1e-5, 2: 1.5e-5})
-    monkeypatch.setattr(spec_runner, "measure_spec_costs", lambda *a, **kw: table)
-    engine = Engine(EngineConfig(model=str(tiny_llama_dir), kv_cache_memory=8 << 20, max_num_seqs=2,
-                                 spec=SpecConfig(method="ngram", num_draft_tokens=2)))
-    long = [BatchItem([1, 2], CONTEXT + 1000, [0], 2), BatchItem([3, 4], CONTEXT + 1000, [1], 2)]
-    for _ in range(ObservedForwards.MIN_SEEN):
-        engine.spec.observe_forward(long, 0.013 + 2 * 1.5e-5 * 1000)
-    assert engine.spec.costs.target(4) == pytest.approx(0.013)
-    for _ in range(ObservedForwards.WINDOW):
-        engine.spec.observe_forward(long, 0.015 + 2 * 1.5e-5 * 1000)
-    assert engine.spec.costs.target(4) == pytest.approx(0.015)
-    short = [BatchItem([1, 2], 10, [0], 2), BatchItem([3, 4], 10, [1], 2)]
-    for _ in range(ObservedForwards.WINDOW):
-        engine.spec.observe_forward(short, 0.017)
-    assert engine.spec.costs.target(4) == pytest.approx(0.017)
-    assert engine.spec.costs.context_seconds == table.context_seconds  # the start-up one, as it was
-
-
-def test_a_long_context_prices_out_the_rows_it_makes_dear(monkeypatch, tiny_llama_dir, tiny_draft_dir):
-    """_allocate prices each request's rows at its own context: with a draft model timed as nearly
-    free, a short chat drafts; when each token of context makes a verification's second row dear,
-    a long prompt's request drafts nothing (a draft model's probes are priced too), and its
-    output is the same."""
-    from chatserve import spec_runner
-    from chatserve.sampling_params import SamplingParams
-    from tests.chatserve.test_engine import assert_pool_empty
-
-    measure = spec_runner.measure_spec_costs
-    dear = {}
-
-    def costs_with_context(*args, **kwargs):
-        costs = measure(*args, **kwargs)
-        return dataclasses.replace(costs, draft_seconds={r: t / 100 for r, t in costs.draft_seconds.items()},
-                                   catch_up_seconds={r: t / 100 for r, t in costs.catch_up_seconds.items()},
-                                   context_seconds=dict(dear))
-
-    monkeypatch.setattr(spec_runner, "measure_spec_costs", costs_with_context)
-    spec = SpecConfig(method="draft", draft_model=str(tiny_draft_dir), num_draft_tokens=3, suffix_corpus_tokens=0)
-    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    long_prompt = [1, 5, 9, 2, 7, 3] * 50
-    outputs = []
-    for context in ({}, {1: 0.0, 2: 1.0}):
-        dear.clear()
-        dear.update(context)
-        engine = Engine(EngineConfig(model=str(tiny_llama_dir), kv_cache_memory=8 << 20, spec=spec, max_num_seqs=2))
-        method = engine.spec.methods["draft"]
-        method.accept_rate = AcceptanceEMA(ema=0.05, prior=0.9)  # trusted: the random draft drafts from the start
-        stats = engine.spec.stats_by_method["draft"]
-        engine.generate([[1, 5, 9, 2] * 3], params)  # 12 + 16 tokens: never past CONTEXT
-        assert stats.num_draft_tokens > 0
-        before = stats.num_draft_tokens
-        method.accept_rate = AcceptanceEMA(ema=0.05, prior=0.9)
-        outputs.append(engine.generate([long_prompt], params))
-        assert (stats.num_draft_tokens - before == 0) == bool(context)
-        assert_pool_empty(engine)
-    assert [o["token_ids"] for o in outputs[0]] == [o["token_ids"] for o in outputs[1]]

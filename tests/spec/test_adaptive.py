@@ -107,24 +107,26 @@ def _tiled(rows: int) -> float:
     return 1.0 + ((rows + 3) // 4 - 1) * 0.95
 
 
-def _brute_force(rates, caps, target, draft=None, setup=None, context=None):
+def _brute_force(rates, caps, target, draft=None, setup=None):
     """Best expected tokens per second over every k vector (small cases only)."""
     import itertools
 
-    best, best_rate = [0] * len(caps), _rate(rates, [0] * len(caps), target, draft, setup, context)
+    best, best_rate = [0] * len(caps), len(caps) / target(len(caps))
     for ks in itertools.product(*(range(c + 1) for c in caps)):
-        if (rate := _rate(rates, ks, target, draft, setup, context)) > best_rate + 1e-12:
-            best, best_rate = list(ks), rate
+        tokens = sum(sum(r ** j for j in range(k + 1)) for r, k in zip(rates, ks))
+        seconds = target(len(caps) + sum(ks)) + sum(u for u, k in zip(setup or [0] * len(ks), ks) if k)
+        if draft is not None:
+            seconds += sum(draft(sum(k >= s for k in ks)) for s in range(1, max(ks, default=0) + 1) if any(k >= s for k in ks))
+        if tokens / seconds > best_rate + 1e-12:
+            best, best_rate = list(ks), tokens / seconds
     return best, best_rate
 
 
-def _rate(rates, ks, target, draft=None, setup=None, context=None):
+def _rate(rates, ks, target, draft=None, setup=None):
     tokens = sum(sum(r ** j for j in range(k + 1)) for r, k in zip(rates, ks))
     seconds = target(len(ks) + sum(ks)) + sum(u for u, k in zip(setup or [0] * len(ks), ks) if k)
     if draft is not None:
         seconds += sum(draft(sum(k >= s for k in ks)) for s in range(1, max(ks, default=0) + 1) if any(k >= s for k in ks))
-    if context is not None:
-        seconds += sum(c[k] for c, k in zip(context, ks))
     return tokens / seconds
 
 
@@ -237,43 +239,6 @@ def test_allocate_drafts_keeps_a_drafting_step_under_max_seconds(seed):
     within = [list(k) for k in itertools.product(*(range(c + 1) for c in caps))
               if not any(k) or linear(b + sum(k)) <= bound]
     assert _rate(rates, ks, linear) == pytest.approx(max(_rate(rates, k, linear) for k in within))
-
-
-def test_allocate_drafts_prices_each_sequences_rows_at_its_context():
-    """What a sequence's rows add for their context (context_seconds[i][k]: its k + 1 rows) is
-    paid with the step: a row that is free at a short context (the tile's next row) is not after
-    a long one, and of two sequences alike but for their contexts the short one drafts."""
-    one = [geometric_gains(0.5, 3)]
-    assert allocate_drafts(one, _tiled) == [3]  # rows 2-4 share the first tile
-    assert allocate_drafts(one, _tiled, context_seconds=[[0.4 * (k + 1) for k in range(4)]]) == [1]
-    two = [geometric_gains(0.6, 1), geometric_gains(0.6, 1)]
-    assert allocate_drafts(two, _tiled) == [1, 1]
-    assert allocate_drafts(two, _tiled, context_seconds=[[0.0, 0.0], [0.5, 1.0]]) == [1, 0]
-    # a context that costs the same whatever the rows only makes every step dearer: drafts pay more
-    assert allocate_drafts([geometric_gains(0.3, 1)], lambda rows: 1.0 + 0.4 * (rows - 1)) == [0]
-    assert allocate_drafts([geometric_gains(0.3, 1)], lambda rows: 1.0 + 0.4 * (rows - 1),
-                           context_seconds=[[1.0, 1.0]]) == [1]
-
-
-@pytest.mark.parametrize("seed", range(20))
-def test_allocate_drafts_with_contexts_is_near_the_best(seed):
-    """Drafts are taken in order of gain also where each sequence's rows cost by its context (attention
-    growing with rows and with the context): within 1% of the enumerated best here, and step_seconds
-    prices the choice as the scan did."""
-    import random
-
-    rng = random.Random(500 + seed)
-    b = rng.randint(1, 3)
-    rates = [rng.choice([0.3, 0.5, 0.8, 0.95, rng.random()]) for _ in range(b)]
-    caps = [rng.randint(0, 4) for _ in range(b)]
-    per_token = [rng.choice([0.0, 1e-4, 5e-4, 1e-3]) * rng.randint(50, 2000) for _ in range(b)]
-    context = [[t * (1.0 + 0.5 * k) for k in range(c + 1)] for t, c in zip(per_token, caps)]
-    ks = allocate_drafts(_gains(rates, caps), _tiled, context_seconds=context)
-    assert all(0 <= k <= c for k, c in zip(ks, caps))
-    _, best_rate = _brute_force(rates, caps, _tiled, context=context)
-    assert _rate(rates, ks, _tiled, context=context) >= 0.99 * best_rate
-    want = _tiled(b + sum(ks)) + sum(c[k] for c, k in zip(context, ks))
-    assert step_seconds(ks, _tiled, context_seconds=context) == pytest.approx(want)
 
 
 def test_allocate_drafts_uses_free_rows_and_refuses_a_new_tile():
