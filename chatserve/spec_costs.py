@@ -13,8 +13,10 @@ caches the other models left cold, contexts that grow): on this VM two sequences
 and 4 rows took 55, 72 and 90 ms in the engine where a table of best timings said +7-10 ms a row
 (the typical forward of 3-5 rows is 20-40% above the best one), and speculation at batch 2 lost
 10-27% buying rows at half their price. So the table takes the median of its rounds, and
-ObservedForwards keeps the engine's own decode forwards per row count and rescales the table
-where they say otherwise. The same goes for an EAGLE head's draft positions: propose times each
+ObservedForwards keeps the engine's own decode forwards and rescales the table: by default
+(SpecRunner.reshapes_table) its shape stays and one ratio, service's latest forwards over it, sets
+its level; each row count priced by its own forwards kept a count the allocation seldom buys at an
+old, dear price (session 54). The same goes for an EAGLE head's draft positions: propose times each
 (the head's step with its drafting glue, beside a target forward that left the caches cold) and
 a second ObservedForwards rescales the head's table: on SmolLM2 a position cost 1.2-1.6 ms served
 where the start-up table said 1.0-1.6 (and 0.6 ms in a loop; docs/benchmarks.md session 45).
@@ -208,7 +210,9 @@ class ObservedForwards:
     moves nothing, a slow minute moves the price while it lasts. Rows that service never buys are
     never measured again, but the rows that are bought are: a batch that stops drafting because
     drafts looked dear measures its plain steps, and the probes of free proposals keep one more row
-    measured."""
+    measured. A count bought seldom is measured seldom, though, and its window stays as old as its
+    forwards: corrected_table(reshape=False), what SpecRunner uses for the target's table, keeps the
+    start-up shape instead and takes only its level from service."""
 
     WINDOW = 9
     MIN_SEEN = 3
@@ -216,6 +220,7 @@ class ObservedForwards:
     def __init__(self, window: int = WINDOW, table: str = "target_seconds"):
         self.window, self.table = window, table  # table: the SpecCosts field corrected
         self._seen: dict[int, deque[float]] = {}
+        self._latest: deque[tuple[int, float]] = deque(maxlen=3 * window)  # (rows, seconds), any row count
         self._medians: dict[int, float] = {}  # rows -> its window's median, once MIN_SEEN are in (kept as they come)
         self._nearest: tuple[tuple, list[tuple[int, int]]] = ((), [])  # ((seen, table rows), [(rows, nearest)])
 
@@ -223,6 +228,7 @@ class ObservedForwards:
         """Whether the observation changed what corrected() returns (its row count's median)."""
         times = self._seen.setdefault(rows, deque(maxlen=self.window))
         times.append(seconds)
+        self._latest.append((rows, seconds))
         if len(times) < self.MIN_SEEN:
             return False
         median = statistics.median(times)
@@ -234,16 +240,23 @@ class ObservedForwards:
         table = self.corrected_table(getattr(costs, self.table))
         return costs if table is None else dataclasses.replace(costs, **{self.table: table})
 
-    def corrected_table(self, seconds: dict[int, float]) -> dict[int, float] | None:
+    def corrected_table(self, seconds: dict[int, float], reshape: bool = True) -> dict[int, float] | None:
         """The start-up table `seconds` (rows -> seconds) as corrected() rescales it; None when it is
         empty or no row count has been seen MIN_SEEN times. The engine asks after each observation
-        that moved a median: only that row count's is new then (observe keeps each as it comes)."""
-        if not seconds or not self._medians:
+        that moved a median: only that row count's is new then (observe keeps each as it comes).
+        reshape=False: the start-up table's shape, scaled by one ratio, the median of the latest
+        3 x window forwards' over the table (any row count; None before MIN_SEEN of them)."""
+        if not seconds or not (self._medians if reshape else len(self._latest) >= self.MIN_SEEN):
             return None
         points = sorted(seconds)
-        ratios = {rows: median / _lookup(seconds, points, rows) for rows, median in self._medians.items()}
+        if not reshape:
+            ratio = statistics.median(t / _lookup(seconds, points, rows) for rows, t in self._latest)
+            pairs, ratios = [(rows, 0) for rows in points], {0: ratio}
+        else:
+            ratios = {rows: median / _lookup(seconds, points, rows) for rows, median in self._medians.items()}
+            pairs = self._nearest_seen(tuple(sorted(ratios)), points)
         table, floor = {}, 0.0
-        for rows, nearest in self._nearest_seen(tuple(sorted(ratios)), points):
+        for rows, nearest in pairs:
             floor = max(floor, seconds[rows] * ratios[nearest])
             table[rows] = floor
         return table
