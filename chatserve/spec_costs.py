@@ -211,45 +211,47 @@ class ObservedForwards:
     never measured again, but the rows that are bought are: a batch that stops drafting because
     drafts looked dear measures its plain steps, and the probes of free proposals keep one more row
     measured. A count bought seldom is measured seldom, though, and its window stays as old as its
-    forwards: corrected_table(reshape=False), what SpecRunner uses for the target's table, keeps the
+    forwards: with reshape=False, what SpecRunner uses for the target's table, corrected() keeps the
     start-up shape instead and takes only its level from service."""
 
     WINDOW = 9
     MIN_SEEN = 3
 
-    def __init__(self, window: int = WINDOW, table: str = "target_seconds"):
+    def __init__(self, window: int = WINDOW, table: str = "target_seconds", reshape: bool = True):
         self.window, self.table = window, table  # table: the SpecCosts field corrected
+        self.reshape = reshape  # False: one ratio over the start-up shape (corrected_table)
         self._seen: dict[int, deque[float]] = {}
         self._latest: deque[tuple[int, float]] = deque(maxlen=3 * window)  # (rows, seconds), any row count
         self._medians: dict[int, float] = {}  # rows -> its window's median, once MIN_SEEN are in (kept as they come)
         self._nearest: tuple[tuple, list[tuple[int, int]]] = ((), [])  # ((seen, table rows), [(rows, nearest)])
 
     def observe(self, rows: int, seconds: float) -> bool:
-        """Whether the observation changed what corrected() returns (its row count's median)."""
+        """Whether the observation changed what corrected() returns (its row count's median), or
+        without reshape may have (the one ratio: from MIN_SEEN forwards on)."""
         times = self._seen.setdefault(rows, deque(maxlen=self.window))
         times.append(seconds)
         self._latest.append((rows, seconds))
-        if len(times) < self.MIN_SEEN:
-            return False
-        median = statistics.median(times)
-        changed = self._medians.get(rows) != median
-        self._medians[rows] = median
-        return changed
+        changed = False
+        if len(times) >= self.MIN_SEEN:  # kept in either mode, so that a switch between them holds
+            median = statistics.median(times)
+            changed = self._medians.get(rows) != median
+            self._medians[rows] = median
+        return changed if self.reshape else len(self._latest) >= self.MIN_SEEN
 
     def corrected(self, costs: SpecCosts) -> SpecCosts:
         table = self.corrected_table(getattr(costs, self.table))
         return costs if table is None else dataclasses.replace(costs, **{self.table: table})
 
-    def corrected_table(self, seconds: dict[int, float], reshape: bool = True) -> dict[int, float] | None:
+    def corrected_table(self, seconds: dict[int, float]) -> dict[int, float] | None:
         """The start-up table `seconds` (rows -> seconds) as corrected() rescales it; None when it is
         empty or no row count has been seen MIN_SEEN times. The engine asks after each observation
         that moved a median: only that row count's is new then (observe keeps each as it comes).
-        reshape=False: the start-up table's shape, scaled by one ratio, the median of the latest
+        Without reshape: the start-up table's shape, scaled by one ratio, the median of the latest
         3 x window forwards' over the table (any row count; None before MIN_SEEN of them)."""
-        if not seconds or not (self._medians if reshape else len(self._latest) >= self.MIN_SEEN):
+        if not seconds or not (self._medians if self.reshape else len(self._latest) >= self.MIN_SEEN):
             return None
         points = sorted(seconds)
-        if not reshape:
+        if not self.reshape:
             ratio = statistics.median(t / _lookup(seconds, points, rows) for rows, t in self._latest)
             pairs, ratios = [(rows, 0) for rows in points], {0: ratio}
         else:

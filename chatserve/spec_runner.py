@@ -59,13 +59,6 @@ class SpecRunner:
         # turn, docs/benchmarks.md session 45), 1.00-1.03x with steps interleaved (session 47): one price
         # stays, the simpler rule; to be measured where rows are cheap (eagle_head.py --variant)
         self.keeps_computed_drafts = False
-        # False, the default: the target's start-up table keeps its shape, scaled by one ratio, the median of
-        # service's latest forwards over it. True: each row count service saw costs the median of its own
-        # latest forwards (sessions 47-53); a count the allocation seldom buys then kept an old, dear price
-        # (SmolLM2 at batch 2: four rows in 36 of 826 forwards, their newest a median 28 forwards old, priced
-        # +3.0-3.5 ms over three where the steps say ~+1.3). With the one ratio SmolLM2's EAGLE engine ran
-        # 1.001-1.041x, 8 of 8 cells of two lockstep runs (docs/benchmarks.md session 54)
-        self.reshapes_table = False
         self.costs = None
         if config.adaptive:
             measured = measure_spec_costs(models, config.num_draft_tokens, max_num_seqs, config.max_draft_tokens)
@@ -85,11 +78,26 @@ class SpecRunner:
 
     @costs.setter
     def costs(self, costs: SpecCosts | None) -> None:
-        self._costs, self._measured_costs, self._observed = costs, None, ObservedForwards()
+        self._costs, self._measured_costs, self._observed = costs, None, ObservedForwards(reshape=False)
         # a draft position's forward as the methods whose drafts cost one time it (step_cost -> observer): two
         # engines of one 0.5B draft model timed its step at 16 and 27 ms at start-up (session 50)
         self.step_observers = {"head": ObservedForwards(table="head_seconds"),
                                "draft": ObservedForwards(table="draft_seconds")}
+
+    @property
+    def reshapes_table(self) -> bool:
+        """False, the default: the target's start-up table keeps its shape, scaled by one ratio, the
+        median of service's latest forwards over it (ObservedForwards without reshape). True: each
+        row count service saw costs the median of its own latest forwards (sessions 47-53); a count
+        the allocation seldom buys then kept an old, dear price (SmolLM2 at batch 2: four rows in 36
+        of 826 forwards, their newest a median 28 forwards old, priced +3.0-3.5 ms over three where
+        the steps say ~+1.3). With the one ratio SmolLM2's EAGLE engine ran 1.001-1.041x, 8 of 8
+        cells of two lockstep runs (docs/benchmarks.md session 54). A switch for such pairings."""
+        return self._observed.reshape
+
+    @reshapes_table.setter
+    def reshapes_table(self, reshape: bool) -> None:
+        self._observed.reshape = reshape
 
     @property
     def stats(self) -> SpecStats:
@@ -365,7 +373,7 @@ class SpecRunner:
         of its rows, took `seconds`: measured costs follow what service's steps cost
         (spec_costs.ObservedForwards); assumed ones, in units of a forward rather than seconds,
         stay as they are."""
-        if self._measured_costs is not None and (self._observed.observe(rows, seconds) or not self.reshapes_table):
+        if self._measured_costs is not None and self._observed.observe(rows, seconds):
             self._costs = self._corrected(self._observed)
 
     def _corrected(self, observer: ObservedForwards) -> SpecCosts:
@@ -373,8 +381,7 @@ class SpecRunner:
         other tables as their own observers left them), after an observation that moved a median
         (about half of them), or after each of the target's without reshapes_table: right after a
         forward the correction's few us of Python run on cold caches, ~60 us on SmolLM2's 2-core VM."""
-        reshape = self.reshapes_table or observer is not self._observed
-        table = observer.corrected_table(getattr(self._measured_costs, observer.table), reshape)
+        table = observer.corrected_table(getattr(self._measured_costs, observer.table))
         return self._costs if table is None else dataclasses.replace(self._costs, **{observer.table: table})
 
     @property

@@ -217,23 +217,25 @@ def test_service_forwards_reprice_the_table():
 
 
 def test_one_served_ratio_scales_the_start_up_shape():
-    """corrected_table(reshape=False): the start-up table's shape at the level service says, one
+    """ObservedForwards(reshape=False): the start-up table's shape at the level service says, one
     ratio over the latest forwards of any row count, so a row count bought once in a slow spell
     and seldom after keeps no dear price of its own; prices never fall as rows grow."""
     from chatserve.spec_costs import ObservedForwards
 
     table = {1: 1.0, 2: 1.1, 3: 1.2, 4: 1.3, 8: 2.0}
-    seen = ObservedForwards()
+    seen = ObservedForwards(reshape=False)
     for _ in range(ObservedForwards.MIN_SEEN):
         seen.observe(4, 2.6)  # a slow spell, the only four-row forwards
-    assert seen.corrected_table(table, reshape=False) == {r: pytest.approx(2 * t) for r, t in table.items()}
+    assert seen.corrected_table(table) == {r: pytest.approx(2 * t) for r, t in table.items()}
     for _ in range(3 * ObservedForwards.WINDOW):  # then plain steps at 1.5x the table
         seen.observe(2, 1.65)
-    assert seen.corrected_table(table, reshape=False) == {r: pytest.approx(1.5 * t) for r, t in table.items()}
+    assert seen.corrected_table(table) == {r: pytest.approx(1.5 * t) for r, t in table.items()}
+    seen.reshape = True
     assert seen.corrected_table(table)[4] == pytest.approx(2.6)  # reshaped, four rows stay where the spell left them
-    assert ObservedForwards().corrected_table(table, reshape=False) is None  # nothing seen yet
+    seen.reshape = False
+    assert ObservedForwards(reshape=False).corrected_table(table) is None  # nothing seen yet
     ratio = 1.65 / 0.9  # against a start-up table whose two rows timed below its one
-    assert seen.corrected_table({1: 1.0, 2: 0.9, 3: 1.2}, reshape=False) == {
+    assert seen.corrected_table({1: 1.0, 2: 0.9, 3: 1.2}) == {
         1: pytest.approx(ratio), 2: pytest.approx(ratio), 3: pytest.approx(1.2 * ratio)}
 
 
