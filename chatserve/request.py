@@ -48,13 +48,14 @@ class Request:
     num_lookahead_tokens: int = 0  # drafts planned for this step: the scheduler reserves their slots
     draft_token_ids: list[int] = field(default_factory=list)  # proposals under verification
     draft_probs: torch.Tensor | None = None  # [len(draft_token_ids), vocab], None = one-hot drafts
-    # (position, [width]): the target's raw feature at its last computed position (the runner's; the
-    # head makes its input of it where read), kept when an EAGLE head reads features (its row
+    # (position, [1, width]): the target's raw feature at its last computed position (the runner's;
+    # the head makes its input of it where read), kept when an EAGLE head reads features (its row
     # position + 1 needs it); None until then
     last_feature: tuple[int, torch.Tensor] | None = None
-    # (start, [n, width]): an EAGLE head's rows [start, start + n) deferred from decode steps, as
-    # their raw feature inputs f_{start-1} ... (spec_methods/eagle.py); None when none wait
-    head_pending: tuple[int, torch.Tensor] | None = None
+    # (start, n, [[rows, width], ...]): an EAGLE head's rows [start, start + n) deferred from decode
+    # steps, as their raw feature inputs f_{start-1} ... in the chunks the steps gave them (joined
+    # once, when written: spec_methods/eagle.py); None when none wait
+    head_pending: tuple[int, int, list[torch.Tensor]] | None = None
     # (token id, logprob, [(id, logprob)] most likely first) of the last tokens sampled, when
     # params.logprobs is set (Sampler); the engine hands them out with the tokens it appends
     new_logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None

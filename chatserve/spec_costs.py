@@ -216,6 +216,10 @@ class ObservedForwards:
 
     WINDOW = 9
     MIN_SEEN = 3
+    # Without reshape, a table is rebuilt only once the one ratio has moved this share from the one
+    # it was built at: the engine asks after every decode forward, and a rebuild (a table, the
+    # costs around it) ran ~60 us of Python on the caches a forward left cold, ~1% of a SmolLM2 step.
+    RATIO_STEP = 0.01
 
     def __init__(self, window: int = WINDOW, table: str = "target_seconds", reshape: bool = True):
         self.window, self.table = window, table  # table: the SpecCosts field corrected
@@ -224,6 +228,11 @@ class ObservedForwards:
         self._latest: deque[tuple[int, float]] = deque(maxlen=3 * window)  # (rows, seconds), any row count
         self._medians: dict[int, float] = {}  # rows -> its window's median, once MIN_SEEN are in (kept as they come)
         self._nearest: tuple[tuple, list[tuple[int, int]]] = ((), [])  # ((seen, table rows), [(rows, nearest)])
+        # without reshape: the latest forwards' ratios over a start-up table (the one passed last), those
+        # still to price, and the table last returned with the ratio it was built at
+        self._ratios: deque[float] = deque(maxlen=3 * window)
+        self._unpriced = 0
+        self._scaled: tuple[dict | None, float, dict] = (None, 0.0, {})  # (start-up table, ratio, table)
 
     def observe(self, rows: int, seconds: float) -> bool:
         """Whether the observation changed what corrected() returns (its row count's median), or
@@ -231,6 +240,7 @@ class ObservedForwards:
         times = self._seen.setdefault(rows, deque(maxlen=self.window))
         times.append(seconds)
         self._latest.append((rows, seconds))
+        self._unpriced = min(self._unpriced + 1, len(self._latest))
         changed = False
         if len(times) >= self.MIN_SEEN:  # kept in either mode, so that a switch between them holds
             median = statistics.median(times)
@@ -247,12 +257,17 @@ class ObservedForwards:
         empty or no row count has been seen MIN_SEEN times. The engine asks after each observation
         that moved a median: only that row count's is new then (observe keeps each as it comes).
         Without reshape: the start-up table's shape, scaled by one ratio, the median of the latest
-        3 x window forwards' over the table (any row count; None before MIN_SEEN of them)."""
+        3 x window forwards' over the table (any row count; None before MIN_SEEN of them); while
+        it stays within RATIO_STEP of the ratio the table last returned for the same `seconds` was
+        built at, that very table (the caller may keep what it built from it)."""
         if not seconds or not (self._medians if self.reshape else len(self._latest) >= self.MIN_SEEN):
             return None
         points = sorted(seconds)
         if not self.reshape:
-            ratio = statistics.median(t / _lookup(seconds, points, rows) for rows, t in self._latest)
+            ratio = self._ratio(seconds, points)
+            start_up, built_at, scaled = self._scaled
+            if start_up is seconds and abs(ratio - built_at) <= self.RATIO_STEP * built_at:
+                return scaled
             pairs, ratios = [(rows, 0) for rows in points], {0: ratio}
         else:
             ratios = {rows: median / _lookup(seconds, points, rows) for rows, median in self._medians.items()}
@@ -261,7 +276,21 @@ class ObservedForwards:
         for rows, nearest in pairs:
             floor = max(floor, seconds[rows] * ratios[nearest])
             table[rows] = floor
+        if not self.reshape:
+            self._scaled = (seconds, ratios[0], table)
         return table
+
+    def _ratio(self, seconds: dict[int, float], points: list[int]) -> float:
+        """The median of the latest forwards' times over `seconds`' price for their rows, each priced
+        once as it comes (all again when another table is passed)."""
+        if self._scaled[0] is not seconds:
+            self._ratios.clear()
+            self._unpriced = len(self._latest)
+        for i in range(len(self._latest) - self._unpriced, len(self._latest)):
+            rows, t = self._latest[i]
+            self._ratios.append(t / _lookup(seconds, points, rows))
+        self._unpriced = 0
+        return statistics.median(self._ratios)
 
     def _nearest_seen(self, seen: tuple[int, ...], points: list[int]) -> list[tuple[int, int]]:
         """(rows, the nearest seen row count) for each of the table's rows, a tie to the smaller;

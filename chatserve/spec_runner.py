@@ -379,10 +379,14 @@ class SpecRunner:
     def _corrected(self, observer: ObservedForwards) -> SpecCosts:
         """The costs in use with observer's table corrected afresh from the start-up one (the
         other tables as their own observers left them), after an observation that moved a median
-        (about half of them), or after each of the target's without reshapes_table: right after a
-        forward the correction's few us of Python run on cold caches, ~60 us on SmolLM2's 2-core VM."""
+        (about half of them), or after each of the target's without reshapes_table, where the
+        observer gives back the table in use until its ratio moves (ObservedForwards.RATIO_STEP):
+        right after a forward a rebuild's few us of Python run on cold caches, ~60 us on SmolLM2's
+        2-core VM."""
         table = observer.corrected_table(getattr(self._measured_costs, observer.table))
-        return self._costs if table is None else dataclasses.replace(self._costs, **{observer.table: table})
+        if table is None or table is getattr(self._costs, observer.table):
+            return self._costs
+        return dataclasses.replace(self._costs, **{observer.table: table})
 
     @property
     def reads_features(self) -> bool:

@@ -239,6 +239,32 @@ def test_one_served_ratio_scales_the_start_up_shape():
         1: pytest.approx(ratio), 2: pytest.approx(ratio), 3: pytest.approx(1.2 * ratio)}
 
 
+def test_one_served_ratio_rebuilds_the_table_only_once_it_moves():
+    """The engine asks after every decode forward: while the ratio stays within RATIO_STEP of the
+    one the table was built at, the observer gives back that very table (SpecRunner keeps its
+    costs); past it, a table at the new ratio; another start-up table prices every forward anew."""
+    from chatserve.spec_costs import ObservedForwards
+
+    table = {1: 1.0, 2: 1.1, 4: 1.3}
+    seen = ObservedForwards(reshape=False)
+    for _ in range(3 * ObservedForwards.WINDOW):
+        seen.observe(1, 1.5)
+    built = seen.corrected_table(table)
+    assert built == {r: pytest.approx(1.5 * t) for r, t in table.items()}
+    for _ in range(ObservedForwards.WINDOW):  # a third of the window a little dearer: the median barely moves
+        seen.observe(2, 1.1 * 1.5 * 1.005)
+    assert seen.corrected_table(table) is built
+    for _ in range(2 * ObservedForwards.WINDOW):  # now most of the window: the median moves by 0.5%
+        seen.observe(2, 1.1 * 1.5 * 1.005)
+    assert seen.corrected_table(table) is built
+    for _ in range(2 * ObservedForwards.WINDOW):  # 4% dearer
+        seen.observe(4, 1.3 * 1.56)
+    moved = seen.corrected_table(table)
+    assert moved is not built and moved == {r: pytest.approx(1.56 * t) for r, t in table.items()}
+    other = {1: 3.0, 2: 3.0, 4: 3.0}  # every forward priced again against it
+    assert seen.corrected_table(other) == {r: pytest.approx(1.3 * 1.56 / 3.0 * 3.0) for r in other}
+
+
 def test_a_head_observer_reprices_the_head_table_alone():
     from chatserve.spec_costs import ObservedForwards
 
