@@ -6,7 +6,6 @@ batch -> sample or verify -> update (append tokens, roll back, free, finish) -> 
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import json
 import time
@@ -195,7 +194,8 @@ class Engine:
         if (self.spec and self.spec.reads_features) or self.feature_observer:
             logits, cu_logits, features = self.models.target_runner.run_with_features(items)
             # The block ids as scheduled: a request that finishes below releases its table first.
-            items = [dataclasses.replace(it, block_ids=list(it.block_ids)) for it in items]
+            # (BatchItem(...), not dataclasses.replace: ~3x its Python, every step of an EAGLE engine)
+            items = [BatchItem(it.token_ids, it.start_pos, list(it.block_ids), it.num_logits) for it in items]
         else:
             logits, cu_logits = self.models.target_runner.run(items)  # [num_logits, vocab]
         now = time.perf_counter()
