@@ -161,7 +161,7 @@ def summarize(outs: list[dict], seconds: float, batch: int) -> dict:
             "token_ids": [o["token_ids"] for o in outs]}
 
 
-RUNNER_SETTINGS = ("keeps_computed_drafts", "gap_limit", "reshapes_table")  # SpecRunner attributes a variant may set
+RUNNER_SETTINGS = ("keeps_computed_drafts", "gap_limit", "reshapes_table", "prices_recent_rows")  # SpecRunner attributes a variant may set
 # drafts=false: no method offers a draft, while the head is kept up as always (the target's features, the
 # fuse, the head's rows): what an EAGLE engine pays for being ready to draft
 RUNNER_SETTINGS += ("drafts",)
@@ -220,6 +220,11 @@ def main() -> None:
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 2])
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--costs-only", action="store_true", help="the step costs alone, no decode runs")
+    ap.add_argument("--shared-table", action="store_true",
+                    help="every variant prices with its base engine's start-up table (not one of its own): the pairing "
+                         "compares pricing rules, not the luck of each engine's table")
+    ap.add_argument("--distort-table", nargs="*", default=[], metavar="ROWS=FROM",
+                    help="with --shared-table: price ROWS target rows as FROM rows in that table (e.g. 3=2)")
     ap.add_argument("--kv-cache-dtype", default="auto", help="as `chatserve serve` (auto: bf16 on AMX, else fp16)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -249,6 +254,15 @@ def main() -> None:
     engines, head_steps = {}, {}
     for name, spec in configs.items():  # all loaded first: the runs below alternate between them
         engine = engines[name] = Engine(EngineConfig(**common, spec=spec))
+        if args.shared_table and name == base and engine.spec.costs is not None:
+            target = dict(engine.spec.costs.target_seconds)
+            for text in args.distort_table:
+                rows, _, like = text.partition("=")
+                target[int(rows)] = target[int(like)]
+            shared = dataclasses.replace(engine.spec.costs, target_seconds=target)
+            results["shared_table_ms"] = {r: t * 1e3 for r, t in sorted(target.items())}
+        if args.shared_table and (name == base or name in runner_settings) and engine.spec.costs is not None:
+            engine.spec.set_measured_costs(shared)
         for key, value in runner_settings.get(name, {}).items():
             if key == "drafts":
                 for method in engine.spec.methods.values():

@@ -16,7 +16,8 @@ and 4 rows took 55, 72 and 90 ms in the engine where a table of best timings sai
 ObservedForwards keeps the engine's own decode forwards and rescales the table: by default
 (SpecRunner.reshapes_table) its shape stays and one ratio, service's latest forwards over it, sets
 its level; each row count priced by its own forwards kept a count the allocation seldom buys at an
-old, dear price (session 54). The same goes for an EAGLE head's draft positions: propose times each
+old, dear price (session 54), while the counts bought among the latest forwards cost their own
+median (the start-up shape is noise at ±0.5-1 ms a row; session 55). The same goes for an EAGLE head's draft positions: propose times each
 (the head's step with its drafting glue, beside a target forward that left the caches cold) and
 a second ObservedForwards rescales the head's table: on SmolLM2 a position cost 1.2-1.6 ms served
 where the start-up table said 1.0-1.6 (and 0.6 ms in a loop; docs/benchmarks.md session 45).
@@ -212,7 +213,11 @@ class ObservedForwards:
     drafts looked dear measures its plain steps, and the probes of free proposals keep one more row
     measured. A count bought seldom is measured seldom, though, and its window stays as old as its
     forwards: with reshape=False, what SpecRunner uses for the target's table, corrected() keeps the
-    start-up shape instead and takes only its level from service."""
+    start-up shape instead and takes only its level from service. That shape is noise at ±0.5-1 ms a
+    row on a 2-core VM (tables of one engine measured again: the 4th row +0.50 to +2.43 ms), so with
+    recent=True (SpecRunner's) a row count seen MIN_SEEN times among the latest 3 x window forwards
+    costs their median: what the steps being bought cost now, and nothing older than the ratio's
+    own window (docs/benchmarks.md session 55)."""
 
     WINDOW = 9
     MIN_SEEN = 3
@@ -221,9 +226,11 @@ class ObservedForwards:
     # costs around it) ran ~60 us of Python on the caches a forward left cold, ~1% of a SmolLM2 step.
     RATIO_STEP = 0.01
 
-    def __init__(self, window: int = WINDOW, table: str = "target_seconds", reshape: bool = True):
+    def __init__(self, window: int = WINDOW, table: str = "target_seconds", reshape: bool = True,
+                 recent: bool = False):
         self.window, self.table = window, table  # table: the SpecCosts field corrected
         self.reshape = reshape  # False: one ratio over the start-up shape (corrected_table)
+        self.recent = recent  # without reshape: a row count seen MIN_SEEN times among the latest forwards costs their median
         self._seen: dict[int, deque[float]] = {}
         self._latest: deque[tuple[int, float]] = deque(maxlen=3 * window)  # (rows, seconds), any row count
         self._medians: dict[int, float] = {}  # rows -> its window's median, once MIN_SEEN are in (kept as they come)
@@ -231,15 +238,27 @@ class ObservedForwards:
         # without reshape: the latest forwards' ratios over a start-up table (the one passed last), those
         # still to price, and the table last returned with the ratio it was built at
         self._ratios: deque[float] = deque(maxlen=3 * window)
+        # with recent: each row count's times among the latest, their medians (MIN_SEEN of them or more), and the
+        # counts whose median is to be taken again (a forward came or left)
+        self._recent: dict[int, deque[float]] = {}
+        self._own: dict[int, float] = {}
+        self._stale: set[int] = set()
         self._unpriced = 0
-        self._scaled: tuple[dict | None, float, dict] = (None, 0.0, {})  # (start-up table, ratio, table)
+        # (start-up table, ratio, recent row counts' medians, table)
+        self._scaled: tuple[dict | None, float, dict, dict] = (None, 0.0, {}, {})
 
     def observe(self, rows: int, seconds: float) -> bool:
         """Whether the observation changed what corrected() returns (its row count's median), or
         without reshape may have (the one ratio: from MIN_SEEN forwards on)."""
         times = self._seen.setdefault(rows, deque(maxlen=self.window))
         times.append(seconds)
+        if len(self._latest) == self._latest.maxlen:  # the oldest leaves the latest: its count's recent times too
+            oldest = self._latest[0][0]
+            self._recent[oldest].popleft()
+            self._stale.add(oldest)
         self._latest.append((rows, seconds))
+        self._recent.setdefault(rows, deque()).append(seconds)
+        self._stale.add(rows)
         self._unpriced = min(self._unpriced + 1, len(self._latest))
         changed = False
         if len(times) >= self.MIN_SEEN:  # kept in either mode, so that a switch between them holds
@@ -257,18 +276,26 @@ class ObservedForwards:
         empty or no row count has been seen MIN_SEEN times. The engine asks after each observation
         that moved a median: only that row count's is new then (observe keeps each as it comes).
         Without reshape: the start-up table's shape, scaled by one ratio, the median of the latest
-        3 x window forwards' over the table (any row count; None before MIN_SEEN of them); while
-        it stays within RATIO_STEP of the ratio the table last returned for the same `seconds` was
-        built at, that very table (the caller may keep what it built from it)."""
+        3 x window forwards' over the table (any row count; None before MIN_SEEN of them), and with
+        recent the counts seen MIN_SEEN times among those at their median; while the ratio and
+        those medians stay within RATIO_STEP of what the table last returned for the same `seconds`
+        was built at, that very table (the caller may keep what it built from it)."""
         if not seconds or not (self._medians if self.reshape else len(self._latest) >= self.MIN_SEEN):
             return None
         points = sorted(seconds)
         if not self.reshape:
             ratio = self._ratio(seconds, points)
-            start_up, built_at, scaled = self._scaled
-            if start_up is seconds and abs(ratio - built_at) <= self.RATIO_STEP * built_at:
+            own = self._recent_medians() if self.recent else {}
+            start_up, built_at, built_own, scaled = self._scaled
+            if (start_up is seconds and self._within_step(ratio, built_at) and own.keys() == built_own.keys()
+                    and all(self._within_step(own[rows], built_own[rows]) for rows in own)):
                 return scaled
-            pairs, ratios = [(rows, 0) for rows in points], {0: ratio}
+            table, floor = {}, 0.0
+            for rows in points:
+                floor = max(floor, own[rows] if rows in own else seconds[rows] * ratio)
+                table[rows] = floor
+            self._scaled = (seconds, ratio, own, table)
+            return table
         else:
             ratios = {rows: median / _lookup(seconds, points, rows) for rows, median in self._medians.items()}
             pairs = self._nearest_seen(tuple(sorted(ratios)), points)
@@ -276,9 +303,22 @@ class ObservedForwards:
         for rows, nearest in pairs:
             floor = max(floor, seconds[rows] * ratios[nearest])
             table[rows] = floor
-        if not self.reshape:
-            self._scaled = (seconds, ratios[0], table)
         return table
+
+    def _within_step(self, value: float, built_at: float) -> bool:
+        return abs(value - built_at) <= self.RATIO_STEP * built_at
+
+    def _recent_medians(self) -> dict[int, float]:
+        """rows -> the median of its forwards among the latest 3 x window, for the counts seen MIN_SEEN
+        times there (taken again only for the counts a forward came to or left: one or two a step)."""
+        for rows in self._stale:
+            times = self._recent[rows]
+            if len(times) >= self.MIN_SEEN:
+                self._own[rows] = statistics.median(times)
+            else:
+                self._own.pop(rows, None)
+        self._stale.clear()
+        return dict(self._own)
 
     def _ratio(self, seconds: dict[int, float], points: list[int]) -> float:
         """The median of the latest forwards' times over `seconds`' price for their rows, each priced

@@ -78,11 +78,17 @@ class SpecRunner:
 
     @costs.setter
     def costs(self, costs: SpecCosts | None) -> None:
-        self._costs, self._measured_costs, self._observed = costs, None, ObservedForwards(reshape=False)
+        self._costs, self._measured_costs, self._observed = costs, None, ObservedForwards(reshape=False, recent=True)
         # a draft position's forward as the methods whose drafts cost one time it (step_cost -> observer): two
         # engines of one 0.5B draft model timed its step at 16 and 27 ms at start-up (session 50)
         self.step_observers = {"head": ObservedForwards(table="head_seconds"),
                                "draft": ObservedForwards(table="draft_seconds")}
+
+    def set_measured_costs(self, costs: SpecCosts) -> None:
+        """Price with a start-up table measured elsewhere (a benchmark pairing engines on one table),
+        which service's forwards then correct as they would this engine's own."""
+        self.costs = costs
+        self._measured_costs = costs
 
     @property
     def reshapes_table(self) -> bool:
@@ -98,6 +104,19 @@ class SpecRunner:
     @reshapes_table.setter
     def reshapes_table(self, reshape: bool) -> None:
         self._observed.reshape = reshape
+
+    @property
+    def prices_recent_rows(self) -> bool:
+        """With the one ratio: whether a row count seen at least 3 times among service's latest 27
+        forwards costs their median instead of the start-up shape's price at the ratio (True, the
+        default: the start-up shape is noise at ±0.5-1 ms a row here; on SmolLM2's EAGLE engine,
+        both on one start-up table, 0.996-1.022x the one ratio alone on a clean table and
+        1.009-1.024x on one that priced 3 rows as 2: docs/benchmarks.md session 55)."""
+        return self._observed.recent
+
+    @prices_recent_rows.setter
+    def prices_recent_rows(self, recent: bool) -> None:
+        self._observed.recent = recent
 
     @property
     def stats(self) -> SpecStats:

@@ -265,6 +265,31 @@ def test_one_served_ratio_rebuilds_the_table_only_once_it_moves():
     assert seen.corrected_table(other) == {r: pytest.approx(1.3 * 1.56 / 3.0 * 3.0) for r in other}
 
 
+def test_recent_row_counts_cost_their_own_median_until_they_leave_the_latest():
+    """ObservedForwards(reshape=False, recent=True): a row count seen MIN_SEEN times among the latest
+    3 x window forwards costs their median (a start-up table that timed 3 rows as cheap as 2 is
+    corrected once 3 rows are bought); one seen fewer times there takes the start-up shape at the
+    one ratio, so a count bought long ago keeps no old price of its own; never falling as rows grow."""
+    from chatserve.spec_costs import ObservedForwards
+
+    table = {1: 1.0, 2: 1.2, 3: 1.2, 4: 1.6}  # 3 rows timed as cheap as 2 at start-up
+    seen = ObservedForwards(reshape=False, recent=True)
+    latest = 3 * ObservedForwards.WINDOW
+    for _ in range(latest - ObservedForwards.MIN_SEEN):
+        seen.observe(2, 1.2 * 1.5)  # service at 1.5x the table
+    for _ in range(ObservedForwards.MIN_SEEN):
+        seen.observe(3, 2.4)  # what 3 rows cost
+    corrected = seen.corrected_table(table)
+    assert corrected[2] == pytest.approx(1.8) and corrected[3] == pytest.approx(2.4)
+    assert corrected[1] == pytest.approx(1.5) and corrected[4] == pytest.approx(2.4)  # 1.6 x 1.5, floored at 3's
+    for _ in range(latest - 1):  # 3 rows fall out of the latest but one
+        seen.observe(2, 1.8)
+    assert seen.corrected_table(table) == {1: pytest.approx(1.5), 2: pytest.approx(1.8), 3: pytest.approx(1.8),
+                                           4: pytest.approx(2.4)}
+    seen.recent = False  # the one ratio alone (session 54)
+    assert seen.corrected_table(table)[3] == pytest.approx(1.8)
+
+
 def test_a_head_observer_reprices_the_head_table_alone():
     from chatserve.spec_costs import ObservedForwards
 
