@@ -161,7 +161,8 @@ def summarize(outs: list[dict], seconds: float, batch: int) -> dict:
             "token_ids": [o["token_ids"] for o in outs]}
 
 
-RUNNER_SETTINGS = ("keeps_computed_drafts", "gap_limit", "reshapes_table", "prices_recent_rows")  # SpecRunner attributes a variant may set
+# SpecRunner attributes a variant may set
+RUNNER_SETTINGS = ("keeps_computed_drafts", "gap_limit", "reshapes_table", "prices_recent_rows")
 # drafts=false: no method offers a draft, while the head is kept up as always (the target's features, the
 # fuse, the head's rows): what an EAGLE engine pays for being ready to draft
 RUNNER_SETTINGS += ("drafts",)

@@ -17,8 +17,9 @@ ObservedForwards keeps the engine's own decode forwards and rescales the table: 
 (SpecRunner.reshapes_table) its shape stays and one ratio, service's latest forwards over it, sets
 its level; each row count priced by its own forwards kept a count the allocation seldom buys at an
 old, dear price (session 54), while the counts bought among the latest forwards cost their own
-median (the start-up shape is noise at ±0.5-1 ms a row; session 55). The same goes for an EAGLE head's draft positions: propose times each
-(the head's step with its drafting glue, beside a target forward that left the caches cold) and
+median (the start-up shape is noise at ±0.5-1 ms a row; session 55). The same goes for an EAGLE
+head's draft positions: propose times each (the head's step with its drafting glue, beside a
+target forward that left the caches cold) and
 a second ObservedForwards rescales the head's table: on SmolLM2 a position cost 1.2-1.6 ms served
 where the start-up table said 1.0-1.6 (and 0.6 ms in a loop; docs/benchmarks.md session 45).
 """
@@ -230,22 +231,21 @@ class ObservedForwards:
                  recent: bool = False):
         self.window, self.table = window, table  # table: the SpecCosts field corrected
         self.reshape = reshape  # False: one ratio over the start-up shape (corrected_table)
-        self.recent = recent  # without reshape: a row count seen MIN_SEEN times among the latest forwards costs their median
+        self.recent = recent  # without reshape: counts seen MIN_SEEN times among the latest at their median
         self._seen: dict[int, deque[float]] = {}
         self._latest: deque[tuple[int, float]] = deque(maxlen=3 * window)  # (rows, seconds), any row count
         self._medians: dict[int, float] = {}  # rows -> its window's median, once MIN_SEEN are in (kept as they come)
         self._nearest: tuple[tuple, list[tuple[int, int]]] = ((), [])  # ((seen, table rows), [(rows, nearest)])
-        # without reshape: the latest forwards' ratios over a start-up table (the one passed last), those
-        # still to price, and the table last returned with the ratio it was built at
+        # without reshape: the latest forwards' ratios over a start-up table (the one passed last) and how
+        # many of the latest are still to price; with recent, each row count's times among the latest,
+        # their medians (MIN_SEEN of them or more) and the counts whose median is to be taken again (a
+        # forward came or left); the table last returned with the ratio and medians it was built at
         self._ratios: deque[float] = deque(maxlen=3 * window)
-        # with recent: each row count's times among the latest, their medians (MIN_SEEN of them or more), and the
-        # counts whose median is to be taken again (a forward came or left)
+        self._unpriced = 0
         self._recent: dict[int, deque[float]] = {}
         self._own: dict[int, float] = {}
         self._stale: set[int] = set()
-        self._unpriced = 0
-        # (start-up table, ratio, recent row counts' medians, table)
-        self._scaled: tuple[dict | None, float, dict, dict] = (None, 0.0, {}, {})
+        self._scaled: tuple[dict | None, float, dict, dict] = (None, 0.0, {}, {})  # (start-up, ratio, medians, table)
 
     def observe(self, rows: int, seconds: float) -> bool:
         """Whether the observation changed what corrected() returns (its row count's median), or

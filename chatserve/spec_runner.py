@@ -93,7 +93,8 @@ class SpecRunner:
     @property
     def reshapes_table(self) -> bool:
         """False, the default: the target's start-up table keeps its shape, scaled by one ratio, the
-        median of service's latest forwards over it (ObservedForwards without reshape). True: each
+        median of service's latest forwards over it (ObservedForwards without reshape; with
+        prices_recent_rows the row counts among those forwards at their own median). True: each
         row count service saw costs the median of its own latest forwards (sessions 47-53); a count
         the allocation seldom buys then kept an old, dear price (SmolLM2 at batch 2: four rows in 36
         of 826 forwards, their newest a median 28 forwards old, priced +3.0-3.5 ms over three where
@@ -399,7 +400,7 @@ class SpecRunner:
         """The costs in use with observer's table corrected afresh from the start-up one (the
         other tables as their own observers left them), after an observation that moved a median
         (about half of them), or after each of the target's without reshapes_table, where the
-        observer gives back the table in use until its ratio moves (ObservedForwards.RATIO_STEP):
+        observer gives back the table in use until its ratio or recent medians move (RATIO_STEP):
         right after a forward a rebuild's few us of Python run on cold caches, ~60 us on SmolLM2's
         2-core VM."""
         table = observer.corrected_table(getattr(self._measured_costs, observer.table))
