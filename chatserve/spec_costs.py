@@ -230,11 +230,11 @@ class ObservedForwards:
     def __init__(self, window: int = WINDOW, table: str = "target_seconds", reshape: bool = True,
                  recent: bool = False):
         self.window, self.table = window, table  # table: the SpecCosts field corrected
-        self.reshape = reshape  # False: one ratio over the start-up shape (corrected_table)
         self.recent = recent  # without reshape: counts seen MIN_SEEN times among the latest at their median
         self._seen: dict[int, deque[float]] = {}
         self._latest: deque[tuple[int, float]] = deque(maxlen=3 * window)  # (rows, seconds), any row count
         self._medians: dict[int, float] = {}  # rows -> its window's median, once MIN_SEEN are in (kept as they come)
+        self._reshape = reshape  # False: one ratio over the start-up shape (corrected_table)
         self._nearest: tuple[tuple, list[tuple[int, int]]] = ((), [])  # ((seen, table rows), [(rows, nearest)])
         # without reshape: the latest forwards' ratios over a start-up table (the one passed last) and how
         # many of the latest are still to price; with recent, each row count's times among the latest,
@@ -246,6 +246,18 @@ class ObservedForwards:
         self._own: dict[int, float] = {}
         self._stale: set[int] = set()
         self._scaled: tuple[dict | None, float, dict, dict] = (None, 0.0, {}, {})  # (start-up, ratio, medians, table)
+
+    @property
+    def reshape(self) -> bool:
+        return self._reshape
+
+    @reshape.setter
+    def reshape(self, reshape: bool) -> None:
+        """Switch modes; the per-count medians only reshape reads are taken again for it."""
+        if reshape and not self._reshape:
+            self._medians = {rows: statistics.median(times) for rows, times in self._seen.items()
+                             if len(times) >= self.MIN_SEEN}
+        self._reshape = reshape
 
     def observe(self, rows: int, seconds: float) -> bool:
         """Whether the observation changed what corrected() returns (its row count's median), or
@@ -260,12 +272,14 @@ class ObservedForwards:
         self._recent.setdefault(rows, deque()).append(seconds)
         self._stale.add(rows)
         self._unpriced = min(self._unpriced + 1, len(self._latest))
-        changed = False
-        if len(times) >= self.MIN_SEEN:  # kept in either mode, so that a switch between them holds
-            median = statistics.median(times)
-            changed = self._medians.get(rows) != median
-            self._medians[rows] = median
-        return changed if self.reshape else len(self._latest) >= self.MIN_SEEN
+        if not self._reshape:  # its count's median is taken when reshape is switched on
+            return len(self._latest) >= self.MIN_SEEN
+        if len(times) < self.MIN_SEEN:
+            return False
+        median = statistics.median(times)
+        changed = self._medians.get(rows) != median
+        self._medians[rows] = median
+        return changed
 
     def corrected(self, costs: SpecCosts) -> SpecCosts:
         table = self.corrected_table(getattr(costs, self.table))
@@ -283,26 +297,24 @@ class ObservedForwards:
         if not seconds or not (self._medians if self.reshape else len(self._latest) >= self.MIN_SEEN):
             return None
         points = sorted(seconds)
-        if not self.reshape:
+        if self.reshape:
+            ratios = {rows: median / _lookup(seconds, points, rows) for rows, median in self._medians.items()}
+            prices = ((rows, seconds[rows] * ratios[nearest])
+                      for rows, nearest in self._nearest_seen(tuple(sorted(ratios)), points))
+        else:
             ratio = self._ratio(seconds, points)
             own = self._recent_medians() if self.recent else {}
             start_up, built_at, built_own, scaled = self._scaled
             if (start_up is seconds and self._within_step(ratio, built_at) and own.keys() == built_own.keys()
                     and all(self._within_step(own[rows], built_own[rows]) for rows in own)):
                 return scaled
-            table, floor = {}, 0.0
-            for rows in points:
-                floor = max(floor, own[rows] if rows in own else seconds[rows] * ratio)
-                table[rows] = floor
-            self._scaled = (seconds, ratio, own, table)
-            return table
-        else:
-            ratios = {rows: median / _lookup(seconds, points, rows) for rows, median in self._medians.items()}
-            pairs = self._nearest_seen(tuple(sorted(ratios)), points)
+            prices = ((rows, own[rows] if rows in own else seconds[rows] * ratio) for rows in points)
         table, floor = {}, 0.0
-        for rows, nearest in pairs:
-            floor = max(floor, seconds[rows] * ratios[nearest])
+        for rows, price in prices:
+            floor = max(floor, price)
             table[rows] = floor
+        if not self.reshape:
+            self._scaled = (seconds, ratio, own, table)
         return table
 
     def _within_step(self, value: float, built_at: float) -> bool:
