@@ -158,6 +158,7 @@ def summarize(outs: list[dict], seconds: float, batch: int) -> dict:
     return {"batch": batch, "tokens": tokens, "seconds": seconds, "tok_per_s": tokens / seconds,
             "acceptance": accepted / drafted if drafted else None, "num_drafted": drafted,
             "mean_accepted_length": (accepted + spec_steps) / spec_steps if spec_steps else None,  # tokens per step
+            "drafts_per_step": drafted / spec_steps if spec_steps else None,  # per verification
             "token_ids": [o["token_ids"] for o in outs]}
 
 
