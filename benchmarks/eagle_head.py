@@ -3,7 +3,8 @@ a one-row target step, then acceptance, mean accepted length and decode speed wi
 off, the EAGLE head and (if given) a draft model, at T = 0 on the held-out prompts of
 chatserve/data/prompts.json (the head is trained on data/head_prompts.json), at batch 1 and 2,
 in-process, one run (--lockstep: all engines at once, their steps interleaved, each round's
-speed-up over off paired: on a noisy host the only reading that holds). Greedy outputs are checked equal to speculation off. Several --eagle-head
+speed-up over off paired: on a noisy host the only reading that holds; --turn-steps 8 when the engines'
+weights outgrow the L3, as a Qwen pair's do). Greedy outputs are checked equal to speculation off. Several --eagle-head
 files run side by side as eagle1, eagle2, ... (e.g. an EAGLE-3 head and an EAGLE-1 head on the
 same data); an EAGLE-3 head's fuse, paid once a target step on the rows it fed, is timed apart.
 --variant runs the EAGLE head again with settings changed (a SpecConfig field or a SpecRunner
@@ -99,11 +100,13 @@ def decode_run(engine: Engine, prompts: list[list[int]], batch: int, max_tokens:
 
 
 def lockstep_runs(engines: dict[str, Engine], prompts: list[list[int]], batch: int, max_tokens: int,
-                  first: int) -> dict[str, dict]:
-    """decode_run for every engine at once, their steps interleaved one by one (engine `first`
-    of the dict's order leads, then the next...): a burst of this host's noise lands on all of
-    them alike, where decode_run's engines, timed one after another, each took their own. Each
-    engine's time is the sum of its own steps."""
+                  first: int, turn_steps: int = 1) -> dict[str, dict]:
+    """decode_run for every engine at once, their steps interleaved (engine `first` of the dict's
+    order leads, then the next..., `turn_steps` steps each a turn): a burst of this host's noise
+    lands on all of them alike, where decode_run's engines, timed one after another, each took
+    their own. Each engine's time is the sum of its own steps. Engines whose weights together
+    outgrow the L3 evict one another's: one step a turn then prices every step from a cold cache
+    (l3_warning), and more steps a turn pay that once a turn."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     names = list(engines)
     names = names[first % len(names):] + names[: first % len(names)]
@@ -117,21 +120,38 @@ def lockstep_runs(engines: dict[str, Engine], prompts: list[list[int]], batch: i
             results[name] = {rid: {"token_ids": [], "stats": None} for rid in ids}
         while any(engines[name].has_unfinished() for name in names):
             for name in names:
-                if not engines[name].has_unfinished():
-                    continue
-                start = time.perf_counter()
-                deltas = engines[name].step()
-                steps[name].append(time.perf_counter() - start)
-                spent[name] += steps[name][-1]
-                for d in deltas:
-                    r = results[name][d.request_id]
-                    r["token_ids"] += d.token_ids
-                    if d.finished:
-                        r["stats"] = d.stats
+                for _ in range(turn_steps):
+                    if not engines[name].has_unfinished():
+                        break
+                    start = time.perf_counter()
+                    deltas = engines[name].step()
+                    steps[name].append(time.perf_counter() - start)
+                    spent[name] += steps[name][-1]
+                    for d in deltas:
+                        r = results[name][d.request_id]
+                        r["token_ids"] += d.token_ids
+                        if d.finished:
+                            r["stats"] = d.stats
         for name in names:
             outs[name] += list(results[name].values())  # in the prompts' order
     return {name: {**summarize(outs[name], spent[name], batch), "median_step_ms": statistics.median(steps[name]) * 1e3}
             for name in engines}
+
+
+def l3_warning(engines: dict[str, Engine], turn_steps: int) -> str | None:
+    """Why a lockstep run at one step a turn would misprice these engines, or None: their weights
+    together outgrow this CPU's L3 (session 57: the Qwen 1.5B beside its 0.5B draft stepped 47 ms
+    alone and 69 in lockstep, the draft engine slowed most, so its adaptive pricing left drafting)."""
+    try:
+        l3 = int(Path("/sys/devices/system/cpu/cpu0/cache/index3/size").read_text().strip().rstrip("K")) << 10
+    except (OSError, ValueError):
+        return None
+    weights = sum(e.memory_stats()["weights_bytes"] for e in engines.values())
+    if turn_steps > 1 or weights <= l3:
+        return None
+    return (f"the engines' weights ({weights / 2**20:.0f} MiB) outgrow the L3 ({l3 / 2**20:.0f} MiB): at one step a "
+            "turn each step may read its weights from a cold cache (the Qwen pair's ratios misled, session 57); "
+            "--turn-steps 8 pays that once a turn, or run without --lockstep")
 
 
 def served_head_steps(method) -> list[tuple[int, float]]:
@@ -214,6 +234,9 @@ def main() -> None:
                     help="run the configs' engines at once, steps interleaved one by one (lockstep_runs), and report "
                          "each round's speed over off's: speedup_vs_off is then their geometric mean, with its "
                          "standard error and the rounds ahead")
+    ap.add_argument("--turn-steps", type=int, default=1,
+                    help="with --lockstep: steps each engine takes a turn (more when the engines' weights outgrow the "
+                         "L3 and evict one another's)")
     ap.add_argument("--variant", nargs="*", default=[], metavar="NAME:SETTING=VALUE,...",
                     help="the (first) EAGLE head (with --no-eagle the draft model) again with SpecConfig fields or "
                          f"the attributes {RUNNER_SETTINGS + METHOD_SETTINGS} changed, run beside the others as NAME")
@@ -284,6 +307,11 @@ def main() -> None:
             else:
                 results.setdefault("heads", {})[name] = {"step_costs": costs, "head": info}
             print(name, json.dumps(costs), file=sys.stderr)
+    if args.lockstep:
+        results["turn_steps"] = args.turn_steps
+        if warning := l3_warning(engines, args.turn_steps):
+            results["l3_warning"] = warning
+            print("warning:", warning, file=sys.stderr)
     tok = engines["off"].tokenizer
     for kind in () if args.costs_only else args.workloads:
         prompts = chat_prompts(tok, kind)
@@ -297,7 +325,7 @@ def main() -> None:
                 timed.clear()
             for r in range(args.rounds):  # off, eagle, ... then the reverse order: drift hits both alike
                 if args.lockstep:
-                    runs = lockstep_runs(engines, prompts, batch, args.max_tokens, first=r)
+                    runs = lockstep_runs(engines, prompts, batch, args.max_tokens, first=r, turn_steps=args.turn_steps)
                 else:
                     order = list(configs) if r % 2 == 0 else list(configs)[::-1]
                     runs = {name: decode_run(engines[name], prompts, batch, args.max_tokens) for name in order}
