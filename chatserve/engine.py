@@ -353,12 +353,13 @@ class Engine:
 
     def memory_stats(self) -> dict:
         """Bytes: the process's resident set now and at its peak (Linux), the models' weights
-        (parameters and buffers, shared tensors once) and the KV pool (zeroed when made, so
-        resident from the start: chatserve/kv_cache.py)."""
+        (parameters and buffers: each storage once, so the views of one load arena count it
+        once, not once a view) and the KV pool (zeroed when made, so resident from the start:
+        chatserve/kv_cache.py)."""
         models = [m for m in (self.models.target, self.models.draft) if m is not None]
         if self.models.eagle_runner is not None:
             models.append(self.models.eagle_runner.head)
-        tensors = {t.data_ptr(): t.untyped_storage().nbytes() for m in models
+        tensors = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for m in models
                    for t in itertools.chain(m.parameters(), m.buffers())}
         pools = [r.kv_cache for r in (self.models.target_runner, self.models.draft_runner) if r is not None]
         if self.models.eagle_runner is not None:

@@ -1,6 +1,7 @@
 """Engine behaviour on tiny random models: batching, preemption, prefix reuse, stops, errors."""
 
 import dataclasses
+import itertools
 import random
 
 import pytest
@@ -149,6 +150,17 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(tiny_llama_dir):
     assert a == b
     c = engine.generate([ids], SamplingParams(max_tokens=16, temperature=0.9, seed=124, ignore_eos=True))[0]["token_ids"]
     assert a != c
+
+
+def test_memory_stats_count_each_weight_storage_once(tiny_llama_dir):
+    """The int4 loader carves a model's weights out of one arena: counting that storage once a view
+    made SmolLM2-135M's weights 21 GB (session 58)."""
+    engine = make_engine(tiny_llama_dir, quantization="int4", dtype="float32")
+    mem = engine.memory_stats()
+    tensors = list(itertools.chain(engine.models.target.parameters(), engine.models.target.buffers()))
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    assert mem["weights_bytes"] == sum(storages.values())
+    assert sum(t.nbytes for t in tensors) <= mem["weights_bytes"] < mem["rss_bytes"]
 
 
 def test_abort_frees_blocks_at_once(tiny_llama_dir):
