@@ -142,12 +142,14 @@ def l3_warning(engines: dict[str, Engine], turn_steps: int) -> str | None:
     """Why a lockstep run at one step a turn would misprice these engines, or None: their weights
     together outgrow this CPU's L3 (session 57: the Qwen 1.5B beside its 0.5B draft stepped 47 ms
     alone and 69 in lockstep, the draft engine slowed most, so its adaptive pricing left drafting)."""
+    if turn_steps > 1:
+        return None
     try:
         l3 = int(Path("/sys/devices/system/cpu/cpu0/cache/index3/size").read_text().strip().rstrip("K")) << 10
     except (OSError, ValueError):
         return None
     weights = sum(e.memory_stats()["weights_bytes"] for e in engines.values())
-    if turn_steps > 1 or weights <= l3:
+    if weights <= l3:
         return None
     return (f"the engines' weights ({weights / 2**20:.0f} MiB) outgrow the L3 ({l3 / 2**20:.0f} MiB): at one step a "
             "turn each step may read its weights from a cold cache (the Qwen pair's ratios misled, session 57); "
