@@ -102,24 +102,31 @@ def user_turns(seed: int, questions: Iterator[str] | None = None) -> Iterator[st
     yield from questions
 
 
-def model_questions(engine, seed: int, batch: int) -> Iterator[str]:
+def model_questions(engine, seed: int, batch: int, written: dict[str, list[str]] | None = None) -> Iterator[str]:
     """Chat prompts the target writes itself: for each topic of head_prompts.json (seeded order)
     it is asked, greedily and `batch` topics at once, for QUESTIONS_PER_TOPIC messages a user
     might send about it, one a line. Why: 141 shipped chat prompts are too few. A Qwen head
     trained on them and ~1,200 code tasks agreed with the target on 69% of its training replies'
     positions and on 50% of held-out ones (memorized), and its first draft held on 31% of
-    held-out chat positions against 57% on code. Deterministic, so a resumed data phase writes
-    the same questions again (a few seconds a topic) and skips those already answered."""
+    held-out chat positions against 57% on code. `written` (the data phase's state: topic -> the
+    messages written on it) keeps each topic's messages once written, and a topic found there is
+    not asked again: a resumed phase, which skips the prompts already answered, no longer has the
+    target write them all again first (on Qwen 1.5B two batches of 128 topics, minutes of its
+    time that are not data)."""
     data = json.loads(PROMPTS_FILE.read_text())
     topics = list(data["topics"])
     random.Random(seed).shuffle(topics)
     params = SamplingParams(max_tokens=QUESTION_TOKENS, temperature=0.0)
     tok = engine.tokenizer
+    written = {} if written is None else written
     for i in range(0, len(topics), batch):
+        todo = [topic for topic in topics[i : i + batch] if topic not in written]
         asks = [tok.apply_chat_template([{"role": "user", "content": data["question_request"].format(
-            n=QUESTIONS_PER_TOPIC, topic=topic)}]) for topic in topics[i : i + batch]]
-        for out in engine.generate(asks, params):
-            yield from question_lines(out["text"])[:QUESTIONS_PER_TOPIC]
+            n=QUESTIONS_PER_TOPIC, topic=topic)}]) for topic in todo]
+        for topic, out in zip(todo, engine.generate(asks, params) if asks else ()):
+            written[topic] = question_lines(out["text"])[:QUESTIONS_PER_TOPIC]
+        for topic in topics[i : i + batch]:
+            yield from written[topic]
 
 
 def question_lines(text: str) -> list[str]:
@@ -256,6 +263,8 @@ class Collected:
     asked: set[int] = dataclasses.field(default_factory=set)  # prompt_key of every user turn answered
     saved: int = 0
     feature_layers: tuple[int, ...] = ()  # the target layers captured beside the final feature (EAGLE-3's)
+    # topic -> the chat prompts the target wrote itself on it (model_questions), kept for a resumed phase
+    questions: dict[str, list[str]] = dataclasses.field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
@@ -279,8 +288,9 @@ def collect(engine, *, max_tokens: int, seconds: float, reply_tokens: int, seed:
         raise ValueError(f"train-head: the saved data holds features of layers {list(resume.feature_layers)}, "
                          f"not {list(layers)}; collect it again (--fresh) or train on the same layers")
     state = (dataclasses.replace(resume, sequences=list(resume.sequences), asked=set(resume.asked),
-                                 feature_layers=layers) if resume else Collected([], feature_layers=layers))
-    turns, raw = user_turns(seed, model_questions(engine, seed, batch)), plain_sources(tok, seed)
+                                 questions=dict(resume.questions), feature_layers=layers)
+             if resume else Collected([], feature_layers=layers))
+    turns, raw = user_turns(seed, model_questions(engine, seed, batch, state.questions)), plain_sources(tok, seed)
     if state.asked:
         turns = (t for t in turns if prompt_key(t) not in state.asked)
     else:  # saved before prompts were recorded: skip by count
@@ -398,6 +408,7 @@ def save_collected(path: Path, state: Collected, target_hash: str) -> None:
     record = {"format": DATA_FORMAT, "target_hash": target_hash, "rounds": state.rounds, "seconds": state.seconds,
               "exhausted": state.exhausted, "asked": sorted(state.asked), "hidden": hidden, "rows": rows,
               "feature_layers": list(state.feature_layers),
+              "questions": dict(state.questions),
               "token_ids": torch.cat([s.token_ids for s in seqs]) if seqs else torch.zeros(0, dtype=torch.long),
               "lengths": torch.tensor(lengths, dtype=torch.long),
               "num_prompt_tokens": torch.tensor([s.num_prompt_tokens for s in seqs], dtype=torch.long)}
@@ -432,7 +443,8 @@ def load_collected(path: Path, target_hash: str | None) -> Collected | None:
     sequences = [Sequence(ids[i], mapped[o : o + n], int(record["num_prompt_tokens"][i]))
                  for i, (o, n) in enumerate(zip(_offsets(lengths, 0), lengths))]
     return Collected(sequences, record["rounds"], record["seconds"], record["exhausted"], set(record["asked"]),
-                     saved=len(sequences), feature_layers=tuple(record.get("feature_layers", ())))
+                     saved=len(sequences), feature_layers=tuple(record.get("feature_layers", ())),
+                     questions=dict(record.get("questions", {})))
 
 
 def _offsets(lengths: list[int], first: int) -> list[int]:

@@ -1267,6 +1267,33 @@ def test_model_questions_ask_the_target_once_per_topic(tiny_llama_dir, monkeypat
     assert_pool_empty(engine)
 
 
+def test_model_questions_kept_in_the_data_are_not_written_again(tiny_llama_dir, monkeypatch, tmp_path):
+    """The questions written on each topic go into `written` (the data phase's state, saved with
+    its data): a resumed phase yields them in the same order without asking the target again,
+    and asks only about the topics not written yet."""
+    import json
+
+    from chatserve import head_data
+
+    prompts = tmp_path / "head_prompts.json"
+    prompts.write_text(json.dumps({"topics": ["bees", "tea", "maps"], "question_request": "{n} on {topic}"}))
+    monkeypatch.setattr(head_data, "PROMPTS_FILE", prompts)
+    monkeypatch.setattr(head_data, "question_lines", lambda text: [f"about {text[:12]!r}?"])
+    engine = Engine(EngineConfig(model=str(tiny_llama_dir), max_model_len=256, kv_cache_memory=8 << 20))
+    written = {}
+    first = list(head_data.model_questions(engine, seed=0, batch=2, written=written))
+    assert len(first) == 3 and sorted(written) == ["bees", "maps", "tea"]
+    assert first == [q for topic in written for q in written[topic]]  # written in the order asked
+    asked = []
+    generate = engine.generate
+    monkeypatch.setattr(engine, "generate", lambda ps, params: asked.append(len(ps)) or generate(ps, params))
+    assert list(head_data.model_questions(engine, seed=0, batch=2, written=dict(written))) == first and not asked
+    partial = {topic: written[topic] for topic in list(written)[:2]}  # the first batch's topics only
+    assert list(head_data.model_questions(engine, seed=0, batch=2, written=partial)) == first and asked == [1]
+    assert partial == written
+    assert_pool_empty(engine)
+
+
 def test_a_killed_data_phase_resumes_where_its_checkpoint_left_it(tiny_llama_dir, monkeypatch):
     """The data phase checkpoints as it goes: a run killed after its first checkpoint, resumed from
     it, ends with the sequences of a run never interrupted (same prompts, same source, in order),
@@ -1326,7 +1353,8 @@ def test_saved_data_is_appended_to_and_read_back_memory_mapped(tmp_path):
 
     path, row_bytes = tmp_path / "eagle-head-data.pt", 8 * 2
     first = [seq(5, 2, 0), seq(7, 7, 1)]
-    state = Collected([dataclasses.replace(s) for s in first], rounds=1, seconds=2.5, asked={3, 4})
+    state = Collected([dataclasses.replace(s) for s in first], rounds=1, seconds=2.5, asked={3, 4},
+                      questions={"bees": ["How do bees dance?"], "tea": []})
     save_collected(path, state, "abc")
     assert state.saved == 2 and features_path(path).stat().st_size == 12 * row_bytes
     assert same(state.sequences, first)
@@ -1342,6 +1370,7 @@ def test_saved_data_is_appended_to_and_read_back_memory_mapped(tmp_path):
     loaded = load_collected(path, "abc")
     assert same(loaded.sequences, first + more) and loaded.saved == 3
     assert (loaded.rounds, loaded.seconds, loaded.exhausted, loaded.asked) == (2, 2.5, True, {3, 4})
+    assert loaded.questions == {"bees": ["How do bees dance?"], "tea": []}
     assert load_collected(path, "other weights") is None and load_collected(tmp_path / "none.pt", "abc") is None
     assert same(load_collected(path, None).sequences, first + more)  # None: whatever target it was saved for
     with open(features_path(path), "r+b") as f:
