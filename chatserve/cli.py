@@ -325,6 +325,7 @@ def cmd_train_head(args) -> int:
                       seed=args.seed, unroll=args.unroll, feature_weight=args.feature_weight,
                       greedy_weight=args.greedy_weight,
                       data_share=args.data_share, init=args.init, train_dtype=args.train_dtype,
+                      head_intermediate_size=args.head_intermediate_size,
                       data_batch=args.data_batch, feature_layers=_feature_layers(args.feature_layers),
                       reply_only=args.loss_rows == "replies",
                       **{k: v for k, v in (("window", args.window), ("batch_tokens", args.batch_tokens),
@@ -471,6 +472,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--init", default="random", choices=["random", "last-layer"],
                    help="a new head's layer: at random, or a copy of the model's last layer (fc passes the token's "
                         "embedding); ignored when resuming")
+    t.add_argument("--head-intermediate-size", type=int, default=None, metavar="N",
+                   help="a new head's MLP width (default: the model's; the MLP is most of the head's layer, so a "
+                        "narrower one trains and drafts faster); a resumed head keeps its own")
     t.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="as for serve: features come from the model as it will be served")
     t.add_argument("--train-dtype", default="auto", choices=["auto", "float32", "bfloat16"],

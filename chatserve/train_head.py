@@ -81,6 +81,8 @@ class TrainConfig:
     min_lr_ratio: float = 0.1  # each run's lr follows a cosine from lr down to lr * this over its budget
     seed: int = 0
     init: str = "random"  # a new head's layer: "random" (HF's init) or "last-layer" (the target's last layer, fc = [0 | I])
+    # a new head's MLP width; None: the target's (a resumed head keeps its own; asking another is a ValueError)
+    head_intermediate_size: int | None = None
     checkpoint_seconds: float = 300.0  # also how often it validates (~10-20 s on Qwen 1.5B's head)
     fresh: bool = False  # start over even if a checkpoint exists
     train_dtype: str = "auto"  # the step's compute dtype: "auto", "float32" or "bfloat16" (choose_train_dtype)
@@ -132,7 +134,8 @@ def choose_train_dtype(name: str, flags: frozenset[str]) -> torch.dtype:
 
 
 def new_head(target, target_dir: Path, max_positions: int, head_token_ids: torch.Tensor, seed: int,
-             init: str = "random", feature_layers: tuple[int, ...] = ()) -> EagleHead:
+             init: str = "random", feature_layers: tuple[int, ...] = (),
+             intermediate_size: int | None = None) -> EagleHead:
     """A float32 head: fc and the layer at random (HF's init), the norm at 1, the LM head the
     target's rows for head_token_ids, read from the checkpoint (a quantized target has no float rows).
     With feature_layers, a fuse of those layers' normalized outputs at std 1 / sqrt(fan-in): its
@@ -140,12 +143,17 @@ def new_head(target, target_dir: Path, max_positions: int, head_token_ids: torch
 
     init "last-layer" starts the layer as a copy of the target's last decoder layer and fc as
     [0 | I] (the token's embedding alone): the head then begins as the target's last layer run on
-    the residual stream's first term, and its weights already live in the target's feature space."""
+    the residual stream's first term, and its weights already live in the target's feature space.
+    `intermediate_size`: the layer's MLP width (None: the target's; "last-layer" needs the target's)."""
     if init not in INITS:
         raise ValueError(f"init: one of {', '.join(INITS)}, got {init!r}")
     cfg = target.config
+    if init == "last-layer" and intermediate_size not in (None, cfg.intermediate_size):
+        raise ValueError(f"init last-layer copies the target's layer: its MLP width is {cfg.intermediate_size}, "
+                         f"not {intermediate_size}")
     torch.manual_seed(seed)
-    head = EagleHead(cfg, max_positions, head_token_ids, feature_layers=feature_layers).float()
+    head = EagleHead(cfg, max_positions, head_token_ids, feature_layers=feature_layers,
+                     intermediate_size=intermediate_size).float()
     std = getattr(cfg, "initializer_range", 0.02)
     for name, p in head.named_parameters():
         if p.dim() == 2:
@@ -483,6 +491,9 @@ def run(engine, model: str, target_dir: Path, cfg: TrainConfig, out: Path | None
         head = _new(engine, target_dir, train_seqs, cfg, state["head_vocab_size"], layers)
     else:  # the data may have grown since: the vocabulary follows it (the LM head is the target's, frozen)
         head, state = _resume(engine, ckpt)
+        if cfg.head_intermediate_size not in (None, head.intermediate_size):
+            raise ValueError(f"train-head: the checkpoint's head has an MLP width of {head.intermediate_size}, not "
+                             f"{cfg.head_intermediate_size}; continue with that, or start over with --fresh")
         specials = engine.tokenizer.special_token_ids
         # its size as trained unless asked: re-chosen at the default, a Qwen head of 16,384 rows
         # grew to 32,788 and its draft step from 1.6 to 3.6 ms (session 31)
@@ -496,7 +507,7 @@ def run(engine, model: str, target_dir: Path, cfg: TrainConfig, out: Path | None
     info = {"model": model, "num_sequences": len(sequences), "num_tokens": sum(len(s.token_ids) for s in sequences),
             "num_val_sequences": len(val),
             "coverage": coverage(sequences, head.head_token_ids), "num_kept": len(head.head_token_ids),
-            "feature_layers": list(layers), "dtype": engine.config.dtype, "quantization": engine.config.quantization,
+            "feature_layers": list(layers), "intermediate_size": head.intermediate_size, "dtype": engine.config.dtype, "quantization": engine.config.quantization,
             "train_dtype": str(choose_train_dtype(cfg.train_dtype, cpu_flags())).removeprefix("torch."),
             "train_config": dataclasses.asdict(cfg)}
     embed = target.embed_tokens
@@ -567,7 +578,8 @@ def _new(engine, target_dir: Path, sequences: list[Sequence], cfg: TrainConfig, 
          layers: tuple[int, ...]) -> EagleHead:
     target = engine.models.target
     ids = choose_vocab(sequences, target.vocab_size, vocab_size, engine.tokenizer.special_token_ids)
-    return new_head(target, target_dir, engine.max_model_len, ids, cfg.seed, cfg.init, layers)
+    return new_head(target, target_dir, engine.max_model_len, ids, cfg.seed, cfg.init, layers,
+                    cfg.head_intermediate_size)
 
 
 def _load_servable(path: Path, engine, target_hash: str) -> EagleHead | None:

@@ -29,6 +29,8 @@ same maths over whole sequences with autograd, for training (and as the paged pa
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -40,10 +42,18 @@ from chatserve.models.llama import DecoderLayer, LayerStack, rope_inv_freq
 
 class EagleHead(nn.Module):
     def __init__(self, cfg, max_positions: int, head_token_ids: torch.Tensor, rotary: Rotary | None = None,
-                 feature_layers: tuple[int, ...] = ()):
+                 feature_layers: tuple[int, ...] = (), intermediate_size: int | None = None):
         """`rotary`: the target's tables, shared (the same cfg makes the same ones), else new.
-        `feature_layers`: the target layers whose outputs it fuses (EAGLE-3); () reads the final feature."""
+        `feature_layers`: the target layers whose outputs it fuses (EAGLE-3); () reads the final feature.
+        `intermediate_size`: the layer's MLP width; None: the target's. The MLP is most of a layer of
+        the target's shape (Qwen2.5-Coder-1.5B: 41M of 47M parameters), so a narrower one trains and
+        drafts with less compute."""
         super().__init__()
+        if intermediate_size is not None and intermediate_size != cfg.intermediate_size:
+            if intermediate_size < 1:
+                raise ValueError(f"intermediate_size: must be >= 1, got {intermediate_size}")
+            cfg = copy.copy(cfg)  # the target's config with the head's MLP width, for DecoderLayer
+            cfg.intermediate_size = intermediate_size
         hidden = cfg.hidden_size
         self.feature_layers = tuple(int(i) for i in feature_layers)
         if any(not 0 <= i < cfg.num_hidden_layers for i in self.feature_layers):
@@ -59,6 +69,7 @@ class EagleHead(nn.Module):
         rotary = rotary or Rotary(*rope_inv_freq(cfg, self.head_dim), max_positions)
         self.layer = DecoderLayer(cfg, rotary, qkv_bias)
         self.norm = RMSNorm(hidden, cfg.rms_norm_eps)
+        self.intermediate_size = cfg.intermediate_size
         self.lm_head = Linear(hidden, len(head_token_ids), bias=False)  # rows of the target's LM head
         self.register_buffer("head_token_ids", head_token_ids.long())  # [num_kept]
         self.stack = LayerStack(hidden, self.head_dim, cfg.intermediate_size)  # its layer in one C++ call
@@ -68,9 +79,11 @@ class EagleHead(nn.Module):
     def from_state(cls, cfg, max_positions: int, state_dict: dict, feature_layers=(),
                    rotary: Rotary | None = None) -> "EagleHead":
         """A head holding `state_dict`'s weights (a saved head's or a training checkpoint's): its
-        LM head's rows are the state's head_token_ids. Raises ValueError for feature layers the
-        target does not have."""
-        head = cls(cfg, max_positions, state_dict["head_token_ids"], rotary=rotary, feature_layers=feature_layers)
+        LM head's rows are the state's head_token_ids and its MLP width the state's down_proj's.
+        Raises ValueError for feature layers the target does not have."""
+        width = state_dict["layer.mlp.down_proj.weight"].shape[1]
+        head = cls(cfg, max_positions, state_dict["head_token_ids"], rotary=rotary, feature_layers=feature_layers,
+                   intermediate_size=width)
         head.load_state_dict(state_dict)
         return head
 

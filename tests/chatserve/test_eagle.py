@@ -97,13 +97,22 @@ def fused_head(tiny_llama_dir, conversation, tmp_path_factory):
     return _train_test_head(tiny_llama_dir, conversation, tmp_path_factory, (0, 1))
 
 
-@pytest.fixture(params=["final", "fused"])
-def any_head(request, trained_head, fused_head):
-    """Each kind of head in turn: EAGLE-1's features, EAGLE-3's."""
-    return trained_head if request.param == "final" else fused_head
+@pytest.fixture(scope="module")
+def narrow_head(tiny_llama_dir, conversation, tmp_path_factory):
+    """A fused head whose layer's MLP is narrower than the target's (NARROW_MLP wide)."""
+    return _train_test_head(tiny_llama_dir, conversation, tmp_path_factory, (0, 1), NARROW_MLP)
 
 
-def _train_test_head(tiny_llama_dir, conversation, tmp_path_factory, feature_layers):
+NARROW_MLP = 48  # the tiny target's MLP is 128 wide
+
+
+@pytest.fixture(params=["final", "fused", "narrow"])
+def any_head(request, trained_head, fused_head, narrow_head):
+    """Each kind of head in turn: EAGLE-1's features, EAGLE-3's, EAGLE-3's with a narrower MLP."""
+    return {"final": trained_head, "fused": fused_head, "narrow": narrow_head}[request.param]
+
+
+def _train_test_head(tiny_llama_dir, conversation, tmp_path_factory, feature_layers, intermediate_size=None):
     engine = make_engine(tiny_llama_dir, method=None)
     engine.models.target_runner.feature_layers = feature_layers
     tok, target = engine.tokenizer, engine.models.target
@@ -113,7 +122,9 @@ def _train_test_head(tiny_llama_dir, conversation, tmp_path_factory, feature_lay
     texts += [prompt + reply for prompt, reply in conversation]
     sequences = [Sequence(torch.tensor(ids), target_features(engine, ids), 0) for ids in texts]
     head_ids = choose_vocab(sequences, target.vocab_size, 200, tok.special_token_ids)
-    head = new_head(target, tiny_llama_dir, engine.max_model_len, head_ids, seed=0, feature_layers=feature_layers)
+    head = new_head(target, tiny_llama_dir, engine.max_model_len, head_ids, seed=0, feature_layers=feature_layers,
+                    intermediate_size=intermediate_size)
+    assert head.layer.mlp.intermediate == (intermediate_size or target.config.intermediate_size)
     cfg = TrainConfig(max_steps=100, window=64, batch_tokens=512, lr=1e-3, warmup_steps=10, unroll=2)
     with one_thread():
         state = train(head, target.embed_tokens, sequences, cfg, 300.0, {})
@@ -1172,11 +1183,18 @@ def test_train_head_command_saves_by_weight_hash_and_resumes(tiny_llama_dir, tmp
     assert path.stat().st_mtime_ns == before
     # --data-share 0 with no data anywhere: a clear error, not a crash
     assert main([*args, "--data-share", "0", "--out", str(tmp_path / "other.pt")]) == 2
-    # EAGLE-1's features asked for: a head on the final feature alone
+    # EAGLE-1's features asked for: a head on the final feature alone (and its MLP narrower than the model's)
     other = tmp_path / "final.pt"
     assert main([*args, "--max-data-tokens", "300", "--max-steps", "1", "--feature-layers", "final",
-                 "--out", str(other)]) == 0
-    assert torch.load(other, weights_only=True)["feature_layers"] == []
+                 "--head-intermediate-size", "40", "--out", str(other)]) == 0
+    narrow = torch.load(other, weights_only=True)
+    assert narrow["feature_layers"] == [] and narrow["info"]["intermediate_size"] == 40
+    assert narrow["state_dict"]["layer.mlp.down_proj.weight"].shape == (64, 40)
+    # resumed, it keeps its width; another one asked for is refused
+    assert main([*args, "--data-share", "0", "--max-steps", "2", "--out", str(other)]) == 0
+    assert main([*args, "--data-share", "0", "--max-steps", "3", "--head-intermediate-size", "56",
+                 "--out", str(other)]) == 2
+    assert torch.load(other, weights_only=True)["info"]["last_steps"] == 2
     # `serve` with no drafter named takes the trained head, unless a drafter is named
     from chatserve.cli import build_parser, speculation
     method, draft, why = speculation(build_parser().parse_args(["serve", "--model", str(tiny_llama_dir)]))
