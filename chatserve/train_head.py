@@ -507,7 +507,8 @@ def run(engine, model: str, target_dir: Path, cfg: TrainConfig, out: Path | None
     info = {"model": model, "num_sequences": len(sequences), "num_tokens": sum(len(s.token_ids) for s in sequences),
             "num_val_sequences": len(val),
             "coverage": coverage(sequences, head.head_token_ids), "num_kept": len(head.head_token_ids),
-            "feature_layers": list(layers), "intermediate_size": head.intermediate_size, "dtype": engine.config.dtype, "quantization": engine.config.quantization,
+            "feature_layers": list(layers), "intermediate_size": head.intermediate_size,
+            "dtype": engine.config.dtype, "quantization": engine.config.quantization,
             "train_dtype": str(choose_train_dtype(cfg.train_dtype, cpu_flags())).removeprefix("torch."),
             "train_config": dataclasses.asdict(cfg)}
     embed = target.embed_tokens
