@@ -475,6 +475,9 @@ def run(engine, model: str, target_dir: Path, cfg: TrainConfig, out: Path | None
     data = load_collected(data_path, target_hash) if not cfg.fresh else None
     ckpt = _load_checkpoint(ckpt_path, target_hash) if not cfg.fresh else None
     layers = _feature_layers(cfg, ckpt, data, target.num_layers)
+    if ckpt and cfg.head_intermediate_size not in (None, width := EagleHead.state_width(ckpt["head"])):
+        raise ValueError(f"train-head: the checkpoint's head has an MLP width of {width}, not "
+                         f"{cfg.head_intermediate_size}; continue with that, or start over with --fresh")
     engine.models.target_runner.feature_layers = layers  # what collect() records beside the final feature
     if cfg.data_share > 0 and (data is None or (not data.exhausted and data.num_tokens < cfg.max_data_tokens)):
         data = _collect(engine, cfg, seconds * cfg.data_share, show_progress, data,
@@ -491,9 +494,6 @@ def run(engine, model: str, target_dir: Path, cfg: TrainConfig, out: Path | None
         head = _new(engine, target_dir, train_seqs, cfg, state["head_vocab_size"], layers)
     else:  # the data may have grown since: the vocabulary follows it (the LM head is the target's, frozen)
         head, state = _resume(engine, ckpt)
-        if cfg.head_intermediate_size not in (None, head.intermediate_size):
-            raise ValueError(f"train-head: the checkpoint's head has an MLP width of {head.intermediate_size}, not "
-                             f"{cfg.head_intermediate_size}; continue with that, or start over with --fresh")
         specials = engine.tokenizer.special_token_ids
         # its size as trained unless asked: re-chosen at the default, a Qwen head of 16,384 rows
         # grew to 32,788 and its draft step from 1.6 to 3.6 ms (session 31)

@@ -69,7 +69,6 @@ class EagleHead(nn.Module):
         rotary = rotary or Rotary(*rope_inv_freq(cfg, self.head_dim), max_positions)
         self.layer = DecoderLayer(cfg, rotary, qkv_bias)
         self.norm = RMSNorm(hidden, cfg.rms_norm_eps)
-        self.intermediate_size = cfg.intermediate_size
         self.lm_head = Linear(hidden, len(head_token_ids), bias=False)  # rows of the target's LM head
         self.register_buffer("head_token_ids", head_token_ids.long())  # [num_kept]
         self.stack = LayerStack(hidden, self.head_dim, cfg.intermediate_size)  # its layer in one C++ call
@@ -81,11 +80,19 @@ class EagleHead(nn.Module):
         """A head holding `state_dict`'s weights (a saved head's or a training checkpoint's): its
         LM head's rows are the state's head_token_ids and its MLP width the state's down_proj's.
         Raises ValueError for feature layers the target does not have."""
-        width = state_dict["layer.mlp.down_proj.weight"].shape[1]
         head = cls(cfg, max_positions, state_dict["head_token_ids"], rotary=rotary, feature_layers=feature_layers,
-                   intermediate_size=width)
+                   intermediate_size=cls.state_width(state_dict))
         head.load_state_dict(state_dict)
         return head
+
+    @staticmethod
+    def state_width(state_dict: dict) -> int:
+        """The MLP width of the head whose weights `state_dict` holds."""
+        return state_dict["layer.mlp.down_proj.weight"].shape[1]
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.layer.mlp.intermediate
 
     def reset_decode_stack(self) -> None:
         self.stack.reset()

@@ -97,13 +97,13 @@ def fused_head(tiny_llama_dir, conversation, tmp_path_factory):
     return _train_test_head(tiny_llama_dir, conversation, tmp_path_factory, (0, 1))
 
 
+NARROW_MLP = 48  # the tiny target's MLP is 128 wide
+
+
 @pytest.fixture(scope="module")
 def narrow_head(tiny_llama_dir, conversation, tmp_path_factory):
     """A fused head whose layer's MLP is narrower than the target's (NARROW_MLP wide)."""
     return _train_test_head(tiny_llama_dir, conversation, tmp_path_factory, (0, 1), NARROW_MLP)
-
-
-NARROW_MLP = 48  # the tiny target's MLP is 128 wide
 
 
 @pytest.fixture(params=["final", "fused", "narrow"])
