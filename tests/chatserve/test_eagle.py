@@ -1181,6 +1181,13 @@ def test_train_head_command_saves_by_weight_hash_and_resumes(tiny_llama_dir, tmp
     assert main([*args, "--minutes", "0.05", "--data-share", "1", "--max-data-tokens", "10000000"]) == 0
     assert torch.load(path.with_name("eagle-head-data.pt"), weights_only=True)["rounds"] >= 3  # rounds fit in 3 s
     assert path.stat().st_mtime_ns == before
+    assert f"Train with: chatserve train-head --model {tiny_llama_dir} --data-share 0" in capsys.readouterr().err
+    # with --out, the command it suggests names the same file (the data lies beside it)
+    apart = tmp_path / "apart dir" / "head.pt"
+    assert main([*args, "--minutes", "0.05", "--data-share", "1", "--max-data-tokens", "10000000",
+                 "--out", str(apart)]) == 0
+    assert f"--out '{apart}' --data-share 0" in capsys.readouterr().err
+    assert load_collected(apart.with_name("head-data.pt"), weights_hash(tiny_llama_dir)).num_tokens > 0
     # --data-share 0 with no data anywhere: a clear error, not a crash
     assert main([*args, "--data-share", "0", "--out", str(tmp_path / "other.pt")]) == 2
     # EAGLE-1's features asked for: a head on the final feature alone (and its MLP narrower than the model's)
