@@ -350,8 +350,8 @@ def cmd_train_head(args) -> int:
     path = run(engine, args.model, resolve(args.model), cfg, args.out, show_progress=not args.quiet)
     if path is None:
         # the data lies beside --out's head: the next run must name the same file to find it
-        again = shlex.join(["chatserve", "train-head", "--model", args.model, *(["--out", args.out] if args.out else []),
-                            "--data-share", "0"])
+        out = ["--out", args.out] if args.out else []
+        again = shlex.join(["chatserve", "train-head", "--model", args.model, *out, "--data-share", "0"])
         print(f"train-head: the budget went to collecting data (saved; it grows on the next run); nothing trained. "
               f"Train with: {again} (and this run's head and training flags)", file=sys.stderr)
         return 0
