@@ -5,7 +5,9 @@ layer, so L3 cannot hold them): time for all 112 matmuls of one forward, by acti
     .venv/bin/python benchmarks/int4_kernels.py --shapes head --layers 2 --rows 1 4 9 \
         --kinds chatserve-int8 torch-int8pack chatserve-int4 --json benchmarks/results/head_kernels.json
 
-`--shapes head` times the LM head instead ([151936, 1536], two copies so the second is cold).
+`--shapes head` times the LM head instead ([151936, 1536], two copies so the second is cold);
+`--shapes smollm2 --layers 30 --kinds chatserve-int4x8` SmolLM2-135M's layers in the layout an AVX2 CPU
+without VNNI serves them in (what a verification row adds there: docs/benchmarks.md, session 62).
 
 Kernels: chatserve's int4 (kernels/quant_matmul.py) and its dense path (dequantize, then an fp32
 GEMM: what Int4Linear does past quant.int4.SMALL_M rows), torch's `_weight_int4pack_mm_for_cpu` (bf16
@@ -24,12 +26,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kernels.quant_matmul import int4_dense_matmul, int4_matmul, int8_matmul
-from quant.int4 import make_params, pack_codes
+from kernels.quant_matmul import int4_dense_matmul, int4_matmul, int4x8_linear, int8_matmul
+from quant.int4 import interleave, make_params, pack_codes
 
 SHAPE_SETS = {
     "layers": [(2048, 1536), (1536, 1536), (17920, 1536), (1536, 8960)],  # (out, in): qkv, o, gate_up, down
     "head": [(151936, 1536)],  # Qwen2.5's LM head
+    "smollm2": [(960, 576), (576, 576), (3072, 576), (576, 1536)],  # SmolLM2-135M's qkv, o, gate_up, down
 }
 SHAPES = SHAPE_SETS["layers"]
 
@@ -39,11 +42,13 @@ def build(num_layers: int, kinds: list[str]) -> dict[str, list]:
     for _ in range(num_layers):
         for n, k in SHAPES:
             codes = torch.randint(0, 16, (n, k), dtype=torch.uint8)
-            if "chatserve-int4" in kinds or "chatserve-int4-dense" in kinds:
+            if {"chatserve-int4", "chatserve-int4-dense", "chatserve-int4x8"} & set(kinds):
                 params = make_params(torch.rand(n, k // 32) * 0.01, torch.randn(n, k // 32) * 0.01)
                 for kind in ("chatserve-int4", "chatserve-int4-dense"):
                     if kind in kinds:
                         weights[kind].append((pack_codes(codes), params))
+                if "chatserve-int4x8" in kinds:
+                    weights["chatserve-int4x8"].append(interleave(pack_codes(codes), params))
             if "torch-int4pack" in kinds:
                 packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.int(), 1)
                 weights["torch-int4pack"].append((packed, torch.randn(k // 32, n, 2).to(torch.bfloat16)))
@@ -64,6 +69,8 @@ def run(kind: str, ws: list, rows: int) -> None:
     for (n, k), w in zip(SHAPES * (len(ws) // len(SHAPES)), ws):
         if kind == "chatserve-int4":
             int4_matmul(xs[k], *w)
+        elif kind == "chatserve-int4x8":  # Int4Linear's layout where the CPU has no VNNI
+            int4x8_linear(xs[k], *w)
         elif kind == "chatserve-int4-dense":  # Int4Linear's path past SMALL_M rows
             int4_dense_matmul(xs[k], *w)
         elif kind == "chatserve-int8":
