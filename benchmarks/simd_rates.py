@@ -85,7 +85,7 @@ int main() {
 
 
 def run_once(binary: Path) -> dict[str, float]:
-    out = subprocess.run([str(binary)], capture_output=True, text=True, check=False).stdout
+    out = subprocess.run([str(binary)], capture_output=True, text=True, check=True).stdout
     return {name: float(value) for name, value in (line.split() for line in out.splitlines())}
 
 
