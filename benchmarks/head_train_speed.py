@@ -35,7 +35,7 @@ from chatserve.head_data import FEATURE_DTYPE, Sequence  # noqa: E402
 from chatserve.loading import resolve  # noqa: E402
 from chatserve.models.eagle_head import EagleHead  # noqa: E402
 from chatserve.train_head import TrainConfig, choose_train_dtype, retain_freed_memory, train  # noqa: E402
-from kernels.cpu_features import cpu_flags  # noqa: E402
+from kernels.cpu_features import cpu_flags, cpu_name  # noqa: E402
 
 NUM_SEQUENCES = 32
 SEQUENCE_TOKENS = 512
@@ -124,7 +124,7 @@ def main() -> None:
         "batch_tokens": args.batch_tokens, "window": args.window, "unroll": args.unroll,
         "data": f"random: {NUM_SEQUENCES} sequences of {SEQUENCE_TOKENS} tokens, features N(0, 1) in {FEATURE_DTYPE}",
         "steps_per_round": args.steps, "rounds": args.rounds, "threads": torch.get_num_threads(),
-        "torch": torch.__version__, "cpu": _cpu_name(), "platform": platform.platform(),
+        "torch": torch.__version__, "cpu": cpu_name(), "platform": platform.platform(),
         "has_amx_bf16": "amx_bf16" in cpu_flags(), "has_avx512_bf16": "avx512_bf16" in cpu_flags(),
         "auto_dtype": str(choose_train_dtype("auto", cpu_flags())).removeprefix("torch."),
         "retain_freed_memory": retained, "page_faults": faults,
@@ -133,14 +133,6 @@ def main() -> None:
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
-
-
-def _cpu_name() -> str:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor()
-    return next((ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("model name")), "")
 
 
 if __name__ == "__main__":

@@ -25,6 +25,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from kernels.cpu_features import cpu_name
+
 PROGRAM = r"""
 #include <immintrin.h>
 #include <chrono>
@@ -112,15 +114,8 @@ def main() -> None:
         args.out.write_text(json.dumps({
             "kind": "simd-rates", "ghz": round(best["ghz"], 3), "cycles": cycles,
             "int8_macs_per_cycle": round(int8_macs, 2), "rounds": rounds,
-            "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "processor": _cpu_name(),
+            "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "processor": cpu_name(),
                         "loadavg": os.getloadavg()}}, indent=1))
-
-
-def _cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
 
 
 if __name__ == "__main__":

@@ -3,17 +3,33 @@
 from __future__ import annotations
 
 import functools
+import platform
 from pathlib import Path
 
 
 @functools.lru_cache(maxsize=1)
-def cpu_flags() -> frozenset[str]:
+def _cpuinfo() -> str | None:
     try:
-        text = Path("/proc/cpuinfo").read_text()
+        return Path("/proc/cpuinfo").read_text()
     except OSError:
-        return frozenset()
-    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
-    return frozenset(line.split(":", 1)[-1].split())
+        return None
+
+
+def _first_line(prefix: str) -> str | None:
+    """The value of /proc/cpuinfo's first line starting with prefix (the first CPU's), or None."""
+    text = _cpuinfo()
+    line = next((ln for ln in text.splitlines() if ln.startswith(prefix)), None) if text else None
+    return None if line is None else line.split(":", 1)[-1].strip()
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    return frozenset((_first_line("flags") or "").split())
+
+
+def cpu_name() -> str:
+    """The CPU's model name, as benchmarks record the machine (platform.processor() where none is given)."""
+    return _first_line("model name") or platform.processor()
 
 
 def has_native_bf16() -> bool:
