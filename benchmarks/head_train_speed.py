@@ -41,11 +41,13 @@ NUM_SEQUENCES = 32
 SEQUENCE_TOKENS = 512
 
 
-def random_head(cfg, head_vocab_size: int, seed: int) -> tuple[EagleHead, torch.nn.Embedding]:
+def random_head(cfg, head_vocab_size: int, seed: int,
+                intermediate_size: int | None = None) -> tuple[EagleHead, torch.nn.Embedding]:
     """(head, embed): a float32 head initialized as train_head.new_head does (normal, std 0.02)
-    with a random frozen LM head, and a frozen embedding over the head's ids only."""
+    with a random frozen LM head, and a frozen embedding over the head's ids only; its MLP
+    `intermediate_size` wide (None: the target's)."""
     torch.manual_seed(seed)
-    head = EagleHead(cfg, 4096, torch.arange(head_vocab_size)).float()
+    head = EagleHead(cfg, 4096, torch.arange(head_vocab_size), intermediate_size=intermediate_size).float()
     for name, p in head.named_parameters():
         if p.dim() == 2:
             torch.nn.init.normal_(p, std=0.02)
@@ -64,9 +66,9 @@ def random_sequences(hidden: int, head_vocab_size: int, seed: int) -> list[Seque
 
 
 def time_steps(cfg, head_vocab_size: int, sequences: list[Sequence], train_cfg: TrainConfig,
-               num_steps: int) -> list[float]:
+               num_steps: int, intermediate_size: int | None = None) -> list[float]:
     """Seconds of each of num_steps steps after one warm-up step, from a fresh head."""
-    head, embed = random_head(cfg, head_vocab_size, train_cfg.seed)
+    head, embed = random_head(cfg, head_vocab_size, train_cfg.seed, intermediate_size)
     stamps = []
     train(head, embed, sequences, dataclasses.replace(train_cfg, max_steps=num_steps + 1), 3600.0, {},
           progress=lambda metrics: stamps.append(time.perf_counter()))
@@ -77,6 +79,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="qwen2.5-coder-1.5b-instruct", help="target whose config gives the shapes")
     ap.add_argument("--head-vocab-size", type=int, default=16384)
+    ap.add_argument("--head-intermediate-size", type=int, default=None,
+                    help="the head's MLP width (train-head's flag); default the target's")
     ap.add_argument("--batch-tokens", type=int, default=2048)
     ap.add_argument("--window", type=int, default=256)
     ap.add_argument("--unroll", type=int, default=1)
@@ -102,7 +106,8 @@ def main() -> None:
         for dtype in args.dtypes:
             train_cfg = TrainConfig(batch_tokens=args.batch_tokens, window=args.window, unroll=args.unroll,
                                     train_dtype=dtype, checkpoint_seconds=1e9)
-            times = time_steps(cfg, args.head_vocab_size, sequences, train_cfg, args.steps)
+            times = time_steps(cfg, args.head_vocab_size, sequences, train_cfg, args.steps,
+                               args.head_intermediate_size)
             steps[dtype] += times
             print(f"round {round_idx + 1} {dtype:>8}: " + " ".join(f"{t:.2f}" for t in times) + " s/step", flush=True)
     results = {dtype: {"median_seconds_per_step": statistics.median(times), "min_seconds_per_step": min(times),
@@ -119,7 +124,9 @@ def main() -> None:
         print(f"bf16 speed-up: {speedup:.2f}x")
     record = {
         "benchmark": "head_train_speed", "model": args.model, "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size, "num_attention_heads": cfg.num_attention_heads,
+        "intermediate_size": cfg.intermediate_size,
+        "head_intermediate_size": args.head_intermediate_size or cfg.intermediate_size,
+        "num_attention_heads": cfg.num_attention_heads,
         "num_key_value_heads": cfg.num_key_value_heads, "head_vocab_size": args.head_vocab_size,
         "batch_tokens": args.batch_tokens, "window": args.window, "unroll": args.unroll,
         "data": f"random: {NUM_SEQUENCES} sequences of {SEQUENCE_TOKENS} tokens, features N(0, 1) in {FEATURE_DTYPE}",

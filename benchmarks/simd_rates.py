@@ -12,7 +12,8 @@ step, on a Zen 3 +19% (docs/benchmarks.md, sessions 60-62).
     .venv/bin/python benchmarks/simd_rates.py --out benchmarks/results/simd_rates_<cpu>.json
 
 Builds a small C++ program with the compiler the kernels use (g++, -O2 -mavx2 -mfma); runs it
---rounds times and keeps each number's best.
+--rounds times and keeps each number's best. Where the CPU has AVX-512 with VNNI and BF16 it also
+times vpdpbusd (256 and 512-bit: the VNNI tiles' multiply-add) and vdpbf16ps (bf16 autocast's).
 """
 
 from __future__ import annotations
@@ -25,7 +26,10 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from kernels.cpu_features import cpu_name
+from kernels.cpu_features import cpu_flags, cpu_name
+
+# Flags the 512-bit probes need (AVX-512 with VNNI and BF16: Intel's Cooper Lake on, AMD's Zen 4 on).
+AVX512_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16")
 
 PROGRAM = r"""
 #include <immintrin.h>
@@ -80,6 +84,23 @@ int main() {
   TIME_8("vfmadd231ps", __m256, F32, FMA)
   TIME_8("vpaddw", __m256i, I16, ADDW)
   TIME_8("vpshufb", __m256i, I8, SHUFB)
+#ifdef WITH_AVX512
+  // What the VNNI tiles (the 512-bit ones where the CPU has AVX-512) and bf16 autocast's matmuls run.
+  const __m512i b8z = _mm512_set1_epi8(3);
+  const __m256i b8y = _mm256_set1_epi8(3);
+  const __m512bh bfz = _mm512_cvtne2ps_pbh(_mm512_set1_ps(1.0f), _mm512_set1_ps(1.0f));
+#define I32Y(j) _mm256_set1_epi32(j)
+#define I32Z(j) _mm512_set1_epi32(j)
+#define F32Z(j) _mm512_set1_ps(j)
+#define DPBUSD_Y(v) _mm256_dpbusd_epi32(v, b8y, b8y)
+#define DPBUSD_Z(v) _mm512_dpbusd_epi32(v, b8z, b8z)
+#define DPBF16_Z(v) _mm512_dpbf16_ps(v, bfz, bfz)
+#define FMA_Z(v) _mm512_fmadd_ps(v, _mm512_set1_ps(1.0001f), _mm512_set1_ps(1.0001f))
+  TIME_8("vpdpbusd-ymm", __m256i, I32Y, DPBUSD_Y)
+  TIME_8("vpdpbusd-zmm", __m512i, I32Z, DPBUSD_Z)
+  TIME_8("vfmadd231ps-zmm", __m512, F32Z, FMA_Z)
+  TIME_8("vdpbf16ps-zmm", __m512, F32Z, DPBF16_Z)
+#endif
   std::fprintf(stderr, "%u\n", sink + static_cast<unsigned>(x));  // the results used: nothing optimized away
   return 0;
 }
@@ -99,21 +120,33 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         source, binary = Path(tmp) / "rates.cpp", Path(tmp) / "rates"
         source.write_text(PROGRAM)
-        subprocess.run(["g++", "-O2", "-mavx2", "-mfma", "-o", str(binary), str(source)], check=True)
+        with_avx512 = all(flag in cpu_flags() for flag in AVX512_FLAGS)
+        extra = ["-DWITH_AVX512", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx512bf16"]
+        subprocess.run(["g++", "-O2", "-mavx2", "-mfma", *(extra if with_avx512 else []), "-o", str(binary),
+                        str(source)], check=True)
         rounds = [run_once(binary) for _ in range(args.rounds)]
     best = {key: (max if key == "ghz" else min)(r[key] for r in rounds) for key in rounds[0]}
     cycles = {key: round(value, 3) for key, value in best.items() if key != "ghz"}
     int8_macs = 32 / cycles["vpmaddubsw"]
     print(f"clock (a chain of dependent adds): {best['ghz']:.2f} GHz")
     for key, value in cycles.items():
-        print(f"  {key:20s} {value:5.2f} cycles a 256-bit instruction")
+        width = 512 if key.endswith("-zmm") else 256
+        print(f"  {key:20s} {value:5.2f} cycles a {width}-bit instruction")
     print(f"int8 multiply-adds a cycle a thread (vpmaddubsw): at most {int8_macs:.1f}; "
           f"float32 (vfmadd231ps): at most {8 / cycles['vfmadd231ps']:.1f}")
+    if "vpdpbusd-zmm" in cycles:
+        vnni_macs = 64 / cycles["vpdpbusd-zmm"]
+        print(f"with AVX-512 VNNI (vpdpbusd, 64 a 512-bit instruction): at most {vnni_macs:.1f}; "
+              f"bf16 (vdpbf16ps, 32 pairs): at most {32 / cycles['vdpbf16ps-zmm']:.1f} multiply-adds a cycle")
+    else:
+        vnni_macs = None
+        print("no AVX-512 VNNI and BF16 here: the 512-bit probes not run")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({
             "kind": "simd-rates", "ghz": round(best["ghz"], 3), "cycles": cycles,
-            "int8_macs_per_cycle": round(int8_macs, 2), "rounds": rounds,
+            "int8_macs_per_cycle": round(int8_macs, 2),
+            "vnni_int8_macs_per_cycle": vnni_macs and round(vnni_macs, 2), "rounds": rounds,
             "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "processor": cpu_name(),
                         "loadavg": os.getloadavg()}}, indent=1))
 

@@ -7,7 +7,8 @@ where lm is the head's LM head (the target's rows for the kept ids, frozen) and 
 features (its final norm's output; an EAGLE-3 head reads fused low, middle and high layers as
 f_{i-1} and still predicts the final f_i: TrainConfig.feature_layers, EagleHead.input_features).
 The target's embedding is shared and frozen too; fc, the layer and its norm train (and the fuse).
-The step's matmuls run in bfloat16 under autocast where the CPU has AMX (choose_train_dtype);
+The step's matmuls run in bfloat16 under autocast where the CPU has AMX, or AVX-512 BF16 that runs
+them faster than float32 (choose_train_dtype);
 weights, gradients, optimizer state and the saved head stay float32.
 Inputs get uniform noise (+-0.1, as EAGLE) so that the head tolerates its own predicted features
 when it drafts in a chain. Windows of `window` positions are cut from the data (features of the
@@ -27,6 +28,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import dataclasses
+import functools
 import math
 import sys
 import time
@@ -121,13 +123,42 @@ def retain_freed_memory() -> bool:
     return bool(mallopt(m_mmap_max, 0)) and bool(mallopt(m_trim_threshold, 2**31 - 1))
 
 
-def choose_train_dtype(name: str, flags: frozenset[str]) -> torch.dtype:
+@functools.cache
+def bf16_matmul_speedup(rows: int = 512, width: int = 1536, reps: int = 3) -> float:
+    """float32 seconds over bfloat16 seconds of a [rows, width] @ [width, 2 * width] matmul on this
+    process's threads (best of `reps` each, after a warm-up): what autocast's dtype buys here.
+    ~0.1-0.3 s on two cores; measured once a process, so a run's steps and its record agree."""
+    a, b = torch.randn(rows, width), torch.randn(width, 2 * width)
+    best = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        x, w = a.to(dtype), b.to(dtype)
+        x @ w
+        times = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            x @ w
+            times.append(time.perf_counter() - start)
+        best[dtype] = min(times)
+    return best[torch.float32] / best[torch.bfloat16]
+
+
+# bf16 has to beat fp32 by this much to be chosen on a measurement: its rounding is not free
+BF16_MIN_SPEEDUP = 1.2
+
+
+def choose_train_dtype(name: str, flags: frozenset[str], measure=bf16_matmul_speedup) -> torch.dtype:
     """The compute dtype of a training step: `name` itself, or for "auto" bfloat16 where `flags`
-    (kernels.cpu_features.cpu_flags()) list AMX-BF16 (has_amx) and float32 elsewhere. On a Xeon with AMX a
-    2048x1536 @ 1536x4096 matmul on 2 threads ran at ~2,270 GFLOP/s in bf16 against ~320 in fp32;
-    with AVX-512 BF16 alone (an earlier machine) bf16 was the slower, 161 against 277."""
+    (kernels.cpu_features.cpu_flags()) list AMX-BF16 (has_amx), float32 where they have no AVX-512 BF16,
+    and between the two what `measure()` says (bf16 if it is BF16_MIN_SPEEDUP times as fast). On a
+    Xeon with AMX a 2048x1536 @ 1536x4096 matmul on 2 threads ran at ~2,270 GFLOP/s in bf16 against
+    ~320 in fp32; with AVX-512 BF16 alone an Intel machine ran bf16 the slower (161 against 277), a
+    Zen 4 2.3x the faster (a Qwen 1.5B head's step 1.35 s against 3.30: docs/benchmarks.md "Session 64")."""
     if name == "auto":
-        return torch.bfloat16 if has_amx("bf16", flags) else torch.float32
+        if has_amx("bf16", flags):
+            return torch.bfloat16
+        if "avx512_bf16" not in flags:
+            return torch.float32
+        return torch.bfloat16 if measure() >= BF16_MIN_SPEEDUP else torch.float32
     if name not in TRAIN_DTYPES:
         raise ValueError(f"train_dtype: one of auto, {', '.join(TRAIN_DTYPES)}, got {name!r}")
     return TRAIN_DTYPES[name]
