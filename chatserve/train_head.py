@@ -146,10 +146,11 @@ def bf16_matmul_speedup(rows: int = 512, width: int = 1536, reps: int = 3) -> fl
 BF16_MIN_SPEEDUP = 1.2
 
 
-def choose_train_dtype(name: str, flags: frozenset[str], measure=bf16_matmul_speedup) -> torch.dtype:
+def choose_train_dtype(name: str, flags: frozenset[str], measure=None) -> torch.dtype:
     """The compute dtype of a training step: `name` itself, or for "auto" bfloat16 where `flags`
     (kernels.cpu_features.cpu_flags()) list AMX-BF16 (has_amx), float32 where they have no AVX-512 BF16,
-    and between the two what `measure()` says (bf16 if it is BF16_MIN_SPEEDUP times as fast). On a
+    and between the two what `measure()` (default bf16_matmul_speedup) says: bf16 if it is
+    BF16_MIN_SPEEDUP times as fast. On a
     Xeon with AMX a 2048x1536 @ 1536x4096 matmul on 2 threads ran at ~2,270 GFLOP/s in bf16 against
     ~320 in fp32; with AVX-512 BF16 alone an Intel machine ran bf16 the slower (161 against 277), a
     Zen 4 2.3x the faster (a Qwen 1.5B head's step 1.35 s against 3.30: docs/benchmarks.md "Session 64")."""
@@ -158,7 +159,7 @@ def choose_train_dtype(name: str, flags: frozenset[str], measure=bf16_matmul_spe
             return torch.bfloat16
         if "avx512_bf16" not in flags:
             return torch.float32
-        return torch.bfloat16 if measure() >= BF16_MIN_SPEEDUP else torch.float32
+        return torch.bfloat16 if (measure or bf16_matmul_speedup)() >= BF16_MIN_SPEEDUP else torch.float32
     if name not in TRAIN_DTYPES:
         raise ValueError(f"train_dtype: one of auto, {', '.join(TRAIN_DTYPES)}, got {name!r}")
     return TRAIN_DTYPES[name]

@@ -336,10 +336,12 @@ def head_and_sequences(engine, model_dir, conversation):
     return new_head(target, model_dir, engine.max_model_len, ids, seed=0), sequences
 
 
-@pytest.mark.parametrize("train_dtype, flags, autocast", [("auto", AMX, True), ("auto", AVX512_BF16, False),
-                                                          ("float32", AMX, False), ("bfloat16", frozenset(), True)])
+@pytest.mark.parametrize("train_dtype, flags, speedup, autocast", [
+    ("auto", AMX, None, True), ("auto", AVX512_BF16, 2.3, True), ("auto", AVX512_BF16, 0.6, False),
+    ("float32", AMX, None, False), ("bfloat16", frozenset(), None, True)])
 def test_the_training_step_runs_under_bf16_autocast_as_chosen(tiny_llama_dir, conversation, monkeypatch,
-                                                              train_dtype, flags, autocast):
+                                                              train_dtype, flags, speedup, autocast):
+    """As choose_train_dtype says, with this CPU's bf16 measurement replaced by `speedup`."""
     import chatserve.train_head as th
 
     engine = make_engine(tiny_llama_dir, method=None)
@@ -351,6 +353,7 @@ def test_the_training_step_runs_under_bf16_autocast_as_chosen(tiny_llama_dir, co
         return loss_fn(*a, **k)
 
     monkeypatch.setattr(th, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(th, "bf16_matmul_speedup", never_measured if speedup is None else lambda: speedup)
     monkeypatch.setattr(th, "loss_fn", spy)
     cfg = TrainConfig(max_steps=2, window=64, batch_tokens=128, train_dtype=train_dtype)
     with one_thread():
