@@ -42,7 +42,7 @@ from chatserve.head_data import Collected, Sequence, choose_vocab, collect, cove
 from chatserve.head_store import default_head_path, save_head, weights_hash, write_atomic
 from chatserve.loading import release_free_memory
 from chatserve.models.eagle_head import EagleHead
-from kernels.cpu_features import cpu_flags, has_amx
+from kernels.cpu_features import cpu_flags, has_amx, has_native_bf16
 
 CHECKPOINT_FORMAT = 1
 FEATURE_NOISE = 0.1  # EAGLE's uniform noise on input features
@@ -146,20 +146,20 @@ def bf16_matmul_speedup(rows: int = 512, width: int = 1536, reps: int = 3) -> fl
 BF16_MIN_SPEEDUP = 1.2
 
 
-def choose_train_dtype(name: str, flags: frozenset[str], measure=None) -> torch.dtype:
+def choose_train_dtype(name: str, flags: frozenset[str]) -> torch.dtype:
     """The compute dtype of a training step: `name` itself, or for "auto" bfloat16 where `flags`
-    (kernels.cpu_features.cpu_flags()) list AMX-BF16 (has_amx), float32 where they have no AVX-512 BF16,
-    and between the two what `measure()` (default bf16_matmul_speedup) says: bf16 if it is
-    BF16_MIN_SPEEDUP times as fast. On a
-    Xeon with AMX a 2048x1536 @ 1536x4096 matmul on 2 threads ran at ~2,270 GFLOP/s in bf16 against
-    ~320 in fp32; with AVX-512 BF16 alone an Intel machine ran bf16 the slower (161 against 277), a
-    Zen 4 2.3x the faster (a Qwen 1.5B head's step 1.35 s against 3.30: docs/benchmarks.md "Session 64")."""
+    (kernels.cpu_features.cpu_flags()) list AMX-BF16 (has_amx), float32 where bf16 is not native
+    (has_native_bf16), and between the two bfloat16 if bf16_matmul_speedup() is BF16_MIN_SPEEDUP or
+    more. On a Xeon with AMX a 2048x1536 @ 1536x4096 matmul on 2 threads ran at ~2,270 GFLOP/s in bf16
+    against ~320 in fp32; with AVX-512 BF16 alone an Intel machine ran bf16 the slower (161 against
+    277), a Zen 4 2.3x the faster (a Qwen 1.5B head's step 1.35 s against 3.30: docs/benchmarks.md
+    "Session 64")."""
     if name == "auto":
         if has_amx("bf16", flags):
             return torch.bfloat16
-        if "avx512_bf16" not in flags:
+        if not has_native_bf16(flags):
             return torch.float32
-        return torch.bfloat16 if (measure or bf16_matmul_speedup)() >= BF16_MIN_SPEEDUP else torch.float32
+        return torch.bfloat16 if bf16_matmul_speedup() >= BF16_MIN_SPEEDUP else torch.float32
     if name not in TRAIN_DTYPES:
         raise ValueError(f"train_dtype: one of auto, {', '.join(TRAIN_DTYPES)}, got {name!r}")
     return TRAIN_DTYPES[name]

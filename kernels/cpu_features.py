@@ -32,10 +32,11 @@ def cpu_name() -> str:
     return _first_line("model name") or platform.processor()
 
 
-def has_native_bf16() -> bool:
-    """bf16 matmuls run in hardware (AVX-512 BF16 or AMX). Without it torch emulates them: on an
-    AVX2-only Zen 3 a bf16 GEMM ran at ~18 GFLOP/s against ~100 for fp32 (benchmarks/int4_kernels.py)."""
-    return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
+def has_native_bf16(flags: frozenset[str] | None = None) -> bool:
+    """bf16 matmuls run in hardware (AVX-512 BF16 or AMX) on this CPU (or one listing `flags`). Without
+    it torch emulates them: on an AVX2-only Zen 3 a bf16 GEMM ran at ~18 GFLOP/s against ~100 for fp32
+    (benchmarks/int4_kernels.py)."""
+    return bool((cpu_flags() if flags is None else flags) & {"avx512_bf16", "amx_bf16"})
 
 
 AMX_FLAGS = {  # the tile unit with what its kernels here use beside it
