@@ -288,8 +288,6 @@ def test_each_run_warms_up_then_decays_its_learning_rate_over_its_budget():
             seen.append(self.param_groups[0]["lr"])
             return super().step(*a, **k)
 
-    import chatserve.train_head as th
-
     def fake_loss(*a, **k):
         return (head.weight ** 2).sum(), {"loss": 1.0, "top1": 0.0}
 
@@ -345,7 +343,6 @@ def head_and_sequences(engine, model_dir, conversation):
 def test_the_training_step_runs_under_bf16_autocast_as_chosen(tiny_llama_dir, conversation, monkeypatch,
                                                               train_dtype, flags, speedup, autocast):
     """As choose_train_dtype says, with this CPU's bf16 measurement replaced by `speedup`."""
-    import chatserve.train_head as th
 
     engine = make_engine(tiny_llama_dir, method=None)
     head, sequences = head_and_sequences(engine, tiny_llama_dir, conversation)
