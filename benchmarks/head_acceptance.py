@@ -62,7 +62,7 @@ from chatserve.head_data import FeatureRecorder  # noqa: E402
 from chatserve.head_store import load_head  # noqa: E402
 from chatserve.loading import read_config, resolve  # noqa: E402
 from chatserve.sampling_params import SamplingParams  # noqa: E402
-from chatserve.train_head import chain_hits  # noqa: E402
+from chatserve.train_head import chain_hits, walked_length  # noqa: E402
 from spec.adaptive import AcceptanceEMA  # noqa: E402
 from spec.sampling import logits_to_probs  # noqa: E402
 
@@ -148,19 +148,6 @@ def chain_estimate(alpha: torch.Tensor, depth: int) -> list[float]:
     as independent of the others'."""
     cum = torch.nan_to_num(alpha, nan=0.0).cumprod(dim=1)
     return [round(1 + float(cum[:, :k].mean(0).sum()), 3) for k in range(1, depth + 1)]
-
-
-def walked_length(hits: list[torch.Tensor], k: int) -> float:
-    """Tokens per verification of a fixed chain of k drafts over replies as serving walks them:
-    hits[i] [anchors, depth] (chain_hits) of reply i; from anchor p with a drafts accepted the
-    next verification starts at p + a + 1."""
-    tokens = steps = 0
-    for reply in hits:
-        accepted = reply[:, :k].sum(1).tolist()
-        p = 0
-        while p < len(accepted):
-            tokens, steps, p = tokens + accepted[p] + 1, steps + 1, p + accepted[p] + 1
-    return tokens / steps if steps else float("nan")
 
 
 def streaks(hits: list[torch.Tensor], emas: list[float], lags=(1, 2, 4, 8, 16)) -> dict:

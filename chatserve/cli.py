@@ -364,6 +364,7 @@ def cmd_train_head(args) -> int:
           f"{info['final'].get('top1', float('nan')):.2f}"
           + (f"; held-out replies: top-1 {info['val_top1']:.2f}, a chain of {VAL_DEPTH} accepts "
              f"{info['val_accepted']:.2f} tokens a verification (this run's last: {info['last_val_accepted']:.2f})"
+             + (f", {info['val_walked']:.2f} walked as serving walks a reply" if info.get("val_walked") else "")
              if info.get("val_accepted") is not None and info.get("last_val_accepted") is not None else "") + "\n"
           f"  serve with: chatserve serve --model {args.model} --draft eagle", file=sys.stderr)
     return 0

@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import functools
 import itertools
+import math
 import os
 import subprocess
 import sys
@@ -201,6 +202,8 @@ def test_training_validates_and_reports_only_a_better_head(tiny_llama_dir, conve
     assert best and best == sorted(best) and len(set(best)) == len(best)  # only improvements reported
     assert state["best_val_accepted"] == best[-1] > before and state["val_accepted"] <= best[-1]
     assert 0.0 <= state["val_top1"] <= 1.0
+    # the walked length is of the same chains: the held-out hits of the head as trained
+    assert state["val_walked"] == th.walked_length(th.held_out_hits(head, target.embed_tokens, sequences), VAL_DEPTH)
     reported = len(best)
     wreck = dataclasses.replace(cfg, max_steps=80, lr=50.0, warmup_steps=1)
     with one_thread():
@@ -235,6 +238,23 @@ def test_a_chain_is_scored_by_the_tokens_it_gets_accepted(tiny_llama_dir, conver
         untrained_top1 = validate(untrained, embed, sequences)
         assert validate_chain(untrained, embed, sequences, depth=1) == pytest.approx(1.0 + untrained_top1)
         assert validate_chain(untrained, embed, sequences) < four
+
+
+def test_a_walk_verifies_where_serving_would():
+    """walked_length counts tokens per verification as serving walks a reply: after a chain with a
+    drafts accepted the next verification is a + 1 positions on. Five easy anchors (4 drafts each)
+    then five hard ones (none) are 3 tokens a verification over every anchor, but walked the easy
+    stretch is one verification of 5 tokens and the hard one five of 1: 10 / 6; k caps the drafts."""
+    def hits(accepted: list[int]) -> torch.Tensor:
+        return torch.arange(VAL_DEPTH)[None, :] < torch.tensor(accepted)[:, None]
+
+    stretch = [hits([4] * 5 + [0] * 5)]
+    assert th.every_anchor_length(stretch) == 3.0
+    assert th.walked_length(stretch, 4) == pytest.approx(10 / 6)
+    assert th.walked_length(stretch, 1) == pytest.approx(10 / 7)  # 2, 2, 2 (anchors 0, 2, 4), then 1 x 4
+    assert th.walked_length([hits([0, 3, 0, 0, 1, 0])], 4) == 2.0  # 1 + 4 + 1 tokens: anchors 0, 1, 5
+    assert th.walked_length([hits([1, 0]), hits([0])], 4) == pytest.approx(3 / 2)  # each reply walked from its start
+    assert math.isnan(th.walked_length([], 4)) and math.isnan(th.every_anchor_length([]))
 
 
 def test_train_head_keeps_freed_memory_for_the_next_step():
