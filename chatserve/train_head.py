@@ -275,14 +275,22 @@ def split_validation(sequences: list[Sequence]) -> tuple[list[Sequence], list[Se
     return [s for i, s in enumerate(sequences) if i not in held], [sequences[i] for i in sorted(held)]
 
 
+def spread_order(n: int) -> list[int]:
+    """range(n) in an order whose every prefix is spread evenly over it (i x the golden ratio's
+    fractional part, sorted: a low-discrepancy sequence), so a budget that stops early still
+    samples the whole held-out set."""
+    return sorted(range(n), key=lambda i: (i * 0.6180339887498949) % 1.0)
+
+
 @torch.no_grad()
 def validate(head: EagleHead, embed, sequences: list[Sequence], max_positions: int = VAL_POSITIONS) -> float:
     """Pass-0 top-1 agreement with the target over the reply positions of held-out sequences (no
-    input noise): the first draft's acceptance at T = 0, as serving will see it. nan without any."""
+    input noise): the first draft's acceptance at T = 0, as serving will see it, over sequences in
+    spread_order like held_out_hits'. nan without any."""
     was_training = head.training
     head.eval()
     right = total = 0
-    for seq in sequences:
+    for seq in (sequences[i] for i in spread_order(len(sequences))):
         if total >= max_positions:
             break
         features = seq.features.float()[None]
@@ -328,12 +336,15 @@ def chain_hits(head: EagleHead, embed, ids: torch.Tensor, features: torch.Tensor
 
 def held_out_hits(head: EagleHead, embed, sequences: list[Sequence], depth: int = VAL_DEPTH,
                   max_positions: int = VAL_CHAIN_POSITIONS) -> list[torch.Tensor]:
-    """chain_hits' [anchors, depth] of each held-out sequence with a reply, until max_positions
-    anchors are scored (the head in eval mode meanwhile)."""
+    """chain_hits' [anchors, depth] of held-out sequences with a reply, until max_positions anchors
+    are scored (the head in eval mode meanwhile), taken in spread_order: the data's sequences come
+    in the order they were collected (the shipped prompts first, then tasks and the target's own
+    questions), and the first 2,048 anchors in that order were 11 of 99 held-out replies, all
+    early ones, scoring Qwen's session-66 head at 1.89 against 1.97 over all 99."""
     was_training = head.training
     head.eval()
     hits, total = [], 0
-    for seq in sequences:
+    for seq in (sequences[i] for i in spread_order(len(sequences))):
         if total >= max_positions:
             break
         if len(seq.token_ids) - 1 > seq.num_prompt_tokens:

@@ -257,6 +257,19 @@ def test_a_walk_verifies_where_serving_would():
     assert math.isnan(th.walked_length([], 4)) and math.isnan(th.every_anchor_length([]))
 
 
+def test_validation_samples_the_whole_held_out_set():
+    """The held-out sequences come in the order they were collected, and validation stops at a budget
+    of positions: spread_order visits them so that every prefix covers the whole set, no gap between
+    the first k indices wider than 2n/k (in collection order the first k leave the last n - k out)."""
+    for n in (1, 20, 99, 500):
+        order = th.spread_order(n)
+        assert sorted(order) == list(range(n))
+        for k in range(1, n + 1):
+            seen = sorted(order[:k])
+            gaps = [b - a for a, b in zip([-1] + seen, seen + [n])]
+            assert max(gaps) <= 2 * n / k + 1
+
+
 def test_train_head_keeps_freed_memory_for_the_next_step():
     """After retain_freed_memory() a large tensor freed and allocated again comes back from the
     heap, not as fresh pages to fault in (a step's logits were ~1M page faults). In a child
