@@ -610,8 +610,9 @@ def run(engine, model: str, target_dir: Path, cfg: TrainConfig, out: Path | None
         if bar is not None:
             bar.update(max(min(int(1000 * metrics["done"]), 1000) - bar.n, 0))
             chained = {k: f"{v:.2f}" for k, v in metrics.items() if k.startswith("top1_")}
-            held_out = ({"val": f"{state['val_top1']:.2f}", "val_len": f"{state['val_accepted']:.2f}",
-                         "val_walk": f"{state['val_walked']:.2f}"} if "val_accepted" in state else {})
+            # (a checkpoint from before val_walked resumes with val and val_len alone until it validates)
+            held_out = {name: f"{state[key]:.2f}" for name, key in
+                        (("val", "val_top1"), ("val_len", "val_accepted"), ("val_walk", "val_walked")) if key in state}
             bar.set_postfix(step=metrics["step"], loss=f"{metrics['loss']:.3f}", top1=f"{metrics['top1']:.2f}",
                             **chained, **held_out)
 

@@ -1214,12 +1214,20 @@ def test_train_head_command_saves_by_weight_hash_and_resumes(tiny_llama_dir, tmp
     # 32 replies now, one held out: the run validated, and kept on disk whichever head scored best
     second = torch.load(path, weights_only=True)["info"]
     assert second["last_steps"] == 4 and 0.0 <= second["last_val_top1"] <= 1.0
-    assert 1.0 <= second["last_val_accepted"] <= 1.0 + VAL_DEPTH
+    assert 1.0 <= second["last_val_accepted"] <= 1.0 + VAL_DEPTH and 1.0 <= second["last_val_walked"] <= 1.0 + VAL_DEPTH
+    # a checkpoint from before the walked length (its state holds val_accepted alone) resumes with the bar shown
+    ckpt_path = path.with_name("eagle-head-checkpoint.pt")
+    old = torch.load(ckpt_path, weights_only=True)
+    del old["state"]["val_walked"]
+    torch.save(old, ckpt_path)
+    capsys.readouterr()
+    assert main([a for a in args if a != "--quiet"] + ["--data-share", "0", "--max-steps", "5"]) == 0
+    assert "val_len=" in capsys.readouterr().err
     # resumed without --head-vocab-size: the head keeps its size (not the default's 32768)
     no_size = [a for a in args if a not in ("--head-vocab-size", "100")]
     # (and in windows of another size, at another lr, the loss over replies, with the greedy term: the flags reach
     # the training loop)
-    assert main([*no_size, "--data-share", "0", "--max-steps", "5", "--window", "24", "--batch-tokens", "72",
+    assert main([*no_size, "--data-share", "0", "--max-steps", "6", "--window", "24", "--batch-tokens", "72",
                  "--lr", "1e-3", "--loss-rows", "replies", "--greedy-weight", "0.5"]) == 0
     resumed = torch.load(path.with_name("eagle-head-checkpoint.pt"), weights_only=True)["head"]
     assert len(resumed["head_token_ids"]) == len(ids)

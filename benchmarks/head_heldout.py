@@ -1,0 +1,73 @@
+"""An EAGLE head's chains on `chatserve train-head`'s own held-out replies: no generation, no timing.
+
+train-head validates a head on a budget of held-out positions (train_head.VAL_CHAIN_POSITIONS
+chain anchors, in train_head.spread_order) and chooses it by the mean accepted length of a fixed
+chain of VAL_DEPTH drafts from every anchor. This scores head files on the cache's data split
+(train_head.split_validation of the data the head was trained on) both ways, on that budget and
+on every held-out reply, and beside each the same chains walked as serving walks a reply
+(train_head.walked_length: the number serving measures, session 31: 1.86 walked, 1.88 served).
+The heads run in float32; served, their weights are quantized like the target's.
+
+    .venv/bin/python benchmarks/head_heldout.py --model qwen2.5-coder-1.5b-instruct \\
+        --out benchmarks/results/head_heldout_qwen_session66.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+import chatserve.train_head as th  # noqa: E402
+from chatserve.config import EngineConfig  # noqa: E402
+from chatserve.engine import Engine  # noqa: E402
+from chatserve.head_data import load_collected  # noqa: E402
+from chatserve.head_store import default_head_path, weights_hash  # noqa: E402
+from chatserve.loading import resolve  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
+    ap.add_argument("--heads", nargs="*", default=None, help="head files (default: the cache's head for the model)")
+    ap.add_argument("--quantization", default="int4")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    target_hash = weights_hash(resolve(args.model))
+    head_path = default_head_path(target_hash)
+    data_path = head_path.with_name(head_path.stem + "-data.pt")
+    data = load_collected(data_path, target_hash)
+    if data is None:
+        raise SystemExit(f"no train-head data for {args.model} at {data_path}")
+    engine = Engine(EngineConfig(model=args.model, dtype="float32", quantization=args.quantization,
+                                 num_threads=args.threads, enable_prefix_caching=False))
+    engine.models.target_runner.feature_layers = tuple(data.feature_layers)  # what a head must read to compare
+    _, val = th.split_validation(data.sequences)
+    embed = engine.models.target.embed_tokens
+    results = {"model": args.model, "depth": th.VAL_DEPTH, "num_tokens": data.num_tokens,
+               "num_val_sequences": len(val), "heads": {}}
+    for path in args.heads or [str(head_path)]:
+        head = th._load_servable(Path(path), engine, target_hash)
+        if head is None:
+            raise SystemExit(f"{path}: not a head for these weights and the data's feature layers")
+        rows = {}
+        for name, budget in (("validation budget", th.VAL_CHAIN_POSITIONS), ("every held-out reply", None)):
+            hits = th.held_out_hits(head, embed, val, th.VAL_DEPTH, budget or sum(len(s.token_ids) for s in val))
+            rows[name] = {"replies": len(hits), "anchors": sum(len(h) for h in hits),
+                          "every_anchor": round(th.every_anchor_length(hits), 4),
+                          "walked": round(th.walked_length(hits, th.VAL_DEPTH), 4)}
+            r = rows[name]
+            print(f"{path} ({name}): {r['replies']} replies, {r['anchors']} anchors: a chain of {th.VAL_DEPTH} "
+                  f"accepts {r['every_anchor']:.3f} tokens a verification over every anchor, {r['walked']:.3f} "
+                  f"walked", flush=True)
+        results["heads"][path] = rows
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
