@@ -32,7 +32,7 @@ from chatserve.batch import BatchItem  # noqa: E402
 from chatserve.config import EngineConfig  # noqa: E402
 from chatserve.engine import Engine  # noqa: E402
 from chatserve.head_data import load_collected  # noqa: E402
-from chatserve.head_store import default_head_path, weights_hash  # noqa: E402
+from chatserve.head_store import default_head_path, head_data_path, weights_hash  # noqa: E402
 from chatserve.loading import resolve  # noqa: E402
 from quant.int8 import Int8Linear  # noqa: E402
 from spec.draft_vocab import frequent_token_ids, vocab_fingerprint  # noqa: E402
@@ -93,7 +93,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    data_path = args.data or default_head_path(weights_hash(resolve(args.model))).with_name("eagle-head-data.pt")
+    data_path = args.data or head_data_path(default_head_path(weights_hash(resolve(args.model))))
     if not data_path.is_file():
         sys.exit(f"no head data at {data_path}: run `chatserve train-head --model {args.model}` first")
     seqs = replies(data_path)

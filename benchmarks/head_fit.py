@@ -15,7 +15,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from chatserve.head_data import load_collected  # noqa: E402
-from chatserve.head_store import default_head_path, weights_hash  # noqa: E402
+from chatserve.head_store import default_head_path, head_data_path, weights_hash  # noqa: E402
 from chatserve.loading import resolve  # noqa: E402
 from chatserve.models.eagle_head import EagleHead  # noqa: E402
 from chatserve.models.loader import read_tensor  # noqa: E402
@@ -34,7 +34,7 @@ def main() -> None:
     model_dir = resolve(args.model)
     head_path = Path(args.head) if args.head else default_head_path(weights_hash(model_dir))
     record = torch.load(head_path, weights_only=True)
-    sequences = load_collected(head_path.with_name(head_path.stem + "-data.pt"), record["target_hash"]).sequences
+    sequences = load_collected(head_data_path(head_path), record["target_hash"]).sequences
     head = EagleHead.from_state(AutoConfig.from_pretrained(str(model_dir)), 8192, record["state_dict"],
                                 record.get("feature_layers", ())).float()
     name = "embed_tokens.weight"

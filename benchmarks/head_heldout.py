@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -25,7 +26,7 @@ import chatserve.train_head as th  # noqa: E402
 from chatserve.config import EngineConfig  # noqa: E402
 from chatserve.engine import Engine  # noqa: E402
 from chatserve.head_data import load_collected  # noqa: E402
-from chatserve.head_store import default_head_path, weights_hash  # noqa: E402
+from chatserve.head_store import default_head_path, head_data_path, weights_hash  # noqa: E402
 from chatserve.loading import resolve  # noqa: E402
 
 
@@ -39,7 +40,7 @@ def main() -> None:
     args = ap.parse_args()
     target_hash = weights_hash(resolve(args.model))
     head_path = default_head_path(target_hash)
-    data_path = head_path.with_name(head_path.stem + "-data.pt")
+    data_path = head_data_path(head_path)
     data = load_collected(data_path, target_hash)
     if data is None:
         raise SystemExit(f"no train-head data for {args.model} at {data_path}")
@@ -55,8 +56,8 @@ def main() -> None:
         if head is None:
             raise SystemExit(f"{path}: not a head for these weights and the data's feature layers")
         rows = {}
-        for name, budget in (("validation budget", th.VAL_CHAIN_POSITIONS), ("every held-out reply", None)):
-            hits = th.held_out_hits(head, embed, val, th.VAL_DEPTH, budget or sum(len(s.token_ids) for s in val))
+        for name, budget in (("validation budget", th.VAL_CHAIN_POSITIONS), ("every held-out reply", math.inf)):
+            hits = th.held_out_hits(head, embed, val, th.VAL_DEPTH, budget)
             rows[name] = {"replies": len(hits), "anchors": sum(len(h) for h in hits),
                           "every_anchor": round(th.every_anchor_length(hits), 4),
                           "walked": round(th.walked_length(hits, th.VAL_DEPTH), 4)}

@@ -61,6 +61,11 @@ def default_head_path(target_hash: str) -> Path:
     return heads_dir() / target_hash[:16] / HEAD_FILE
 
 
+def head_data_path(head_path: Path) -> Path:
+    """The train-head data beside a head file (<head>-data.pt)."""
+    return head_path.with_name(head_path.stem + "-data.pt")
+
+
 def trained_head(model: str) -> Path | None:
     """The cache's head for `model`'s weights when one was trained here and the model is on this
     machine (catalog.local_model_dir); None otherwise. Hashes nothing while no head exists at all."""

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from chatserve.head_data import Collected, Sequence, choose_vocab, collect, coverage, load_collected, save_collected
-from chatserve.head_store import default_head_path, save_head, weights_hash, write_atomic
+from chatserve.head_store import default_head_path, head_data_path, save_head, weights_hash, write_atomic
 from chatserve.loading import release_free_memory
 from chatserve.models.eagle_head import EagleHead
 from kernels.cpu_features import cpu_flags, has_amx, has_native_bf16
@@ -335,9 +335,9 @@ def chain_hits(head: EagleHead, embed, ids: torch.Tensor, features: torch.Tensor
 
 
 def held_out_hits(head: EagleHead, embed, sequences: list[Sequence], depth: int = VAL_DEPTH,
-                  max_positions: int = VAL_CHAIN_POSITIONS) -> list[torch.Tensor]:
+                  max_positions: float = VAL_CHAIN_POSITIONS) -> list[torch.Tensor]:
     """chain_hits' [anchors, depth] of held-out sequences with a reply, until max_positions anchors
-    are scored (the head in eval mode meanwhile), taken in spread_order: the data's sequences come
+    (math.inf: every one) are scored (the head in eval mode meanwhile), taken in spread_order: the data's sequences come
     in the order they were collected (the shipped prompts first, then tasks and the target's own
     questions), and the first 2,048 anchors in that order were 11 of 99 held-out replies, all
     early ones, scoring Qwen's session-66 head at 1.89 against 1.97 over all 99."""
@@ -540,7 +540,7 @@ def run(engine, model: str, target_dir: Path, cfg: TrainConfig, out: Path | None
     None when the data phase took the whole budget."""
     target_hash = weights_hash(target_dir)
     head_path = Path(out) if out else default_head_path(target_hash)
-    data_path = head_path.with_name(head_path.stem + "-data.pt")
+    data_path = head_data_path(head_path)
     ckpt_path = head_path.with_name(head_path.stem + "-checkpoint.pt")
     budget_start = time.perf_counter()
     seconds = cfg.minutes * 60

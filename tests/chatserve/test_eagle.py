@@ -376,7 +376,6 @@ def head_and_sequences(engine, model_dir, conversation):
 def test_the_training_step_runs_under_bf16_autocast_as_chosen(tiny_llama_dir, conversation, monkeypatch,
                                                               train_dtype, flags, speedup, autocast):
     """As choose_train_dtype says, with this CPU's bf16 measurement replaced by `speedup`."""
-
     engine = make_engine(tiny_llama_dir, method=None)
     head, sequences = head_and_sequences(engine, tiny_llama_dir, conversation)
     seen = []
