@@ -36,6 +36,9 @@ def main() -> None:
     ap.add_argument("--heads", nargs="*", default=None, help="head files (default: the cache's head for the model)")
     ap.add_argument("--quantization", default="int4")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--first", type=int, default=None, metavar="N",
+                    help="only the first N held-out replies: the split of an earlier, smaller cache (data grows by "
+                         "appending, so its held-out replies stay a prefix)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     target_hash = weights_hash(resolve(args.model))
@@ -48,9 +51,10 @@ def main() -> None:
                                  num_threads=args.threads, enable_prefix_caching=False))
     engine.models.target_runner.feature_layers = tuple(data.feature_layers)  # what a head must read to compare
     _, val = th.split_validation(data.sequences)
+    val = val[: args.first]
     embed = engine.models.target.embed_tokens
     results = {"model": args.model, "depth": th.VAL_DEPTH, "num_tokens": data.num_tokens,
-               "num_val_sequences": len(val), "heads": {}}
+               "num_val_sequences": len(val), "first": args.first, "heads": {}}
     for path in args.heads or [str(head_path)]:
         head = th._load_servable(Path(path), engine, target_hash)
         if head is None:
