@@ -8,6 +8,7 @@ import os
 import shlex
 import sys
 import time
+from pathlib import Path
 
 from chatserve.config import DRAFT_CATCH_UPS, KV_CACHE_DTYPES, EngineConfig, ServerConfig, SpecConfig
 from kernels.backend import DEVICES, KERNELS
@@ -356,6 +357,12 @@ def cmd_train_head(args) -> int:
               f"Train with: {again} (and this run's head and training flags)", file=sys.stderr)
         return 0
     info = torch.load(path, weights_only=True)["info"]
+    if "imported_from" in info:  # no step of this run validated better than the head it went on from
+        print(f"EAGLE head for {args.model}: {path}\n  still the one imported from {info['imported_from']}: this "
+              f"run's {info['last_steps']} steps validated no better (its last held-out chain of {VAL_DEPTH}: "
+              f"{info.get('last_val_accepted') or float('nan'):.2f} tokens a verification)\n"
+              f"  serve with: chatserve serve --model {args.model} --draft eagle", file=sys.stderr)
+        return 0
     layers = info.get("feature_layers")
     features = f"layers {', '.join(map(str, layers))} fused (EAGLE-3)" if layers else "the final feature (EAGLE-1)"
     print(f"EAGLE head for {args.model}: {path}\n  reads {features}; {info['steps']} steps in "
@@ -367,6 +374,34 @@ def cmd_train_head(args) -> int:
              + (f", {info['val_walked']:.2f} walked as serving walks a reply" if info.get("val_walked") else "")
              if info.get("val_accepted") is not None and info.get("last_val_accepted") is not None else "") + "\n"
           f"  serve with: chatserve serve --model {args.model} --draft eagle", file=sys.stderr)
+    return 0
+
+
+def cmd_export_head(args) -> int:
+    from chatserve.head_store import default_head_path, export_portable, train_hint, weights_hash
+    from chatserve.loading import resolve
+
+    head = Path(args.head) if args.head else default_head_path(weights_hash(resolve(args.model)))
+    if not head.is_file():
+        raise FileNotFoundError(f"no EAGLE head for {args.model} at {head}; {train_hint(args.model)}")
+    export_portable(head, Path(args.out))
+    print(f"{head} -> {args.out} ({Path(args.out).stat().st_size / 2**20:.1f} MiB); on another machine: "
+          f"chatserve import-head --model {args.model} {args.out}", file=sys.stderr)
+    return 0
+
+
+def cmd_import_head(args) -> int:
+    from chatserve.head_store import default_head_path, import_portable, weights_hash
+    from chatserve.loading import resolve
+
+    target_dir = resolve(args.model)
+    out = Path(args.out) if args.out else default_head_path(weights_hash(target_dir))
+    if out.is_file() and not args.force:
+        raise ValueError(f"{out} holds a head already (trained here?); --force replaces it")
+    import_portable(Path(args.file), args.model, target_dir, out)
+    print(f"{args.file} -> {out}\n  serve with: chatserve serve --model {args.model} --draft eagle\n"
+          f"  train it further with: chatserve train-head --model {args.model}"
+          + (f" --out {shlex.quote(str(out))}" if args.out else ""), file=sys.stderr)
     return 0
 
 
@@ -491,6 +526,20 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--threads", type=int, default=None, help="torch threads")
     t.add_argument("--quiet", action="store_true", help="no progress bars")
     t.set_defaults(func=cmd_train_head)
+
+    e = sub.add_parser("export-head", help="write a model's trained EAGLE head as a portable file (~34 MB for a "
+                                           "1.5B model) for import-head on another machine")
+    e.add_argument("--model", default=DEFAULT_TARGET, help="catalog name, local HF directory or .gguf file")
+    e.add_argument("--head", default=None, help="head file (default: the cache's head for the model's weights)")
+    e.add_argument("out", help="the portable file to write")
+    e.set_defaults(func=cmd_export_head)
+    i = sub.add_parser("import-head", help="make a portable head (export-head) this machine's head for the model: "
+                                           "served by --draft eagle, and where train-head goes on from")
+    i.add_argument("--model", default=DEFAULT_TARGET, help="catalog name, local HF directory or .gguf file")
+    i.add_argument("--out", default=None, help="head file (default: the cache dir, keyed by a hash of the weights)")
+    i.add_argument("--force", action="store_true", help="replace a head already there")
+    i.add_argument("file", help="a portable head written by export-head")
+    i.set_defaults(func=cmd_import_head)
 
     m = sub.add_parser("models", help="list the model catalog")
     m.set_defaults(func=cmd_models)

@@ -39,7 +39,8 @@ import torch
 import torch.nn.functional as F
 
 from chatserve.head_data import Collected, Sequence, choose_vocab, collect, coverage, load_collected, save_collected
-from chatserve.head_store import default_head_path, head_data_path, save_head, weights_hash, write_atomic
+from chatserve.head_store import (HEAD_FORMAT, default_head_path, head_data_path, save_head, weights_hash,
+                                  write_atomic)
 from chatserve.loading import release_free_memory
 from chatserve.models.eagle_head import EagleHead
 from kernels.cpu_features import cpu_flags, has_amx, has_native_bf16
@@ -546,7 +547,9 @@ def run(engine, model: str, target_dir: Path, cfg: TrainConfig, out: Path | None
     seconds = cfg.minutes * 60
     target = engine.models.target
     data = load_collected(data_path, target_hash) if not cfg.fresh else None
-    ckpt = _load_checkpoint(ckpt_path, target_hash) if not cfg.fresh else None
+    # no checkpoint but a head (imported, or its checkpoint gone): go on from the head
+    ckpt = None if cfg.fresh else (_load_checkpoint(ckpt_path, target_hash)
+                                   or _head_as_checkpoint(head_path, target_hash))
     layers = _feature_layers(cfg, ckpt, data, target.num_layers)
     if ckpt and cfg.head_intermediate_size not in (None, width := EagleHead.state_width(ckpt["head"])):
         raise ValueError(f"train-head: the checkpoint's head has an MLP width of {width}, not "
@@ -581,6 +584,7 @@ def run(engine, model: str, target_dir: Path, cfg: TrainConfig, out: Path | None
             "num_val_sequences": len(val),
             "coverage": coverage(sequences, head.head_token_ids), "num_kept": len(head.head_token_ids),
             "feature_layers": list(layers), "intermediate_size": head.intermediate_size,
+            "prior_steps": state.get("prior_steps", 0),  # of a head this one went on from without its checkpoint
             "dtype": engine.config.dtype, "quantization": engine.config.quantization,
             "train_dtype": str(choose_train_dtype(cfg.train_dtype, cpu_flags())).removeprefix("torch."),
             "train_config": dataclasses.asdict(cfg)}
@@ -709,6 +713,22 @@ def _load_checkpoint(path: Path, target_hash: str) -> dict | None:
     if record.get("format") != CHECKPOINT_FORMAT or record["target_hash"] != target_hash:
         return None
     return record
+
+
+def _head_as_checkpoint(path: Path, target_hash: str) -> dict | None:
+    """A checkpoint that goes on from the servable head at `path` where it has none (one imported
+    from a portable file, or trained elsewhere): its weights, a new optimizer, the step count at 0
+    so the lr warms up again (Adam's first steps at the peak lr would shake a trained head), the
+    head's earlier steps kept as "prior_steps"."""
+    if not path.is_file():
+        return None
+    record = torch.load(path, weights_only=True)
+    if record.get("format") != HEAD_FORMAT or record["target_hash"] != target_hash:
+        return None
+    info = record.get("info", {})
+    prior = info.get("prior_steps", 0) + info.get("steps", 0)  # the steps that made the weights kept
+    return {"format": CHECKPOINT_FORMAT, "target_hash": target_hash, "head": record["state_dict"],
+            "feature_layers": record.get("feature_layers", []), "state": {"prior_steps": prior}}
 
 
 def _save(path: Path, record: dict) -> None:

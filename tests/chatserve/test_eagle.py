@@ -1267,6 +1267,57 @@ def test_train_head_command_saves_by_weight_hash_and_resumes(tiny_llama_dir, tmp
     assert engine.generate([prompt], EAGLE)[0]["stats"].num_drafted > 0
 
 
+def test_a_head_travels_as_a_portable_file_and_train_head_goes_on_from_it(tiny_llama_dir, tiny_draft_dir, fused_head,
+                                                                           tmp_path, monkeypatch):
+    """export-head writes a head without the target's LM-head rows, its weights in int8 by groups of
+    columns; import-head on the same weights makes it servable again: the rows the target's, each
+    weight within half a step of its group's scale, greedy output equal to speculation off; other
+    weights are refused, and a head already there is replaced only with --force. train-head goes on
+    from the imported head (it has no checkpoint): the lr warms up again from step 0, and the
+    imported head's steps are kept as prior steps."""
+    from chatserve.cli import main
+    from chatserve.head_store import PORTABLE_GROUP, default_head_path
+
+    monkeypatch.setenv("CHATSERVE_CACHE", str(tmp_path / "cache"))
+    portable = tmp_path / "head.portable.pt"
+    assert main(["export-head", "--model", str(tiny_llama_dir), "--head", str(fused_head), str(portable)]) == 0
+    record = torch.load(portable, weights_only=True)
+    assert "lm_head.weight" not in record["weights"] and record["feature_layers"] == [0, 1]
+    assert record["weights"]["layer.mlp.down_proj.weight"]["q"].dtype == torch.int8
+    assert main(["import-head", "--model", str(tiny_draft_dir), str(portable)]) == 2  # other weights
+    assert not default_head_path(weights_hash(tiny_draft_dir)).exists()
+    assert main(["import-head", "--model", str(tiny_llama_dir), str(portable)]) == 0
+    assert main(["import-head", "--model", str(tiny_llama_dir), str(portable)]) == 2  # a head is there
+    assert main(["import-head", "--model", str(tiny_llama_dir), "--force", str(portable)]) == 0
+    path = default_head_path(weights_hash(tiny_llama_dir))
+    original = torch.load(fused_head, weights_only=True)["state_dict"]
+    imported = torch.load(path, weights_only=True)["state_dict"]
+    assert imported.keys() == original.keys()
+    for name, weight in original.items():
+        if name in ("lm_head.weight", "head_token_ids") or weight.dim() < 2:
+            assert torch.equal(imported[name], weight), name
+        else:
+            rows, cols = weight.shape
+            step = weight.reshape(rows, cols // PORTABLE_GROUP, -1).abs().amax(-1, keepdim=True) / 127
+            error = (imported[name] - weight).abs().reshape(rows, cols // PORTABLE_GROUP, -1)
+            assert bool((error <= 0.51 * step + 1e-7).all()) and float(error.max()) > 0, name
+    prompt = make_engine(tiny_llama_dir, method=None).tokenizer.encode(PROMPTS[1])
+    off = make_engine(tiny_llama_dir, method=None).generate([prompt], GREEDY)[0]["token_ids"]
+    served = make_engine(tiny_llama_dir).generate([prompt], EAGLE)[0]  # the cache's head: the imported one
+    assert served["token_ids"] == off and served["stats"].num_drafted > 0
+    assert main(["train-head", "--model", str(tiny_llama_dir), "--dtype", "float32", "-q", "none", "--quiet",
+                 "--reply-tokens", "16", "--max-data-tokens", "600", "--max-steps", "2", "--minutes", "5",
+                 "--train-dtype", "float32"]) == 0
+    ckpt = torch.load(path.with_name("eagle-head-checkpoint.pt"), weights_only=True)
+    assert ckpt["state"]["prior_steps"] == 100 and ckpt["state"]["step"] == 2 and ckpt["feature_layers"] == [0, 1]
+    # two steps at a warming-up lr (6e-4 x 1 / 20, then x 2 / 20): the head went on from the imported one
+    moved = max(float((ckpt["head"][n] - imported[n]).abs().max()) for n in imported if n.startswith("layer."))
+    assert 0 < moved < 1e-4
+    # the head kept is the better validated of the imported one and this run's
+    info = torch.load(path, weights_only=True)["info"]
+    assert info["last_steps"] == 2 and (info.get("imported_from") == portable.name or info["prior_steps"] == 100)
+
+
 def test_training_data_skips_prompts_longer_than_the_context(tiny_llama_dir, monkeypatch):
     """A stdlib snippet without blank lines can exceed the context: collect() skips it (a real
     SmolLM2 run failed on a 5,795-token prompt)."""
