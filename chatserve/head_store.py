@@ -95,8 +95,19 @@ def save_head(path: Path, head: EagleHead, target_hash: str, info: dict) -> None
     write_atomic(Path(path), lambda tmp: torch.save(record, tmp))
 
 
+# a source checkout's heads/: portable heads (export-head files) named <model>.eagle.pt
+SHIPPED_HEADS = Path(__file__).resolve().parent.parent / "heads"
+
+
+def shipped_head(model: str) -> Path | None:
+    path = SHIPPED_HEADS / f"{Path(model).name}.eagle.pt"
+    return path if path.is_file() else None
+
+
 def train_hint(model: str) -> str:
-    return f"train one with: chatserve train-head --model {model}"
+    hint = f"train one with: chatserve train-head --model {model}"
+    shipped = shipped_head(model)
+    return hint + (f", or import the one shipped: chatserve import-head --model {model} {shipped}" if shipped else "")
 
 
 def load_head(path: Path | None, model: str, target_dir: Path, cfg, max_positions: int, dtype: torch.dtype,

@@ -1275,12 +1275,17 @@ def test_a_head_travels_as_a_portable_file_and_train_head_goes_on_from_it(tiny_l
     weights are refused, and a head already there is replaced only with --force. train-head goes on
     from the imported head (it has no checkpoint): the lr warms up again from step 0, and the
     imported head's steps are kept as prior steps."""
+    import chatserve.head_store as head_store
     from chatserve.cli import main
     from chatserve.head_store import PORTABLE_GROUP, default_head_path
 
     monkeypatch.setenv("CHATSERVE_CACHE", str(tmp_path / "cache"))
-    portable = tmp_path / "head.portable.pt"
+    portable = tmp_path / f"{tiny_llama_dir.name}.eagle.pt"
     assert main(["export-head", "--model", str(tiny_llama_dir), "--head", str(fused_head), str(portable)]) == 0
+    # a checkout that ships a head for the model names it where no head is found
+    monkeypatch.setattr(head_store, "SHIPPED_HEADS", tmp_path)
+    with pytest.raises(ValueError, match=f"no EAGLE head .* chatserve import-head --model {tiny_llama_dir} {portable}"):
+        make_engine(tiny_llama_dir)
     record = torch.load(portable, weights_only=True)
     assert "lm_head.weight" not in record["weights"] and record["feature_layers"] == [0, 1]
     assert record["weights"]["layer.mlp.down_proj.weight"]["q"].dtype == torch.int8
