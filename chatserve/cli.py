@@ -402,6 +402,10 @@ def cmd_import_head(args) -> int:
     print(f"{args.file} -> {out}\n  serve with: chatserve serve --model {args.model} --draft eagle\n"
           f"  train it further with: chatserve train-head --model {args.model}"
           + (f" --out {shlex.quote(str(out))}" if args.out else ""), file=sys.stderr)
+    stale = out.with_name(out.stem + "-checkpoint.pt")
+    if stale.is_file():  # the replaced head's: train-head would go on from it, not from the imported head
+        print(f"  note: {stale} is the replaced head's training checkpoint, and train-head goes on from a "
+              f"checkpoint first; delete it to go on from the imported head", file=sys.stderr)
     return 0
 
 
@@ -527,7 +531,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--quiet", action="store_true", help="no progress bars")
     t.set_defaults(func=cmd_train_head)
 
-    e = sub.add_parser("export-head", help="write a model's trained EAGLE head as a portable file (~34 MB for a "
+    e = sub.add_parser("export-head", help="write a model's trained EAGLE head as a portable file (31 MiB for a "
                                            "1.5B model) for import-head on another machine")
     e.add_argument("--model", default=DEFAULT_TARGET, help="catalog name, local HF directory or .gguf file")
     e.add_argument("--head", default=None, help="head file (default: the cache's head for the model's weights)")

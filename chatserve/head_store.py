@@ -10,8 +10,8 @@ written.
 
 A head also travels as a portable file (export_portable / import_portable): its trained weights in
 int8 with a bfloat16 scale for every PORTABLE_GROUP columns, without the LM head (the target's own
-rows, read back from the target on import). A Qwen 1.5B head is ~34 MB so, against ~230 MB as
-trained: small enough to carry to another machine, where `train-head` goes on from it.
+rows, read back from the target on import): a Qwen 1.5B head is 31 MiB this way against 227 MB as
+trained, small enough to carry to another machine, where `train-head` goes on from it.
 """
 
 from __future__ import annotations

@@ -1268,7 +1268,7 @@ def test_train_head_command_saves_by_weight_hash_and_resumes(tiny_llama_dir, tmp
 
 
 def test_a_head_travels_as_a_portable_file_and_train_head_goes_on_from_it(tiny_llama_dir, tiny_draft_dir, fused_head,
-                                                                           tmp_path, monkeypatch):
+                                                                           tmp_path, monkeypatch, capsys):
     """export-head writes a head without the target's LM-head rows, its weights in int8 by groups of
     columns; import-head on the same weights makes it servable again: the rows the target's, each
     weight within half a step of its group's scale, greedy output equal to speculation off; other
@@ -1321,6 +1321,10 @@ def test_a_head_travels_as_a_portable_file_and_train_head_goes_on_from_it(tiny_l
     # the head kept is the better validated of the imported one and this run's
     info = torch.load(path, weights_only=True)["info"]
     assert info["last_steps"] == 2 and (info.get("imported_from") == portable.name or info["prior_steps"] == 100)
+    # imported over a head with a checkpoint: train-head would go on from that checkpoint, and is said to
+    capsys.readouterr()
+    assert main(["import-head", "--model", str(tiny_llama_dir), "--force", str(portable)]) == 0
+    assert "eagle-head-checkpoint.pt is the replaced head's training checkpoint" in capsys.readouterr().err
 
 
 def test_training_data_skips_prompts_longer_than_the_context(tiny_llama_dir, monkeypatch):
