@@ -391,7 +391,7 @@ def cmd_export_head(args) -> int:
 
 
 def cmd_import_head(args) -> int:
-    from chatserve.head_store import default_head_path, import_portable, weights_hash
+    from chatserve.head_store import default_head_path, head_checkpoint_path, import_portable, weights_hash
     from chatserve.loading import resolve
 
     target_dir = resolve(args.model)
@@ -402,7 +402,7 @@ def cmd_import_head(args) -> int:
     print(f"{args.file} -> {out}\n  serve with: chatserve serve --model {args.model} --draft eagle\n"
           f"  train it further with: chatserve train-head --model {args.model}"
           + (f" --out {shlex.quote(str(out))}" if args.out else ""), file=sys.stderr)
-    stale = out.with_name(out.stem + "-checkpoint.pt")
+    stale = head_checkpoint_path(out)
     if stale.is_file():  # the replaced head's: train-head would go on from it, not from the imported head
         print(f"  note: {stale} is the replaced head's training checkpoint, and train-head goes on from a "
               f"checkpoint first; delete it to go on from the imported head", file=sys.stderr)

@@ -73,6 +73,11 @@ def head_data_path(head_path: Path) -> Path:
     return head_path.with_name(head_path.stem + "-data.pt")
 
 
+def head_checkpoint_path(head_path: Path) -> Path:
+    """The train-head checkpoint beside a head file (<head>-checkpoint.pt): train-head goes on from it first."""
+    return head_path.with_name(head_path.stem + "-checkpoint.pt")
+
+
 def trained_head(model: str) -> Path | None:
     """The cache's head for `model`'s weights when one was trained here and the model is on this
     machine (catalog.local_model_dir); None otherwise. Hashes nothing while no head exists at all."""

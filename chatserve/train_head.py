@@ -39,8 +39,8 @@ import torch
 import torch.nn.functional as F
 
 from chatserve.head_data import Collected, Sequence, choose_vocab, collect, coverage, load_collected, save_collected
-from chatserve.head_store import (HEAD_FORMAT, default_head_path, head_data_path, save_head, weights_hash,
-                                  write_atomic)
+from chatserve.head_store import (HEAD_FORMAT, default_head_path, head_checkpoint_path, head_data_path, save_head,
+                                  weights_hash, write_atomic)
 from chatserve.loading import release_free_memory
 from chatserve.models.eagle_head import EagleHead
 from kernels.cpu_features import cpu_flags, has_amx, has_native_bf16
@@ -542,7 +542,7 @@ def run(engine, model: str, target_dir: Path, cfg: TrainConfig, out: Path | None
     target_hash = weights_hash(target_dir)
     head_path = Path(out) if out else default_head_path(target_hash)
     data_path = head_data_path(head_path)
-    ckpt_path = head_path.with_name(head_path.stem + "-checkpoint.pt")
+    ckpt_path = head_checkpoint_path(head_path)
     budget_start = time.perf_counter()
     seconds = cfg.minutes * 60
     target = engine.models.target
