@@ -25,11 +25,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import chatserve.train_head as th  # noqa: E402
-from chatserve.config import EngineConfig  # noqa: E402
-from chatserve.engine import Engine  # noqa: E402
-from chatserve.head_data import load_collected  # noqa: E402
-from chatserve.head_store import default_head_path, head_data_path, weights_hash  # noqa: E402
-from chatserve.loading import resolve  # noqa: E402
+from head_heldout import HeldOut, add_arguments  # noqa: E402
 
 EDGES = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 
@@ -53,32 +49,16 @@ def calibration(probs: torch.Tensor, right: torch.Tensor, edges=EDGES) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
-    ap.add_argument("--heads", nargs="*", default=None, help="head files (default: the cache's head for the model)")
-    ap.add_argument("--quantization", default="int4")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", type=Path, default=None)
+    add_arguments(ap)
     args = ap.parse_args()
-    target_hash = weights_hash(resolve(args.model))
-    head_path = default_head_path(target_hash)
-    data = load_collected(head_data_path(head_path), target_hash)
-    if data is None:
-        raise SystemExit(f"no train-head data for {args.model} at {head_data_path(head_path)}")
-    engine = Engine(EngineConfig(model=args.model, dtype="float32", quantization=args.quantization,
-                                 num_threads=args.threads, enable_prefix_caching=False))
-    engine.models.target_runner.feature_layers = tuple(data.feature_layers)
-    _, val = th.split_validation(data.sequences)
-    embed = engine.models.target.embed_tokens
-    results = {"model": args.model, "depth": th.VAL_DEPTH, "num_val_sequences": len(val), "edges": EDGES, "heads": {}}
-    for path in args.heads or [str(head_path)]:
-        head = th._load_servable(Path(path), engine, target_hash)
-        if head is None:
-            raise SystemExit(f"{path}: not a head for these weights and the data's feature layers")
-        head.eval()
+    held = HeldOut(args)
+    results = {"model": args.model, "depth": th.VAL_DEPTH, "num_val_sequences": len(held.val), "first": args.first,
+               "edges": EDGES, "heads": {}}
+    for path, head in held.heads():
         chains, sures = [], []
-        for seq in val:
+        for seq in held.val:
             if len(seq.token_ids) - 1 > seq.num_prompt_tokens:
-                right, _, sure = th.chain_hits(head, embed, seq.token_ids, seq.features, seq.num_prompt_tokens,
+                right, _, sure = th.chain_hits(head, held.embed, seq.token_ids, seq.features, seq.num_prompt_tokens,
                                                th.VAL_DEPTH)
                 chains.append(right)
                 sures.append(sure)

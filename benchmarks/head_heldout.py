@@ -30,8 +30,8 @@ from chatserve.head_store import default_head_path, head_data_path, weights_hash
 from chatserve.loading import resolve  # noqa: E402
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    """The options of a script that scores head files on train-head's held-out replies (HeldOut)."""
     ap.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
     ap.add_argument("--heads", nargs="*", default=None, help="head files (default: the cache's head for the model)")
     ap.add_argument("--quantization", default="int4")
@@ -40,25 +40,45 @@ def main() -> None:
                     help="only the first N held-out replies: the split of an earlier, smaller cache (data grows by "
                          "appending, so its held-out replies stay a prefix)")
     ap.add_argument("--out", type=Path, default=None)
+
+
+class HeldOut:
+    """The cache's train-head data for args.model, its held-out replies (val, the first args.first),
+    and a float32 engine whose target reads the data's feature layers, to load args.heads on."""
+
+    def __init__(self, args: argparse.Namespace):
+        self.target_hash = weights_hash(resolve(args.model))
+        self.head_path = default_head_path(self.target_hash)
+        data_path = head_data_path(self.head_path)
+        self.data = load_collected(data_path, self.target_hash)
+        if self.data is None:
+            raise SystemExit(f"no train-head data for {args.model} at {data_path}")
+        self.engine = Engine(EngineConfig(model=args.model, dtype="float32", quantization=args.quantization,
+                                          num_threads=args.threads, enable_prefix_caching=False))
+        # what a head must read to compare
+        self.engine.models.target_runner.feature_layers = tuple(self.data.feature_layers)
+        self.val = th.split_validation(self.data.sequences)[1][: args.first]
+        self.embed = self.engine.models.target.embed_tokens
+        self.paths = args.heads or [str(self.head_path)]
+
+    def heads(self):
+        """(path, head in eval mode) for each head file asked for."""
+        for path in self.paths:
+            head = th._load_servable(Path(path), self.engine, self.target_hash)
+            if head is None:
+                raise SystemExit(f"{path}: not a head for these weights and the data's feature layers")
+            yield path, head.eval()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(ap)
     args = ap.parse_args()
-    target_hash = weights_hash(resolve(args.model))
-    head_path = default_head_path(target_hash)
-    data_path = head_data_path(head_path)
-    data = load_collected(data_path, target_hash)
-    if data is None:
-        raise SystemExit(f"no train-head data for {args.model} at {data_path}")
-    engine = Engine(EngineConfig(model=args.model, dtype="float32", quantization=args.quantization,
-                                 num_threads=args.threads, enable_prefix_caching=False))
-    engine.models.target_runner.feature_layers = tuple(data.feature_layers)  # what a head must read to compare
-    _, val = th.split_validation(data.sequences)
-    val = val[: args.first]
-    embed = engine.models.target.embed_tokens
-    results = {"model": args.model, "depth": th.VAL_DEPTH, "num_tokens": data.num_tokens,
+    held = HeldOut(args)
+    embed, val = held.embed, held.val
+    results = {"model": args.model, "depth": th.VAL_DEPTH, "num_tokens": held.data.num_tokens,
                "num_val_sequences": len(val), "first": args.first, "heads": {}}
-    for path in args.heads or [str(head_path)]:
-        head = th._load_servable(Path(path), engine, target_hash)
-        if head is None:
-            raise SystemExit(f"{path}: not a head for these weights and the data's feature layers")
+    for path, head in held.heads():
         rows = {}
         for name, budget in (("validation budget", th.VAL_CHAIN_POSITIONS), ("every held-out reply", math.inf)):
             hits = th.held_out_hits(head, embed, val, th.VAL_DEPTH, budget)
