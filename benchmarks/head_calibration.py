@@ -7,7 +7,8 @@ chains fail, an underconfident one stops short. This bins P at every draft posit
 every held-out reply anchor (train_head.chain_hits, T = 0, float32 head; served, the head's weights are
 quantized like the target's) against whether the chain up to that draft equals the target's greedy tokens,
 and prints each bin's mean P beside its accepted fraction and the expected calibration error (the
-count-weighted mean of |mean P - accepted|). No generation, no timing.
+count-weighted mean of |mean P - accepted|), then the power a that train-head fits and saves with a head
+(train_head.fit_stop_power: accepted ~ P ** a) and the error of P ** a. No generation, no timing.
 
     .venv/bin/python benchmarks/head_calibration.py --model qwen2.5-coder-1.5b-instruct \\
         --heads <head.pt> ... --out benchmarks/results/head_calibration_qwen_session74.json
@@ -70,7 +71,11 @@ def main() -> None:
             v = valid[:, s]
             by_depth[s + 1] = calibration(chain_p[v, s], right[v, s])
         every = calibration(chain_p[valid], right[valid])
-        results["heads"][path] = {"all_depths": every, "by_depth": by_depth}
+        power = th.fit_stop_power(list(zip(chains, sures)))  # what train-head saves with a head
+        fitted = calibration(chain_p[valid] ** power, right[valid])
+        results["heads"][path] = {"all_depths": every, "by_depth": by_depth, "greedy_stop_power": power,
+                                  "all_depths_powered": fitted,
+                                  "saved_power": torch.load(path, weights_only=True)["info"].get("greedy_stop_power")}
         depths = ", ".join(f"{d['ece']:.3f}" for d in by_depth.values())
         print(f"{path}: {every['count']} chain positions, expected calibration error {every['ece']:.3f} "
               f"(by depth {depths})")
@@ -78,6 +83,8 @@ def main() -> None:
         for b in every["bins"]:
             if b["count"]:
                 print(f"  {b['lo']:.2f}-{b['hi']:.2f}  {b['count']:7d}  {b['mean_p']:.3f}   {b['accepted']:.3f}")
+        print(f"  fitted power {power:.2f} (accepted ~ P ** {power:.2f}): expected calibration error of P ** power "
+              f"{fitted['ece']:.3f}")
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))
 

@@ -40,6 +40,10 @@ class SpecConfig:
     # Adaptive EAGLE chains stop where the head's probability of the chain falls below what one
     # more draft costs (SpecState.least_gain); False: each runs to the k adaptive pricing chose.
     confidence_stop: bool = True
+    # Greedy chains read the head's P through the power train-head fitted on its held-out replies (the head
+    # info's greedy_stop_power: Qwen's head is underconfident at T = 0); False: P as it is. Off: served, the
+    # longer chains it drafts were slower (docs/benchmarks.md, session 75).
+    calibrated_stop: bool = False
     # Suffix decoding also matches against the most recent replies of all requests, up to this
     # many tokens (a question asked again, code repeated across conversations); 0 = each
     # request's own tokens only (benchmarks of fresh conversations that repeat their files).

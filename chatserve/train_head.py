@@ -337,22 +337,47 @@ def chain_hits(head: EagleHead, embed, ids: torch.Tensor, features: torch.Tensor
 
 def held_out_hits(head: EagleHead, embed, sequences: list[Sequence], depth: int = VAL_DEPTH,
                   max_positions: float = VAL_CHAIN_POSITIONS) -> list[torch.Tensor]:
-    """chain_hits' [anchors, depth] of held-out sequences with a reply, until max_positions anchors
-    (math.inf: every one) are scored (the head in eval mode meanwhile), taken in spread_order: the data's sequences come
-    in the order they were collected (the shipped prompts first, then tasks and the target's own
-    questions), and the first 2,048 anchors in that order were 11 of 99 held-out replies, all
-    early ones, scoring Qwen's session-66 head at 1.89 against 1.97 over all 99."""
+    """chain_hits' [anchors, depth] of held-out sequences with a reply (held_out_chains)."""
+    return [right for right, _ in held_out_chains(head, embed, sequences, depth, max_positions)]
+
+
+def held_out_chains(head: EagleHead, embed, sequences: list[Sequence], depth: int = VAL_DEPTH,
+                    max_positions: float = VAL_CHAIN_POSITIONS) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """chain_hits' (hits, sure), each [anchors, depth], of held-out sequences with a reply, until
+    max_positions anchors (math.inf: every one) are scored (the head in eval mode meanwhile), taken in
+    spread_order: the data's sequences come in the order they were collected (the shipped prompts
+    first, then tasks and the target's own questions), and the first 2,048 anchors in that order were
+    11 of 99 held-out replies, all early ones, scoring Qwen's session-66 head at 1.89 against 1.97
+    over all 99."""
     was_training = head.training
     head.eval()
-    hits, total = [], 0
+    chains, total = [], 0
     for seq in (sequences[i] for i in spread_order(len(sequences))):
         if total >= max_positions:
             break
         if len(seq.token_ids) - 1 > seq.num_prompt_tokens:
-            hits.append(chain_hits(head, embed, seq.token_ids, seq.features, seq.num_prompt_tokens, depth)[0])
-            total += len(hits[-1])
+            right, _, sure = chain_hits(head, embed, seq.token_ids, seq.features, seq.num_prompt_tokens, depth)
+            chains.append((right, sure))
+            total += len(right)
     head.train(was_training)
-    return hits
+    return chains
+
+
+def fit_stop_power(chains: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    """The power a such that a greedy chain whose drafts the head gave probabilities p_1 .. p_s
+    (P = their product, what a served chain stops on) is accepted with probability P ** a, fitted by
+    likelihood over every anchor and depth of held_out_chains (hits, sure): 1.0 is a calibrated
+    head, below 1 an underconfident one (trained on the target's soft distribution, a head spreads
+    probability the greedy target never samples). A grid of 0.01 over [0.2, 2]; 1.0 without data."""
+    rows = [(right[sure > 0], sure.cumprod(dim=1)[sure > 0]) for right, sure in chains]
+    if not rows or not sum(len(r) for r, _ in rows):
+        return 1.0
+    right = torch.cat([r for r, _ in rows]).double()
+    log_p = torch.cat([p for _, p in rows]).double().clamp_min(1e-12).log()
+    powers = torch.arange(20, 201, dtype=torch.float64) / 100
+    q = (powers[:, None] * log_p[None]).exp().clamp(1e-9, 1 - 1e-9)  # [powers, positions]
+    likelihood = (right * q.log() + (1 - right) * (1 - q).log()).sum(1)
+    return round(float(powers[likelihood.argmax()]), 2)
 
 
 def validate_chain(head: EagleHead, embed, sequences: list[Sequence], depth: int = VAL_DEPTH,
@@ -627,6 +652,9 @@ def run(engine, model: str, target_dir: Path, cfg: TrainConfig, out: Path | None
         save_head(head_path, head, target_hash, {**info, "steps": state["step"],
                                                  "train_seconds": round(state["seconds"], 1)})
     record = torch.load(head_path, weights_only=True)
+    if val:  # the saved head's calibration at T = 0, what its greedy chains' stop reads (EagleMethod)
+        saved = _load_servable(head_path, engine, target_hash)
+        record["info"]["greedy_stop_power"] = fit_stop_power(held_out_chains(saved or head, embed, val))
     record["info"].update(last_steps=state["step"], last_train_seconds=round(state["seconds"], 1),
                           final=state.get("metrics", {}), last_val_top1=state.get("val_top1"),
                           last_val_accepted=state.get("val_accepted"), last_val_walked=state.get("val_walked"))

@@ -87,10 +87,19 @@ class EagleMethod:
         self.accept_rate = AcceptanceEMA(ema=0.05, prior=0.7)
         self.chain_in_cpp = True  # greedy chains in one C++ call where the head has the path (False: the modules)
         self.flush_rows = FLUSH_ROWS  # a benchmark variant may change it (eagle.flush_rows=64)
+        # a greedy chain's probability P is read as P ** power: 1.0, or with SpecConfig.calibrated_stop the head's
+        # fit at T = 0 (train_head.fit_stop_power; a head trained on soft targets is underconfident there)
+        self.greedy_stop_power = 1.0
 
     @classmethod
     def create(cls, config: SpecConfig, models, sampler) -> EagleMethod | None:
-        return cls(models.eagle_runner, sampler) if models.eagle_runner is not None else None
+        if models.eagle_runner is None:
+            return None
+        method = cls(models.eagle_runner, sampler)
+        if config.calibrated_stop:
+            info = getattr(models.eagle_runner.head, "info", None) or {}
+            method.greedy_stop_power = float(info.get("greedy_stop_power", 1.0))
+        return method
 
     def offer(self, req: Request, cap: int, accept_rate: float) -> Offer | None:
         if cap == 0 or not self._has_last_feature(req):
@@ -196,11 +205,12 @@ class EagleMethod:
         product of each position's softmax probability of the head's argmax) is at least
         req.spec.keep_gain, and computes the next one while it is at least req.spec.least_gain
         (SpecRunner prices both as what one more draft costs in tokens, a row and a head step, or
-        with keeps_computed_drafts a row alone to keep: spec.adaptive.chain_stop_gains). A trained head is well
-        calibrated (SmolLM2's, docs/benchmarks.md session 44: greedy drafts it gives ~0.3 are
-        accepted ~0.3 of the time, ~0.96 ~0.95; at T = 0.7 the same probability predicts a
-        sampled draft's acceptance sum_x min(p, q)), so this keeps the sure drafts of a long
-        chain and drops the guesses. The stop reads the head alone, never the target: any
+        with keeps_computed_drafts a row alone to keep: spec.adaptive.chain_stop_gains). SmolLM2's head was
+        well calibrated (docs/benchmarks.md session 44: greedy drafts it gives ~0.3 are accepted
+        ~0.3 of the time, ~0.96 ~0.95; at T = 0.7 the same probability predicts a sampled draft's
+        acceptance sum_x min(p, q)); Qwen's is underconfident at T = 0, and a greedy chain's stop
+        may read P through the head's fitted power (_stop_below). So this keeps the sure drafts of a
+        long chain and drops the guesses. The stop reads the head alone, never the target: any
         number of drafts so chosen keeps verification lossless.
 
         Returns each draft position's (requests drafting, seconds): the head's forward, norm and
@@ -212,9 +222,8 @@ class EagleMethod:
             start, _, chunks = self._with_pending(req, pos, [req.last_feature[1]], 1)  # deferred rows first
             items.append(BatchItem(req.token_ids[start : pos + 1], start, req.table.block_ids, 1))
             inputs += chunks
-        # chains without a grammar may stop early (a grammar's mask changes what the head offers)
-        keep_below = [req.spec.keep_gain if req.grammar is None else 0.0 for req in reqs]
-        go_on_below = [req.spec.least_gain if req.grammar is None else 0.0 for req in reqs]
+        keep_below = [self._stop_below(req, req.spec.keep_gain) for req in reqs]
+        go_on_below = [self._stop_below(req, req.spec.least_gain) for req in reqs]
         features = self.runner.input_features(torch.cat(inputs))  # [rows, hidden]: the rows' f, made here
         if self.chain_in_cpp and all(req.params.is_greedy and req.grammar is None for req in reqs):
             chained = self.runner.greedy_chain(items, features, ks, keep_below, go_on_below)
@@ -261,6 +270,19 @@ class EagleMethod:
         for req, rows in zip(reqs, probs):
             req.draft_probs = torch.cat(rows) if rows else None  # [k, vocab]
         return timed
+
+    def _stop_below(self, req: Request, gain: float) -> float:
+        """The chain probability P below which req's chain stops, for a stop priced at `gain`
+        tokens (SpecState.keep_gain or least_gain): the gain itself, or at T = 0 gain ** (1 /
+        greedy_stop_power), where the head's P ** power is what a chain's acceptance was fitted to
+        on held-out replies (SpecConfig.calibrated_stop; Qwen's session-75 head: P 0.45 was accepted
+        0.57, P ** 0.73 overall). 0, never
+        stopping early, for a request with a grammar (its mask changes what the head offers)."""
+        if req.grammar is not None:
+            return 0.0
+        if req.params.is_greedy and gain > 0.0 and self.greedy_stop_power != 1.0:
+            return min(gain, 1.0) ** (1.0 / self.greedy_stop_power)
+        return gain
 
     def _draft_over_kept(self, req: Request, kept: torch.Tensor, best: int) -> tuple[int, torch.Tensor | None]:
         """sample_draft for a request without a grammar, over the head's kept logits [1, num_kept]

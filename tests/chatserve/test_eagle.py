@@ -892,6 +892,85 @@ def test_a_greedy_chain_keeps_and_goes_on_while_the_heads_probability_of_it_pays
     assert_pool_empty(engine)
 
 
+def test_the_stop_power_is_fitted_to_how_often_chains_are_accepted():
+    """fit_stop_power finds the a with which P ** a is a chain's chance of acceptance: chains drawn
+    accepted with probability P ** 0.6 (an underconfident head) fit ~0.6, with P ** 1.3 ~1.3; no
+    chains, 1.0 (P read as it is). Positions past a reply's end (sure 0) are left out."""
+    from chatserve.train_head import fit_stop_power
+
+    gen = torch.Generator().manual_seed(0)
+    for power in (0.6, 1.3):
+        chains = []
+        for _ in range(40):
+            sure = torch.rand(50, 4, generator=gen) * 0.9 + 0.1
+            sure[-3:, 2:] = 0.0  # past the end
+            chance = sure.cumprod(dim=1) ** power
+            right = torch.rand(50, 4, generator=gen) < chance
+            chains.append((right, sure))
+        assert fit_stop_power(chains) == pytest.approx(power, abs=0.06)
+    assert fit_stop_power([]) == 1.0
+
+
+def test_a_greedy_chains_stop_reads_its_probability_through_the_heads_power(tiny_llama_dir, trained_head,
+                                                                            monkeypatch, tmp_path):
+    """At T = 0 a chain stops where P ** greedy_stop_power (with SpecConfig.calibrated_stop the
+    head's saved fit, else 1.0) falls below the price, i.e. at P below price ** (1 / power): an underconfident head's (power
+    below 1) chains go on longer at the same prices, greedy output still equal to speculation off;
+    a sampled chain reads P as it is, and a request with a grammar never stops early."""
+    from types import SimpleNamespace
+
+    import chatserve.spec_runner as spec_runner
+    from chatserve.sampling_params import SamplingParams
+    from chatserve.spec_costs import SpecCosts
+    from spec.adaptive import AcceptanceEMA
+
+    fitted = tmp_path / "fitted-head.pt"  # the trained head with a fit in its info, as train-head saves one
+    record = torch.load(trained_head, weights_only=True)
+    record["info"]["greedy_stop_power"] = 0.5
+    torch.save(record, fitted)
+    for calibrated, power in ((False, 1.0), (True, 0.5)):
+        spec = SpecConfig(method="eagle", eagle_head=str(fitted), calibrated_stop=calibrated)
+        loaded = Engine(EngineConfig(model=str(tiny_llama_dir), spec=spec, kv_cache_memory=8 << 20))
+        assert loaded.spec.methods["eagle"].greedy_stop_power == power
+    engine = make_engine(tiny_llama_dir, trained_head, adaptive=True, stall_limit=0)
+    method = engine.spec.methods["eagle"]
+    assert method.greedy_stop_power == 1.0  # a head without a fit: P as it is
+    # this head's drafts have probabilities ~0.02 (~0.0004 for two): chains stop at the first to third
+    monkeypatch.setattr(spec_runner, "chain_stop_gains", lambda *args: (4.5e-4, 4.5e-4))
+    engine.spec.costs = SpecCosts({r: 1.0 + 0.01 * (r - 1) for r in range(1, 65)}, {},
+                                  head_seconds={r: 0.01 for r in range(1, 17)})
+    engine.spec.gap_limit = 0
+    del engine.spec.methods["suffix"]  # the head's chains alone
+    plain = make_engine(tiny_llama_dir, method=None)
+    prompts = [engine.tokenizer.encode(p) for p in PROMPTS[:4]]
+    expected = [o["token_ids"] for o in plain.generate(prompts, GREEDY)]
+    drafted, propose = [], method.propose
+
+    def recorded(reqs, ks):
+        timed = propose(reqs, ks)
+        drafted.append((list(ks), [len(r.draft_token_ids) for r in reqs]))
+        return timed
+
+    monkeypatch.setattr(method, "propose", recorded)
+    made = {}
+    for power in (1.0, 0.5):
+        method.greedy_stop_power = power
+        method.accept_rate = AcceptanceEMA(ema=0.05, prior=0.7)
+        drafted.clear()
+        for prompt, want in zip(prompts, expected):
+            assert engine.generate([prompt], GREEDY)[0]["token_ids"] == want
+        made[power] = sum(sum(ds) for _, ds in drafted) / len(drafted)  # drafts a drafting step
+        assert drafted
+    assert made[0.5] > made[1.0]
+    greedy = SimpleNamespace(grammar=None, params=GREEDY)
+    sampled = SimpleNamespace(grammar=None, params=SamplingParams(temperature=0.8, max_tokens=8))
+    with_grammar = SimpleNamespace(grammar=object(), params=GREEDY)
+    assert method._stop_below(greedy, 0.09) == pytest.approx(0.09 ** 2)
+    assert method._stop_below(sampled, 0.09) == 0.09 and method._stop_below(with_grammar, 0.09) == 0.0
+    assert method._stop_below(greedy, 0.0) == 0.0
+    assert_pool_empty(engine)
+
+
 @pytest.mark.parametrize("quantization", [None, "int4"])
 def test_a_greedy_chain_in_one_cpp_call_drafts_as_the_modules_do(tiny_llama_dir, trained_head, monkeypatch,
                                                                  quantization):
@@ -1214,6 +1293,8 @@ def test_train_head_command_saves_by_weight_hash_and_resumes(tiny_llama_dir, tmp
     second = torch.load(path, weights_only=True)["info"]
     assert second["last_steps"] == 4 and 0.0 <= second["last_val_top1"] <= 1.0
     assert 1.0 <= second["last_val_accepted"] <= 1.0 + VAL_DEPTH and 1.0 <= second["last_val_walked"] <= 1.0 + VAL_DEPTH
+    assert 0.2 <= second["greedy_stop_power"] <= 2.0  # fitted on the held-out reply, served by its greedy chains
+    assert "greedy_stop_power" not in first  # nothing held out: nothing to fit on
     # a checkpoint from before the walked length (its state holds val_accepted alone) resumes with the bar shown
     ckpt_path = path.with_name("eagle-head-checkpoint.pt")
     old = torch.load(ckpt_path, weights_only=True)
