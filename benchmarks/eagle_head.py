@@ -10,6 +10,7 @@ same data); an EAGLE-3 head's fuse, paid once a target step on the rows it fed, 
 --variant runs the EAGLE head again with settings changed (a SpecConfig field or a SpecRunner
 attribute), to pair a decision against the default inside one run, e.g.
 --variant two_prices:keeps_computed_drafts=true no_stop:confidence_stop=false k8:num_draft_tokens=8
+cal:calibrated_stop=true (greedy chains stop on the head's fitted power; eagle.greedy_stop_power=0.7 sets one)
 (METHOD.ATTRIBUTE sets a speculation method's attribute, e.g. suffix.probe_every=4; upkeep:drafts=false
 keeps the head up but drafts nothing: what being ready to draft costs). --no-eagle runs off and the draft
 model alone (a target with no head), its variants then the draft's, e.g. --variant ema20:accept_ema=0.2
