@@ -55,10 +55,13 @@ def chat_prompts(tokenizer, kind: str, messages: list[str] | None = None) -> lis
     return [tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in messages]
 
 
-def best_ms(fn, reps: int = 5) -> float:
+def best_ms(fn, reps: int = 5, before=None) -> float:
+    """The fastest of `reps` calls of fn in ms (after one untimed), each after an untimed call of `before`."""
     fn()
     times = []
     for _ in range(reps):
+        if before is not None:
+            before()
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
@@ -68,7 +71,9 @@ def best_ms(fn, reps: int = 5) -> float:
 @torch.inference_mode()
 def step_costs(engine: Engine, context: int) -> dict:
     """One-row target forward vs one head draft step (layer + norm + LM head), both at `context`: the
-    modules' (head_step_ms, as sampled drafts run) and the C++ chain's (head_chain_ms, greedy drafts)."""
+    modules' (head_step_ms, as sampled drafts run) and the C++ chain's (head_chain_ms, greedy drafts),
+    each repeated on warm caches; and the chain's first draft as serving meets it, right after a target
+    forward has streamed the target's weights through the caches (head_chain_after_target_ms)."""
     models, table = engine.models, BlockTable()
     assert engine.block_manager.allocate(table, context + 1)
     try:
@@ -84,11 +89,13 @@ def step_costs(engine: Engine, context: int) -> dict:
         def draft():
             return runner.greedy_chain([item], feature, [1], [0.0], [0.0])
         chain_ms = best_ms(draft) if draft() is not None else None  # None: the head has no C++ chain
+        cold_ms = best_ms(draft, before=lambda: models.target_runner.run([item])) if chain_ms else None
         fuse_ms = best_ms(lambda: runner.input_features(raw))  # a decode row's, once a target step
     finally:
         engine.block_manager.free(table)
     return {"context": context, "target_ms": target_ms, "head_step_ms": head_ms, "ratio": head_ms / target_ms,
             "head_chain_ms": chain_ms, "chain_ratio": chain_ms / target_ms if chain_ms else None,
+            "head_chain_after_target_ms": cold_ms,
             "target_features_ms": target_features_ms, "fuse_ms": fuse_ms}
 
 

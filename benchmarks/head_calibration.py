@@ -9,6 +9,7 @@ quantized like the target's) against whether the chain up to that draft equals t
 and prints each bin's mean P beside its accepted fraction and the expected calibration error (the
 count-weighted mean of |mean P - accepted|), then the power a that train-head fits and saves with a head
 (train_head.fit_stop_power: accepted ~ P ** a) and the error of P ** a. No generation, no timing.
+--save-chains keeps every reply's chains (hits and probabilities) for spec_policy_sim.py.
 
     .venv/bin/python benchmarks/head_calibration.py --model qwen2.5-coder-1.5b-instruct \\
         --heads <head.pt> ... --out benchmarks/results/head_calibration_qwen_session74.json
@@ -51,10 +52,13 @@ def calibration(probs: torch.Tensor, right: torch.Tensor, edges=EDGES) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_arguments(ap)
+    ap.add_argument("--save-chains", type=Path, default=None,
+                    help="torch.save each head's per-reply chains here (spec_policy_sim.py reads them)")
     args = ap.parse_args()
     held = HeldOut(args)
     results = {"model": args.model, "depth": th.VAL_DEPTH, "num_val_sequences": len(held.val), "first": args.first,
                "edges": EDGES, "heads": {}}
+    saved_chains = {}
     for path, head in held.heads():
         chains, sures = [], []
         for seq in held.val:
@@ -73,9 +77,10 @@ def main() -> None:
         every = calibration(chain_p[valid], right[valid])
         power = th.fit_stop_power(list(zip(chains, sures)))  # what train-head saves with a head
         fitted = calibration(chain_p[valid] ** power, right[valid])
+        saved_chains[path] = {"hits": chains, "sure": sures, "power": power}
         results["heads"][path] = {"all_depths": every, "by_depth": by_depth, "greedy_stop_power": power,
                                   "all_depths_powered": fitted,
-                                  "saved_power": torch.load(path, weights_only=True)["info"].get("greedy_stop_power")}
+                                  "saved_power": head.info.get("greedy_stop_power")}
         depths = ", ".join(f"{d['ece']:.3f}" for d in by_depth.values())
         print(f"{path}: {every['count']} chain positions, expected calibration error {every['ece']:.3f} "
               f"(by depth {depths})")
@@ -87,6 +92,8 @@ def main() -> None:
               f"{fitted['ece']:.3f}")
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))
+    if args.save_chains:
+        torch.save({"model": args.model, "heads": saved_chains}, args.save_chains)
 
 
 if __name__ == "__main__":

@@ -653,7 +653,7 @@ def run(engine, model: str, target_dir: Path, cfg: TrainConfig, out: Path | None
                                                  "train_seconds": round(state["seconds"], 1)})
     record = torch.load(head_path, weights_only=True)
     if val:  # the saved head's calibration at T = 0, what its greedy chains' stop reads (EagleMethod)
-        saved = _load_servable(head_path, engine, target_hash)
+        saved = _load_servable(head_path, engine, target_hash, record)
         record["info"]["greedy_stop_power"] = fit_stop_power(held_out_chains(saved or head, embed, val))
     record["info"].update(last_steps=state["step"], last_train_seconds=round(state["seconds"], 1),
                           final=state.get("metrics", {}), last_val_top1=state.get("val_top1"),
@@ -690,14 +690,17 @@ def _new(engine, target_dir: Path, sequences: list[Sequence], cfg: TrainConfig, 
                     cfg.head_intermediate_size)
 
 
-def _load_servable(path: Path, engine, target_hash: str) -> EagleHead | None:
-    record = torch.load(path, weights_only=True)
+def _load_servable(path: Path, engine, target_hash: str, record: dict | None = None) -> EagleHead | None:
+    """The head saved at `path` (or its record, already read) in float and eval mode, with its info;
+    None when it is for other weights or other feature layers than the engine's runner records."""
+    record = torch.load(path, weights_only=True) if record is None else record
     if record.get("target_hash") != target_hash:
         return None
     head = EagleHead.from_state(engine.models.target.config, engine.max_model_len, record["state_dict"],
                                 record.get("feature_layers", ())).float()
     if head.feature_layers != engine.models.target_runner.feature_layers:
         return None  # for other features than the data's: not comparable
+    head.info = record.get("info", {})
     return head.eval()
 
 
