@@ -32,11 +32,11 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from chatserve.spec_runner import MIN_MADE_DRAFTS  # noqa: E402
 from spec.adaptive import (PROBE_EVERY, AcceptanceEMA, AdaptiveDraftLength, allocate_drafts,  # noqa: E402
                            chain_stop_gains, geometric_gains)
 
 MAX_K = 4  # SpecConfig.num_draft_tokens, and the depth of the saved chains
-MIN_MADE_DRAFTS = 32  # spec_runner's: drafts made before their acceptance prices how far a chain goes on
 
 
 @dataclasses.dataclass(frozen=True)
