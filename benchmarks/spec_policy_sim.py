@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from chatserve.spec_runner import MIN_MADE_DRAFTS  # noqa: E402
 from spec.adaptive import (PROBE_EVERY, AcceptanceEMA, AdaptiveDraftLength, allocate_drafts,  # noqa: E402
-                           chain_stop_gains, geometric_gains)
+                           chain_drafts, chain_stop_gains, geometric_gains, stop_probability)
 
 MAX_K = 4  # SpecConfig.num_draft_tokens, and the depth of the saved chains
 
@@ -42,7 +42,7 @@ MAX_K = 4  # SpecConfig.num_draft_tokens, and the depth of the saved chains
 @dataclasses.dataclass(frozen=True)
 class Policy:
     """A drafting policy: serving's (the defaults) or a variant of it.
-    power: a greedy chain's probability P is read as P ** power by the stop (EagleMethod._stop_below).
+    power: a greedy chain's probability P is read as P ** power by the stop (spec.adaptive.stop_probability).
     full_cap: every step is offered MAX_K drafts whatever the estimate prices (the stop alone ends chains).
     two_prices: keep a computed draft at a row's price, go on at a row and a step over the made
         drafts' acceptance (SpecRunner.keeps_computed_drafts); else one price for both.
@@ -129,16 +129,8 @@ def replay(chains: list[tuple[torch.Tensor, torch.Tensor]], policy: Policy, cost
                                                made_rate if policy.two_prices else 1.0)
                 if not policy.two_prices:
                     keep = go_on
-                keep_below, go_on_below = (g ** (1.0 / policy.power) if g > 0 else g for g in (keep, go_on))
-                chain_p = 1.0
-                for s in range(k):  # EagleMethod.propose's loop
-                    head_steps += 1
-                    chain_p *= float(sure[p, s])
-                    if chain_p < keep_below:
-                        break
-                    drafted += 1
-                    if chain_p < go_on_below:
-                        break
+                drafted, head_steps = chain_drafts(sure[p], k, stop_probability(keep, policy.power),
+                                                   stop_probability(go_on, policy.power))
             accepted = int(hits[p, :drafted].sum())
             offered = drafted if policy.count_made else max(k, drafted)
             if k:

@@ -124,6 +124,33 @@ def step_seconds(
     return seconds
 
 
+def stop_probability(gain: float, power: float = 1.0) -> float:
+    """The chain probability P below which a greedy chain stops, for a stop priced at `gain` tokens
+    (chain_stop_gains' keep or go_on) where the head's P ** power is what its chains are accepted at:
+    gain ** (1 / power) (a price above 1 read as 1: P never exceeds it); the gain itself at power 1;
+    a gain <= 0 never stops."""
+    if gain <= 0.0 or power == 1.0:
+        return gain
+    return min(gain, 1.0) ** (1.0 / power)
+
+
+def chain_drafts(probs, k: int, keep_below: float, go_on_below: float) -> tuple[int, int]:
+    """A greedy chain over known probabilities, as EagleMethod.propose and DecodeStack.draft_chain
+    stop it: probs[s] is the head's probability of its argmax at draft position s; the chain's
+    probability P is their running product. Position s is computed (a head step), its draft kept
+    while P >= keep_below, and the chain goes on while it has fewer than k drafts and P >=
+    go_on_below. -> (drafts kept, head steps run)."""
+    chain, drafted = 1.0, 0
+    for s in range(k):
+        chain *= float(probs[s])
+        if chain < keep_below:
+            return drafted, s + 1
+        drafted += 1
+        if chain < go_on_below:
+            return drafted, s + 1
+    return drafted, k
+
+
 def chain_stop_gains(target_seconds, draft_seconds, num_seqs: int, num_drafts: int,
                      made_accept_rate: float) -> tuple[float, float]:
     """Where a proposer that knows how sure it is (an EAGLE head's probability of its chain so

@@ -57,7 +57,7 @@ from chatserve.config import SpecConfig
 from chatserve.request import Request, Status
 from chatserve.scheduler import ScheduledSeq
 from chatserve.spec_methods.base import Offer, sample_draft
-from spec.adaptive import PROBE_EVERY, AcceptanceEMA, geometric_gains
+from spec.adaptive import PROBE_EVERY, AcceptanceEMA, geometric_gains, stop_probability
 from spec.sampling import argmax_rows
 
 FLUSH_ROWS = 16  # deferred head rows of a request that does not draft are written at this many
@@ -289,9 +289,7 @@ class EagleMethod:
         stopping early, for a request with a grammar (its mask changes what the head offers)."""
         if req.grammar is not None:
             return 0.0
-        if req.params.is_greedy and gain > 0.0 and self.greedy_stop_power != 1.0:
-            return min(gain, 1.0) ** (1.0 / self.greedy_stop_power)
-        return gain
+        return stop_probability(gain, self.greedy_stop_power if req.params.is_greedy else 1.0)
 
     def _draft_over_kept(self, req: Request, kept: torch.Tensor, best: int) -> tuple[int, torch.Tensor | None]:
         """sample_draft for a request without a grammar, over the head's kept logits [1, num_kept]

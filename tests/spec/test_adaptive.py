@@ -1,6 +1,7 @@
 import pytest
 
-from spec.adaptive import AdaptiveDraftLength, allocate_drafts, chain_stop_gains, geometric_gains, step_seconds
+from spec.adaptive import (AdaptiveDraftLength, allocate_drafts, chain_drafts, chain_stop_gains, geometric_gains,
+                           step_seconds, stop_probability)
 
 
 def _linear(per_row: float = 0.05):
@@ -324,3 +325,23 @@ def test_a_chain_keeps_a_computed_draft_at_a_rows_price_and_goes_on_at_a_row_and
     assert least(tiled, lambda rows: 0.1, 1, 3) == pytest.approx(0.1)
     assert least(tiled, lambda rows: 0.1, 1, 4) == pytest.approx(0.25 + 0.1)
     assert least(lambda rows: 1.0 - 0.01 * rows, None, 1, 1) == 0.0  # noise never pays to draft
+
+
+def test_a_chain_stops_where_its_probability_falls_below_the_prices():
+    """chain_drafts -> (drafts kept, head steps): a draft whose running product falls below keep is
+    computed and dropped; one below go_on is kept and ends the chain; k caps it."""
+    probs = [0.9, 0.5, 0.8, 0.9]  # running products 0.9, 0.45, 0.36, 0.324
+    assert chain_drafts(probs, 4, 0.0, 0.0) == (4, 4)
+    assert chain_drafts(probs, 2, 0.0, 0.0) == (2, 2)
+    assert chain_drafts(probs, 4, 0.4, 0.4) == (2, 3)  # 0.36 computed, dropped
+    assert chain_drafts(probs, 4, 0.1, 0.4) == (3, 3)  # 0.36 kept, below go-on: stops
+    assert chain_drafts(probs, 4, 0.95, 0.95) == (0, 1)
+    assert chain_drafts(probs, 0, 0.0, 0.0) == (0, 0)
+
+
+def test_a_stop_price_reads_the_chain_probability_through_the_heads_power():
+    """stop_probability: gain ** (1 / power), the gain itself at power 1, a price above 1 as 1, and
+    a gain of 0 never stops."""
+    assert stop_probability(0.09, 0.5) == pytest.approx(0.0081)
+    assert stop_probability(0.09) == 0.09 and stop_probability(0.0, 0.5) == 0.0
+    assert stop_probability(2.0, 0.5) == 1.0 and stop_probability(2.0) == 2.0
