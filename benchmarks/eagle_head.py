@@ -73,9 +73,7 @@ def step_costs(engine: Engine, context: int) -> dict:
     """One-row target forward vs one head draft step (layer + norm + LM head), both at `context`: the
     modules' (head_step_ms, as sampled drafts run) and the C++ chain's (head_chain_ms, greedy drafts),
     each repeated on warm caches; and the chain's first draft as serving meets it, right after a target
-    forward has streamed the target's weights through the caches (head_chain_after_target_ms), and that
-    draft with the head's weights warmed on the other core during 0-2 ms of busy glue
-    (head_chain_after_target_warmed_ms)."""
+    forward has streamed the target's weights through the caches (head_chain_after_target_ms)."""
     models, table = engine.models, BlockTable()
     assert engine.block_manager.allocate(table, context + 1)
     try:
@@ -92,24 +90,12 @@ def step_costs(engine: Engine, context: int) -> dict:
             return runner.greedy_chain([item], feature, [1], [0.0], [0.0])
         chain_ms = best_ms(draft) if draft() is not None else None  # None: the head has no C++ chain
         cold_ms = best_ms(draft, before=lambda: models.target_runner.run([item])) if chain_ms else None
-        # the same with the head's weights warmed on the other core (HeadRunner.warm, as EagleMethod.warm
-        # starts it) while the main thread spends `glue` ms busy, as the step's Python glue does
-        warmed_ms = {}
-        for glue in (0.0, 0.5, 1.0, 2.0) if chain_ms else ():
-            def target_then_glue(glue=glue):
-                models.target_runner.run([item])
-                runner.warm()
-                end = time.perf_counter() + glue / 1e3
-                while time.perf_counter() < end:
-                    pass
-            warmed_ms[f"{glue:g}"] = best_ms(draft, before=target_then_glue)
         fuse_ms = best_ms(lambda: runner.input_features(raw))  # a decode row's, once a target step
     finally:
         engine.block_manager.free(table)
     return {"context": context, "target_ms": target_ms, "head_step_ms": head_ms, "ratio": head_ms / target_ms,
             "head_chain_ms": chain_ms, "chain_ratio": chain_ms / target_ms if chain_ms else None,
             "head_chain_after_target_ms": cold_ms,
-            "head_chain_after_target_warmed_ms": warmed_ms,  # by the glue's ms between the forward and the draft
             "target_features_ms": target_features_ms, "fuse_ms": fuse_ms}
 
 

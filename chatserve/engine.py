@@ -193,8 +193,6 @@ class Engine:
         forward_start = time.perf_counter()
         if (self.spec and self.spec.reads_features) or self.feature_observer:
             logits, cu_logits, features = self.models.target_runner.run_with_features(items)
-            if self.spec and self.spec.reads_features:
-                self.spec.warm()
             # The block ids as scheduled: a request that finishes below releases its table first.
             # (BatchItem(...), not dataclasses.replace: ~3x its Python, every step of an EAGLE engine)
             items = [BatchItem(it.token_ids, it.start_pos, list(it.block_ids), it.num_logits) for it in items]

@@ -91,14 +91,6 @@ class HeadRunner:
         embeds = self.embed(batch.input_ids)  # [num_tokens, hidden]
         return self.head(features, embeds, batch.positions, batch.attn, self.kv_cache.layers[0])
 
-    def warm(self) -> None:
-        """Start reading the head's weights into the caches on the C++ kernels' warming thread and
-        return (DecodeStack.warm: the next forward stops it), for the draft that follows a target
-        forward, which streamed them out; a no-op where the head has no C++ path."""
-        stack = self.head.chain_stack(self.embed, self.kv_cache.layers[0], self.block_size)
-        if stack is not None:
-            stack.warm()
-
     @torch.inference_mode()
     def greedy_chain(self, items: list[BatchItem], features: torch.Tensor, ks: list[int], keep_below: list[float],
                      go_on_below: list[float]) -> tuple[list[list[int]], list[tuple[int, float]]] | None:

@@ -413,12 +413,6 @@ class SpecRunner:
         """Whether some method needs the target's features after every forward (observe)."""
         return any(m.reads_features for m in self.methods.values())
 
-    def warm(self) -> None:
-        """Right after the target's forward: the methods that read features may warm up (SpecMethod.warm)."""
-        for method in self.methods.values():
-            if method.reads_features:
-                method.warm()
-
     def observe(self, scheduled: list[ScheduledSeq], items: list[BatchItem], features: torch.Tensor) -> None:
         """The step's target features (and items as fed) for the methods that read them: every
         scheduled request, whatever its own method, so that every block a request commits has

@@ -7,12 +7,8 @@
 // residual, the QKV layer, RoPE in place, the KV store, one-query-row paged attention, the output
 // layer, RMSNorm, gate/up, SiLU * up, down. The GIL is released for the whole stack.
 #include <algorithm>
-#include <atomic>
 #include <chrono>
 #include <cmath>
-#include <condition_variable>
-#include <mutex>
-#include <thread>
 
 #include "cpu_kernels.h"
 
@@ -75,103 +71,6 @@ struct DraftHead {
   }
 };
 
-// Reads memory on a thread of its own so that a coming call finds it in the caches: an EAGLE head's
-// ~28 MB of int4 weights (Qwen2.5-Coder-1.5B's, L3 holds 32 MiB) are evicted by every target forward,
-// and the head's first draft after one read them cold (1.8 ms against 0.8 warm, session 76). Started
-// right after the target's forward (DecodeStack.warm), it reads them on the core the step's Python
-// glue leaves idle. Any stack's forward stops it first: on 2 cores a third busy thread would stall
-// an OpenMP team (a parallel region waits for its slowest thread). One for the process, never
-// destroyed (its detached thread must outlive every stack, and a fork's child has no thread to join).
-class Warmer {
- public:
-  using Regions = std::vector<std::pair<const char*, int64_t>>;
-
-  // Read `regions` (in order) on the warming thread; a warm in progress stops first.
-  void start(const Regions& regions) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (!thread_started_) {
-        std::thread([this] { loop(); }).detach();
-        thread_started_ = true;
-      }
-      regions_ = regions;
-      wanted_.store(wanted_.load() + 1);
-    }
-    wake_.notify_one();
-  }
-
-  // Stop every warm started so far, in progress or not yet begun: two atomic operations, called
-  // by every forward.
-  void stop() { stopped_.store(wanted_.load()); }
-
-  // Wait until no warm is wanted or in progress; -> the bytes the last one read.
-  int64_t wait() {
-    std::unique_lock<std::mutex> lock(mu_);
-    idle_.wait(lock, [this] { return done_ == wanted_.load(); });
-    return last_bytes_;
-  }
-
- private:
-  void loop() {
-    std::unique_lock<std::mutex> lock(mu_);
-    for (;;) {
-      wake_.wait(lock, [this] { return done_ != wanted_.load(); });
-      const uint64_t taken = wanted_.load();
-      const Regions regions = regions_;
-      lock.unlock();
-      const int64_t bytes = read(regions, taken);
-      lock.lock();
-      last_bytes_ = bytes;
-      done_ = taken;
-      idle_.notify_all();
-    }
-  }
-
-  // One load per 64-byte line (the hardware's stream prefetchers run ahead of them); every 4 KiB
-  // looks whether warm `taken` was stopped or a newer one started. -> the bytes read.
-  int64_t read(const Regions& regions, uint64_t taken) {
-    uint64_t acc = 0;
-    int64_t bytes = 0;
-    for (const auto& [p, n] : regions) {
-      for (int64_t off = 0; off < n; off += 4096) {
-        if (stopped_.load(std::memory_order_relaxed) >= taken || wanted_.load(std::memory_order_relaxed) != taken) {
-          sink_ = sink_ + acc;
-          return bytes;
-        }
-        const int64_t end = std::min<int64_t>(n, off + 4096);
-        for (int64_t c = off; c < end; c += 64) acc += *reinterpret_cast<const volatile uint8_t*>(p + c);
-        bytes += end - off;
-      }
-    }
-    sink_ = sink_ + acc;
-    return bytes;
-  }
-
-  std::mutex mu_;
-  std::condition_variable wake_, idle_;
-  Regions regions_;
-  std::atomic<uint64_t> wanted_{0}, stopped_{0};  // warms started, and the last one stopped
-  uint64_t done_ = 0;  // the last warm finished or stopped
-  int64_t last_bytes_ = 0;
-  bool thread_started_ = false;
-  volatile uint64_t sink_ = 0;
-};
-
-Warmer& warmer() {
-  static Warmer* w = new Warmer();  // never destroyed: see Warmer
-  return *w;
-}
-
-void add_region(Warmer::Regions& regions, const torch::Tensor& t) {
-  if (t.defined() && t.numel() > 0)
-    regions.emplace_back(static_cast<const char*>(t.data_ptr()), static_cast<int64_t>(t.nbytes()));
-}
-
-void add_regions(Warmer::Regions& regions, const LinearW& w) {
-  for (const auto* t : {&w.a, &w.b, &w.c}) add_region(regions, *t);
-  if (w.bias) add_region(regions, *w.bias);
-}
-
 torch::Tensor int64s(const std::vector<int64_t>& v) {
   return torch::from_blob(const_cast<int64_t*>(v.data()), {static_cast<int64_t>(v.size())}, torch::kInt64).clone();
 }
@@ -191,7 +90,6 @@ class DecodeStack {
     std::vector<LinearW> w;
     for (const auto& args : linears) w.push_back(linear_w(args));
     layers_.push_back(Layer{ln1, ln2, k_cache, v_cache, w[0], w[1], w[2], w[3]});
-    warm_regions_.clear();
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
@@ -205,18 +103,6 @@ class DecodeStack {
                 "set_draft_head: int8 embedding rows with scales, or float32 rows");
     head_ = DraftHead{linear_w(fc), linear_w(lm_head), norm_w, embed, embed_scales, kept_ids.contiguous(), eps,
                       embed_packed, block_size};
-    warm_regions_.clear();
-  }
-
-  // Start reading this stack's weights (its head's pieces too, in the order draft_chain reads them)
-  // into the caches on the warming thread, and return: see Warmer. The next forward of any stack stops it.
-  void warm() { warmer().start(warm_regions()); }
-
-  // The bytes warm() reads.
-  int64_t warm_bytes() {
-    int64_t n = 0;
-    for (const auto& r : warm_regions()) n += r.second;
-    return n;
   }
 
   // A greedy chain of drafts for R requests at once, as EagleMethod.propose drafts one in Python
@@ -236,7 +122,6 @@ class DecodeStack {
       std::vector<int64_t> last_rows, std::vector<int64_t> ks, std::vector<double> keep_below,
       std::vector<double> go_on_below) {
     TORCH_CHECK(head_.has_value(), "draft_chain: set_draft_head first");
-    warmer().stop();
     const int64_t R = static_cast<int64_t>(last_rows.size());
     TORCH_CHECK(R > 0 && ks.size() == last_rows.size() && keep_below.size() == last_rows.size() &&
                     go_on_below.size() == last_rows.size() && block_counts.size() == last_rows.size(),
@@ -348,30 +233,10 @@ class DecodeStack {
   }
 
  private:
-  const Warmer::Regions& warm_regions() {
-    if (warm_regions_.empty()) {
-      if (head_) add_regions(warm_regions_, head_->fc);
-      for (const Layer& l : layers_) {
-        add_region(warm_regions_, l.ln1);
-        add_regions(warm_regions_, l.qkv);
-        add_regions(warm_regions_, l.o);
-        add_region(warm_regions_, l.ln2);
-        add_regions(warm_regions_, l.gate_up);
-        add_regions(warm_regions_, l.down);
-      }
-      if (head_) {
-        add_region(warm_regions_, head_->norm_w);
-        add_regions(warm_regions_, head_->lm_head);
-      }
-    }
-    return warm_regions_;
-  }
-
   torch::Tensor run(torch::Tensor x, torch::Tensor positions, torch::Tensor slots, torch::Tensor block_tables,
                     torch::Tensor seqs, torch::Tensor contexts, const std::vector<int64_t>& capture,
                     std::vector<torch::Tensor>* captured) {
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: [T, hidden] float32");
-    warmer().stop();
     const int64_t T = x.size(0);
     c10::optional<torch::Tensor> delta;
     size_t next = 0;  // the next index of capture
@@ -397,7 +262,6 @@ class DecodeStack {
     return delta ? x + *delta : x;
   }
 
-  Warmer::Regions warm_regions_;  // collected at the first warm()
   int64_t H_, Hkv_, D_;
   double eps_, scale_;
   torch::Tensor cos_, sin_;
@@ -414,9 +278,5 @@ void bind_decode_stack(pybind11::module& m) {
       .def("forward_captured", &DecodeStack::forward_captured, pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("forward_features", &DecodeStack::forward_features, pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("set_draft_head", &DecodeStack::set_draft_head)
-      .def("draft_chain", &DecodeStack::draft_chain, pybind11::call_guard<pybind11::gil_scoped_release>())
-      .def("warm", &DecodeStack::warm)
-      .def("warm_bytes", &DecodeStack::warm_bytes);
-  m.def("wait_warmed", [] { return warmer().wait(); }, pybind11::call_guard<pybind11::gil_scoped_release>(),
-        "wait until no DecodeStack.warm is wanted or in progress; -> the bytes the last one read");
+      .def("draft_chain", &DecodeStack::draft_chain, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

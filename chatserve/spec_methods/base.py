@@ -118,12 +118,6 @@ class SpecMethod(Protocol):
         scheduled), features [num_tokens, hidden] for their rows."""
         ...
 
-    def warm(self) -> None:
-        """Called right after every target forward, before its results are read, on methods with
-        reads_features only: a method may start making its next draft cheaper (the EAGLE head
-        reads its weights back into the caches)."""
-        ...
-
     def release(self, req: Request) -> None:
         """reads_features methods only: req is aborted, its blocks still held; write what was
         deferred for them."""

@@ -90,8 +90,6 @@ class EagleMethod:
         # a greedy chain's probability P is read as P ** power: 1.0, or with SpecConfig.calibrated_stop the head's
         # fit at T = 0 (train_head.fit_stop_power; a head trained on soft targets is underconfident there)
         self.greedy_stop_power = 1.0
-        # warm(): read the head's weights into the caches on another thread while the step's glue runs
-        self.warms_weights = False
 
     @classmethod
     def create(cls, config: SpecConfig, models, sampler) -> EagleMethod | None:
@@ -165,13 +163,6 @@ class EagleMethod:
             inputs[i] = torch.cat([before, inputs[i]])
         if head_items:
             self.runner.run(head_items, torch.cat(inputs))
-
-    def warm(self) -> None:
-        """Right after the target's forward, with warms_weights: the head's weights, which that
-        forward streamed out of the caches, read back in on the idle core while the step's Python
-        glue runs (HeadRunner.warm), so that the chain's first draft does not read them cold."""
-        if self.warms_weights:
-            self.runner.warm()
 
     def _take_pending(self, req: Request, end: int) -> tuple[int, int, list[torch.Tensor]] | None:
         """req's deferred rows (start, n, raw feature chunks), taken off the request, when they end at

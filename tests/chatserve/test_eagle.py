@@ -1025,55 +1025,6 @@ def test_a_greedy_chain_in_one_cpp_call_drafts_as_the_modules_do(tiny_llama_dir,
         assert len(ran) <= max(ks) and sum(ran) >= sum(len(d) for d in drafts)
 
 
-def test_warming_reads_every_byte_of_the_heads_weights_and_changes_no_output(tiny_llama_dir, trained_head,
-                                                                            monkeypatch):
-    """With warms_weights, every target forward is followed by HeadRunner.warm: the warming thread
-    reads the head's fc, its layer's norms and weights, its norm and kept LM head (int4: codes and
-    parameters, biases), all of them when nothing stops it; greedy output and drafts are those of an
-    engine that does not warm."""
-    from kernels import cpu_ext
-
-    ext = cpu_ext.extension()
-    if ext is None:
-        pytest.fail("the C++ kernels did not build: warming runs on their thread")
-    runs = {}
-    for warms in (True, False):
-        engine = make_engine(tiny_llama_dir, trained_head, quantization="int4")
-        method, runner = engine.spec.methods["eagle"], engine.models.eagle_runner
-        method.warms_weights = warms
-        warmed, drafts, warm, propose = [], [], runner.warm, method.propose
-        monkeypatch.setattr(runner, "warm", lambda warm=warm, warmed=warmed: (warmed.append(1), warm())[1])
-
-        def recorded(reqs, ks, propose=propose, drafts=drafts):
-            timed = propose(reqs, ks)
-            drafts.append([list(r.draft_token_ids) for r in reqs])
-            return timed
-
-        monkeypatch.setattr(method, "propose", recorded)
-        prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
-        # one at a time: in a batch the scheduler's measured step times decide when each prompt joins
-        outs = [engine.generate([p], GREEDY)[0]["token_ids"] for p in prompts[:3]]
-        runs[warms] = outs, drafts, len(warmed)
-        assert_pool_empty(engine)
-        if warms:
-            head = runner.head
-            stack = head.chain_stack(runner.embed, runner.kv_cache.layers[0], runner.block_size)
-            layer = head.layer
-            linears = (head.fc, layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-                       layer.mlp.down_proj, head.lm_head)
-            assert all(type(m).__name__ == "Int4Linear" for m in linears)
-            tensors = [t for m in linears for t in m.stack_weights()[1:] if isinstance(t, torch.Tensor)]
-            tensors += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight, head.norm.weight]
-            expected = sum(t.nbytes for t in tensors)
-            assert stack.warm_bytes() == expected
-            ext.wait_warmed()
-            stack.warm()
-            assert ext.wait_warmed() == expected  # nothing stopped it
-    (outs, drafts, num_warmed), (ref_outs, ref_drafts, ref_warmed) = runs[True], runs[False]
-    assert outs == ref_outs and drafts == ref_drafts and any(any(d) for d in drafts)
-    assert num_warmed >= len(drafts) and ref_warmed == 0
-
-
 def test_a_chain_goes_on_at_a_row_and_a_step_over_the_made_drafts_acceptance(tiny_llama_dir, trained_head):
     """The prices a drafting request's chain stops at are chain_stop_gains' for its step, with the
     share of the head's drafts made so far that were accepted (1.0 before 32 were made): keep is
