@@ -64,6 +64,15 @@ class Outcome:
     head_steps: int = 0
     ms: float = 0.0
 
+    def add(self, drafted: int, accepted: int, head_steps: int, costs: Costs) -> None:
+        """One verification step of `drafted` drafts (`accepted` held) after `head_steps` head steps, priced."""
+        self.steps += 1
+        self.tokens += accepted + 1
+        self.drafts += drafted
+        self.accepted += accepted
+        self.head_steps += head_steps
+        self.ms += costs.target_seconds(1 + drafted) + head_steps * costs.head + costs.overhead
+
     def row(self, off_ms: float) -> dict:
         per_token = self.ms / self.tokens
         return {"steps": self.steps, "mean_accepted_length": self.tokens / self.steps,
@@ -139,12 +148,7 @@ def replay(chains: list[tuple[torch.Tensor, torch.Tensor]], policy: Policy, cost
                 if drafted or offered:
                     method_rate.update(offered, accepted)
                     controller.update(offered, accepted)
-            out.steps += 1
-            out.tokens += accepted + 1
-            out.drafts += drafted
-            out.accepted += accepted
-            out.head_steps += head_steps
-            out.ms += costs.target_seconds(1 + drafted) + head_steps * costs.head + costs.overhead
+            out.add(drafted, accepted, head_steps, costs)
             p += accepted + 1
     return out
 
@@ -157,10 +161,7 @@ def fixed_chain(chains: list[tuple[torch.Tensor, torch.Tensor]], k: int, costs: 
         while p < len(hits):
             drafted = min(k, len(hits) - p)
             accepted = int(hits[p, :drafted].sum())
-            out.steps, out.tokens, out.drafts, out.accepted = (out.steps + 1, out.tokens + accepted + 1,
-                                                               out.drafts + drafted, out.accepted + accepted)
-            out.head_steps += drafted
-            out.ms += costs.target_seconds(1 + drafted) + drafted * costs.head + costs.overhead
+            out.add(drafted, accepted, drafted, costs)
             p += accepted + 1
     return out
 
