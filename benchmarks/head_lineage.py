@@ -17,7 +17,10 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 SPLIT = "every held-out reply"
 
@@ -41,11 +44,9 @@ def session_row(path: Path) -> dict:
 
 
 def draw(rows: list[dict], png: Path) -> None:
-    import matplotlib
+    from chatserve.bench.plots import _pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     xs = range(len(rows))
     labels = [str(r["session"]) for r in rows]
