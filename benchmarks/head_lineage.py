@@ -6,9 +6,11 @@ walks a reply). This reads those JSONs, takes the head whose path names "importe
 session started from and the other as the one it trained, and prints and draws, session by session,
 both heads' walked length and the gain against the tokens of data the steps ran on. The held-out
 replies differ by session (each seed asks other prompts), so a session's two heads compare with
-each other, not with another session's.
+each other, not with another session's. Name one JSON a session: a session's rerun on a prefix
+(head_heldout.py --first N, e.g. session 79's _first80) would be a second row for it.
 
-    .venv/bin/python benchmarks/head_lineage.py benchmarks/results/head_heldout_qwen_session7*.json \\
+    .venv/bin/python benchmarks/head_lineage.py \\
+        benchmarks/results/head_heldout_qwen_session{70_first49,71_first49,73,74,75,76,77,78,79}.json \\
         --png benchmarks/results/head_lineage_qwen.png --out benchmarks/results/head_lineage_qwen.json
 """
 
