@@ -453,10 +453,12 @@ def _offsets(lengths: list[int], first: int) -> list[int]:
 
 
 def _map_features(fpath: Path, rows: int, hidden: int) -> torch.Tensor:
-    """[rows, hidden] FEATURE_DTYPE, a private read-only-in-practice memory map of the first rows of
-    the file: pages come from the page cache as windows touch them, and the kernel can drop
-    them again (they are never written through this map)."""
+    """[rows, hidden] FEATURE_DTYPE, a memory map of the first rows of the file: pages come from the
+    page cache as windows touch them, and the kernel can drop them again. Shared, not private:
+    a private writable map counts against the kernel's commit limit, and under its default
+    overcommit heuristic one larger than RAM + swap is refused (Qwen 1.5B's 2.11M tokens, 25.9 GB
+    on 23 GiB, session 81). Nothing writes through it: training copies the rows it reads."""
     if not fpath.is_file() or fpath.stat().st_size < rows * hidden * FEATURE_DTYPE.itemsize:
         raise ValueError(f"train-head: {fpath} holds fewer than {rows} feature rows; delete it and its "
                          f"data file to collect again")
-    return torch.from_file(str(fpath), shared=False, size=rows * hidden, dtype=FEATURE_DTYPE).view(rows, hidden)
+    return torch.from_file(str(fpath), shared=True, size=rows * hidden, dtype=FEATURE_DTYPE).view(rows, hidden)

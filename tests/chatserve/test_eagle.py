@@ -1599,6 +1599,23 @@ def test_saved_data_is_appended_to_and_read_back_memory_mapped(tmp_path):
         load_collected(path, "abc")
 
 
+def test_a_feature_file_bigger_than_memory_maps(tmp_path):
+    """The feature file outgrows RAM (Qwen 1.5B's 2.11M tokens: 25.9 GB on 23 GiB): its map must not
+    count against the kernel's commit limit, as a private writable map does (refused under the
+    default overcommit heuristic). A sparse file larger than RAM + swap stands in; nothing is allocated."""
+    from chatserve.head_data import FEATURE_DTYPE, _map_features, features_path
+
+    meminfo = dict(line.split(":") for line in Path("/proc/meminfo").read_text().splitlines())
+    limit = sum(int(meminfo[k].split()[0]) * 1024 for k in ("MemTotal", "SwapTotal"))
+    hidden = 4096
+    rows = limit // (hidden * FEATURE_DTYPE.itemsize) + 4096
+    fpath = features_path(tmp_path / "eagle-head-data.pt")
+    with open(fpath, "wb") as f:
+        f.truncate(rows * hidden * FEATURE_DTYPE.itemsize)
+    mapped = _map_features(fpath, rows, hidden)
+    assert mapped.shape == (rows, hidden) and mapped[-1].float().abs().sum().item() == 0.0
+
+
 def test_data_saved_before_the_feature_file_loads_and_moves_to_it(tmp_path):
     from chatserve.head_data import save_collected
 
