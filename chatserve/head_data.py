@@ -5,8 +5,9 @@ Sources, interleaved until a token or time budget runs out:
 - the target's own greedy replies to prompts: those shipped in data/head_prompts.json (chat and
   code, kept apart from the benchmark prompts), then questions on whole files and tasks on
   snippets of the Python standard library's source ("explain this code", ...) and questions on
-  the reference manual's topics, alternating with chat prompts the target writes itself on the
-  file's everyday topics. The head learns what the target says.
+  the reference manual's topics, alternating with prompts the target writes itself on the
+  file's everyday topics and requests to write code it writes on its programming topics. The head
+  learns what the target says.
 - plain standard-library source, for code as it is written.
 Features come from the engine's own runner, so a head is trained on exactly what it reads when
 serving (same dtype, quantization): a reply's are recorded as the engine generates it
@@ -38,11 +39,14 @@ from chatserve.block_manager import BlockTable
 from chatserve.sampling_params import SamplingParams
 
 PROMPTS_FILE = Path(__file__).parent / "data" / "head_prompts.json"
+HELD_OUT_FILE = Path(__file__).parent / "data" / "prompts.json"  # what benchmarks measure a head on
+# what model_questions asks the target to write: kind -> (head_prompts.json's topics, its request)
+QUESTION_KINDS = {"chat": ("topics", "question_request"), "code": ("code_topics", "code_request")}
 SNIPPET_LINES = 40  # lines of stdlib source per "source task" prompt
 FILE_LINES = (60, 250)  # a whole stdlib file this long is pasted into a "file task" (~0.6-2.5k tokens)
 RAW_TOKENS = 768  # tokens per plain source sequence
 DOC_CHARS = 1500  # characters quoted from a documentation topic
-QUESTIONS_PER_TOPIC = 6  # chat prompts the target writes on each topic of head_prompts.json
+QUESTIONS_PER_TOPIC = 6  # prompts the target writes on each topic of head_prompts.json (chat or code)
 QUESTION_TOKENS = 256  # the most it writes for one topic's
 FEATURE_DTYPE = torch.bfloat16  # stored features: half the memory of float32, float32's range
 
@@ -102,10 +106,12 @@ def user_turns(seed: int, questions: Iterator[str] | None = None) -> Iterator[st
     yield from questions
 
 
-def model_questions(engine, seed: int, batch: int, written: dict[str, list[str]] | None = None) -> Iterator[str]:
-    """Chat prompts the target writes itself: for each topic of head_prompts.json (seeded order)
-    it is asked, greedily and `batch` topics at once, for QUESTIONS_PER_TOPIC messages a user
-    might send about it, one a line. Why: 141 shipped chat prompts are too few. A Qwen head
+def model_questions(engine, seed: int, batch: int, written: dict[str, list[str]] | None = None,
+                    kind: str = "chat") -> Iterator[str]:
+    """Prompts the target writes itself: for each topic of head_prompts.json (seeded order; kind
+    "code": each of its code_topics, with code_request) it is asked, greedily and `batch` topics at
+    once, for QUESTIONS_PER_TOPIC messages a user might send about it, one a line; a line that is
+    one of the held-out prompts (HELD_OUT_FILE, spaces and case aside) is dropped. Why: 141 shipped chat prompts are too few. A Qwen head
     trained on them and ~1,200 code tasks agreed with the target on 69% of its training replies'
     positions and on 50% of held-out ones (memorized), and its first draft held on 31% of
     held-out chat positions against 57% on code. `written` (the data phase's state: topic -> the
@@ -114,19 +120,44 @@ def model_questions(engine, seed: int, batch: int, written: dict[str, list[str]]
     target write them all again first (on Qwen 1.5B two batches of 128 topics, minutes of its
     time that are not data)."""
     data = json.loads(PROMPTS_FILE.read_text())
-    topics = list(data["topics"])
+    topics_key, request_key = QUESTION_KINDS[kind]
+    topics = list(data.get(topics_key, ()))
     random.Random(seed).shuffle(topics)
+    held_out = held_out_prompts()
     params = SamplingParams(max_tokens=QUESTION_TOKENS, temperature=0.0)
     tok = engine.tokenizer
     written = {} if written is None else written
     for i in range(0, len(topics), batch):
         todo = [topic for topic in topics[i : i + batch] if topic not in written]
-        asks = [tok.apply_chat_template([{"role": "user", "content": data["question_request"].format(
+        asks = [tok.apply_chat_template([{"role": "user", "content": data[request_key].format(
             n=QUESTIONS_PER_TOPIC, topic=topic)}]) for topic in todo]
         for topic, out in zip(todo, engine.generate(asks, params) if asks else ()):
-            written[topic] = question_lines(out["text"])[:QUESTIONS_PER_TOPIC]
+            lines = [q for q in question_lines(out["text"]) if _normal(q) not in held_out]
+            written[topic] = lines[:QUESTIONS_PER_TOPIC]
         for topic in topics[i : i + batch]:
             yield from written[topic]
+
+
+def held_out_prompts() -> set[str]:
+    """The prompts benchmarks measure a head on (HELD_OUT_FILE's lists), normalized (_normal)."""
+    data = json.loads(HELD_OUT_FILE.read_text()) if HELD_OUT_FILE.exists() else {}
+    return {_normal(p) for v in data.values() if isinstance(v, list) for p in v if isinstance(p, str)}
+
+
+def _normal(text: str) -> str:
+    return " ".join(text.lower().split())
+
+
+def alternate(*iterators: Iterator[str]) -> Iterator[str]:
+    """One item of each in turn; an exhausted one drops out, the others go on."""
+    live = list(iterators)
+    while live:
+        for it in list(live):
+            item = next(it, None)
+            if item is None:
+                live.remove(it)
+            else:
+                yield item
 
 
 def question_lines(text: str) -> list[str]:
@@ -144,18 +175,25 @@ def question_lines(text: str) -> list[str]:
 def source_tasks(templates: list[str], seed: int, file_templates: list[str] | tuple = ()) -> Iterator[str]:
     """Per stdlib file: a question on the whole file when it has FILE_LINES lines (file_templates:
     "give me an overview", ...; users paste files, and a reply about one refers back a thousand
-    tokens or more), tasks on its first two snippets ("explain this code", ...), a request to
-    write one of its documented functions from its docstring (new code, as users ask for), and
-    every other file a question on a topic of the Python documentation that ships with the stdlib."""
+    tokens or more), tasks on two of its snippets ("explain this code", ...), a request to write
+    one of its documented functions from its docstring (new code, as users ask for), and every
+    other file a question on a topic of the Python documentation that ships with the stdlib.
+    Which snippets and which function depends on the seed: with the first two and the first
+    function of every file, each new seed asked again about the snippets earlier seeds had
+    (1,103 of the stdlib's 5,859) and had no function left to ask for (203 of 980, each asked once)."""
     templates = itertools.cycle(templates)
     file_tasks = itertools.cycle(file_templates) if file_templates else None
     docs = doc_topics(seed)
+    pick = random.Random(seed)
     for i, text in enumerate(stdlib_sources(seed + 1)):
         if file_tasks and FILE_LINES[0] <= text.count("\n") + 1 <= FILE_LINES[1]:
             yield next(file_tasks).format(code=text.strip("\n"))
-        for piece in snippets(text, SNIPPET_LINES)[:2]:
-            yield next(templates).format(code=piece)
-        yield from writing_tasks(text)[:1]
+        pieces = snippets(text, SNIPPET_LINES)
+        for j in sorted(pick.sample(range(len(pieces)), min(2, len(pieces)))):
+            yield next(templates).format(code=pieces[j])
+        functions = writing_tasks(text)
+        if functions:
+            yield pick.choice(functions)
         if i % 2 == 1:
             yield from itertools.islice(docs, 1)
 
@@ -263,7 +301,7 @@ class Collected:
     asked: set[int] = dataclasses.field(default_factory=set)  # prompt_key of every user turn answered
     saved: int = 0
     feature_layers: tuple[int, ...] = ()  # the target layers captured beside the final feature (EAGLE-3's)
-    # topic -> the chat prompts the target wrote itself on it (model_questions), kept for a resumed phase
+    # topic -> the prompts the target wrote itself on it (model_questions, both kinds), kept for a resumed phase
     questions: dict[str, list[str]] = dataclasses.field(default_factory=dict)
 
     @property
@@ -290,7 +328,9 @@ def collect(engine, *, max_tokens: int, seconds: float, reply_tokens: int, seed:
     state = (dataclasses.replace(resume, sequences=list(resume.sequences), asked=set(resume.asked),
                                  questions=dict(resume.questions), feature_layers=layers)
              if resume else Collected([], feature_layers=layers))
-    turns, raw = user_turns(seed, model_questions(engine, seed, batch, state.questions)), plain_sources(tok, seed)
+    questions = alternate(model_questions(engine, seed, batch, state.questions),
+                          model_questions(engine, seed, batch, state.questions, kind="code"))
+    turns, raw = user_turns(seed, questions), plain_sources(tok, seed)
     if state.asked:
         turns = (t for t in turns if prompt_key(t) not in state.asked)
     else:  # saved before prompts were recorded: skip by count

@@ -1447,6 +1447,39 @@ def test_user_turns_mix_the_targets_own_questions_into_the_tasks():
     assert turns[2 * n + 1] == "Q one?" and turns[2 * n + 3] == "Q two?"
     assert not {turns[2 * n], turns[2 * n + 2], turns[2 * n + 4]} & ({"Q one?", "Q two?"} | shipped)  # tasks
     assert len(data["topics"]) >= 200 and "{topic}" in data["question_request"]
+    assert len(data["code_topics"]) >= 100 and "{topic}" in data["code_request"] and "{n}" in data["code_request"]
+    assert not set(data["topics"]) & set(data["code_topics"])  # one `written` dict holds both kinds
+
+
+def test_alternate_takes_one_of_each_in_turn_until_all_are_done():
+    from chatserve.head_data import alternate
+
+    assert list(alternate(iter("ab"), iter("xyz"), iter(()))) == ["a", "x", "b", "y", "z"]
+
+
+def test_source_tasks_ask_a_new_seed_about_other_snippets_and_functions(monkeypatch):
+    """Two snippets and one documented function per file, chosen by the seed: ten seeds between
+    them ask about most of a file's snippets and functions (the first two and the first function
+    every time left later seeds nothing new to ask)."""
+    from chatserve import head_data
+
+    functions = "\n\n".join(f'def f{i}(x):\n    """Return x with the thing number {i} done to it, as asked."""\n'
+                               f'    return x\n' for i in range(3))
+    text = functions + "\n\n" + "\n".join("" if i % 2 else f"x{i} = {i}" for i in range(300))
+    monkeypatch.setattr(head_data, "stdlib_sources", lambda seed: iter([text]))
+    monkeypatch.setattr(head_data, "doc_topics", lambda seed: iter(()))
+    pieces = head_data.snippets(text, head_data.SNIPPET_LINES)
+    assert len(pieces) >= 6 and len(head_data.writing_tasks(text)) == 3
+    seen_snippets, seen_functions = set(), set()
+    for seed in range(10):
+        tasks = list(head_data.source_tasks(["snip:{code}"], seed))
+        assert tasks == list(head_data.source_tasks(["snip:{code}"], seed))  # deterministic
+        snips = [t[len("snip:"):] for t in tasks if t.startswith("snip:")]
+        wants = [t for t in tasks if t.startswith("Write a Python function")]
+        assert len(snips) == 2 and set(snips) <= set(pieces) and len(wants) == 1
+        seen_snippets.update(snips)
+        seen_functions.update(wants)
+    assert len(seen_snippets) >= 5 and len(seen_functions) == 3
 
 
 def test_source_tasks_paste_whole_files_of_a_pastable_length(monkeypatch):
@@ -1484,6 +1517,35 @@ def test_model_questions_ask_the_target_once_per_topic(tiny_llama_dir, monkeypat
     monkeypatch.setattr(head_data, "question_lines", lambda text: ["a b c"] * 9)
     questions = list(head_data.model_questions(engine, seed=0, batch=2))
     assert asked == [2, 1] and questions == ["a b c"] * (3 * head_data.QUESTIONS_PER_TOPIC)
+    assert_pool_empty(engine)
+
+
+def test_model_questions_of_kind_code_ask_for_code_and_drop_the_held_out_prompts(tiny_llama_dir, monkeypatch,
+                                                                                 tmp_path):
+    """kind="code" asks about code_topics with code_request; a line that is a held-out prompt
+    (prompts.json, spaces and case aside) is not kept, so no benchmark prompt is trained on."""
+    import json
+
+    from chatserve import head_data
+
+    prompts = tmp_path / "head_prompts.json"
+    prompts.write_text(json.dumps({"topics": ["bees"], "question_request": "chat {n} on {topic}",
+                                   "code_topics": ["SQL joins", "Go"], "code_request": "code {n} on {topic}"}))
+    held = tmp_path / "prompts.json"
+    held.write_text(json.dumps({"code": ["Write a SQL query that joins two tables."], "about": "not a list"}))
+    monkeypatch.setattr(head_data, "PROMPTS_FILE", prompts)
+    monkeypatch.setattr(head_data, "HELD_OUT_FILE", held)
+    engine = Engine(EngineConfig(model=str(tiny_llama_dir), max_model_len=256, kv_cache_memory=8 << 20))
+    asked = []
+    generate = engine.generate
+    monkeypatch.setattr(engine, "generate", lambda ps, params: asked.extend(ps) or generate(ps, params))
+    monkeypatch.setattr(head_data, "question_lines",
+                        lambda text: ["write a SQL query  that joins two TABLES.", "Write a Go web server please"])
+    written = {}
+    tasks = list(head_data.model_questions(engine, seed=0, batch=4, written=written, kind="code"))
+    texts = [engine.tokenizer.decode(p) for p in asked]
+    assert len(asked) == 2 and all(f"code {head_data.QUESTIONS_PER_TOPIC} on" in t for t in texts) and not any("chat" in t for t in texts)
+    assert tasks == ["Write a Go web server please"] * 2 and sorted(written) == ["Go", "SQL joins"]
     assert_pool_empty(engine)
 
 
