@@ -6,7 +6,9 @@ chain of VAL_DEPTH drafts from every anchor. This scores head files on the cache
 (train_head.split_validation of the data the head was trained on) both ways, on that budget and
 on every held-out reply, and beside each the same chains walked as serving walks a reply
 (train_head.walked_length: the number serving measures, session 31: 1.86 walked, 1.88 served).
-The heads run in float32; served, their weights are quantized like the target's.
+The heads run in float32; served, their weights are quantized like the target's. Every held-out
+reply is also split by what was asked (from the same chains, no second pass): the requests to write
+code the target wrote itself (head_data.model_questions, kind "code") and the rest.
 
     .venv/bin/python benchmarks/head_heldout.py --model qwen2.5-coder-1.5b-instruct \\
         --out benchmarks/results/head_heldout_qwen_session66.json
@@ -25,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 import chatserve.train_head as th  # noqa: E402
 from chatserve.config import EngineConfig  # noqa: E402
 from chatserve.engine import Engine  # noqa: E402
-from chatserve.head_data import load_collected  # noqa: E402
+from chatserve.head_data import PROMPTS_FILE, QUESTION_KINDS, load_collected  # noqa: E402
 from chatserve.head_store import default_head_path, head_data_path, weights_hash  # noqa: E402
 from chatserve.loading import resolve  # noqa: E402
 
@@ -70,6 +72,26 @@ class HeldOut:
             yield path, head.eval()
 
 
+def reply_kinds(held: HeldOut) -> list[str]:
+    """Per held-out reply, in the order th.held_out_chains scores them: "code requests" when its prompt
+    is one of the requests to write code the target wrote (the data's questions on code_topics), else "other"."""
+    topics = json.loads(PROMPTS_FILE.read_text()).get(QUESTION_KINDS["code"][0], [])
+    requests = {q for t in topics for q in held.data.questions.get(t, [])}
+    tok = held.engine.tokenizer
+    kinds = []
+    for seq in (held.val[i] for i in th.spread_order(len(held.val))):
+        if len(seq.token_ids) - 1 > seq.num_prompt_tokens:
+            prompt = tok.decode(seq.token_ids[: seq.num_prompt_tokens].tolist())
+            kinds.append("code requests" if any(q in prompt for q in requests) else "other")
+    return kinds
+
+
+def scores(hits: list) -> dict:
+    return {"replies": len(hits), "anchors": sum(len(h) for h in hits),
+            "every_anchor": round(th.every_anchor_length(hits), 4),
+            "walked": round(th.walked_length(hits, th.VAL_DEPTH), 4)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_arguments(ap)
@@ -78,14 +100,16 @@ def main() -> None:
     embed, val = held.embed, held.val
     results = {"model": args.model, "depth": th.VAL_DEPTH, "num_tokens": held.data.num_tokens,
                "num_val_sequences": len(val), "first": args.first, "heads": {}}
+    kinds = reply_kinds(held)
     for path, head in held.heads():
         rows = {}
         for name, budget in (("validation budget", th.VAL_CHAIN_POSITIONS), ("every held-out reply", math.inf)):
             hits = th.held_out_hits(head, embed, val, th.VAL_DEPTH, budget)
-            rows[name] = {"replies": len(hits), "anchors": sum(len(h) for h in hits),
-                          "every_anchor": round(th.every_anchor_length(hits), 4),
-                          "walked": round(th.walked_length(hits, th.VAL_DEPTH), 4)}
-            r = rows[name]
+            rows[name] = scores(hits)
+            if budget == math.inf:  # split by what was asked
+                for kind in sorted(set(kinds)):
+                    rows[f"held-out replies: {kind}"] = scores([h for h, k in zip(hits, kinds) if k == kind])
+        for name, r in rows.items():
             print(f"{path} ({name}): {r['replies']} replies, {r['anchors']} anchors: a chain of {th.VAL_DEPTH} "
                   f"accepts {r['every_anchor']:.3f} tokens a verification over every anchor, {r['walked']:.3f} "
                   f"walked", flush=True)
