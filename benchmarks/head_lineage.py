@@ -10,7 +10,7 @@ each other, not with another session's. Name one JSON a session: a session's rer
 (head_heldout.py --first N, e.g. session 79's _first80) would be a second row for it.
 
     .venv/bin/python benchmarks/head_lineage.py \\
-        benchmarks/results/head_heldout_qwen_session{70_first49,71_first49,73,74,75,76,77,78,79,80,81}.json \\
+        benchmarks/results/head_heldout_qwen_session{70_first49,71_first49,73,74,75,76,77,78,79,80,81,82}.json \\
         --png benchmarks/results/head_lineage_qwen.png --out benchmarks/results/head_lineage_qwen.json
 """
 
