@@ -111,14 +111,14 @@ def model_questions(engine, seed: int, batch: int, written: dict[str, list[str]]
     """Prompts the target writes itself: for each topic of head_prompts.json (seeded order; kind
     "code": each of its code_topics, with code_request) it is asked, greedily and `batch` topics at
     once, for QUESTIONS_PER_TOPIC messages a user might send about it, one a line; a line that is
-    one of the held-out prompts (HELD_OUT_FILE, spaces and case aside) is dropped. Why: 141 shipped chat prompts are too few. A Qwen head
-    trained on them and ~1,200 code tasks agreed with the target on 69% of its training replies'
-    positions and on 50% of held-out ones (memorized), and its first draft held on 31% of
-    held-out chat positions against 57% on code. `written` (the data phase's state: topic -> the
-    messages written on it) keeps each topic's messages once written, and a topic found there is
-    not asked again: a resumed phase, which skips the prompts already answered, no longer has the
-    target write them all again first (on Qwen 1.5B two batches of 128 topics, minutes of its
-    time that are not data)."""
+    one of the held-out prompts (HELD_OUT_FILE, spaces and case aside) is dropped. Why: 141 shipped
+    chat prompts are too few. A Qwen head trained on them and ~1,200 code tasks agreed with the
+    target on 69% of its training replies' positions and on 50% of held-out ones (memorized), and
+    its first draft held on 31% of held-out chat positions against 57% on code. `written` (the data
+    phase's state: topic -> the messages written on it) keeps each topic's messages once written,
+    and a topic found there is not asked again: a resumed phase, which skips the prompts already
+    answered, no longer has the target write them all again first (on Qwen 1.5B two batches of 128
+    topics, minutes of its time that are not data)."""
     data = json.loads(PROMPTS_FILE.read_text())
     topics_key, request_key = QUESTION_KINDS[kind]
     topics = list(data.get(topics_key, ()))

@@ -1544,7 +1544,8 @@ def test_model_questions_of_kind_code_ask_for_code_and_drop_the_held_out_prompts
     written = {}
     tasks = list(head_data.model_questions(engine, seed=0, batch=4, written=written, kind="code"))
     texts = [engine.tokenizer.decode(p) for p in asked]
-    assert len(asked) == 2 and all(f"code {head_data.QUESTIONS_PER_TOPIC} on" in t for t in texts) and not any("chat" in t for t in texts)
+    assert len(asked) == 2 and all(f"code {head_data.QUESTIONS_PER_TOPIC} on" in t for t in texts)
+    assert not any("chat" in t for t in texts)
     assert tasks == ["Write a Go web server please"] * 2 and sorted(written) == ["Go", "SQL joins"]
     assert_pool_empty(engine)
 
