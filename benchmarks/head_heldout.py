@@ -73,16 +73,16 @@ class HeldOut:
 
 
 def reply_kinds(held: HeldOut) -> list[str]:
-    """Per held-out reply, in the order th.held_out_chains scores them: "code requests" when its prompt
-    is one of the requests to write code the target wrote (the data's questions on code_topics), else "other"."""
+    """Per held-out reply, in the order th.held_out_chains scores them (th.chained_replies): "code
+    requests" when its prompt is one of the requests to write code the target wrote (the data's
+    questions on code_topics), else "other"."""
     topics = json.loads(PROMPTS_FILE.read_text()).get(QUESTION_KINDS["code"][0], [])
     requests = {q for t in topics for q in held.data.questions.get(t, [])}
     tok = held.engine.tokenizer
     kinds = []
-    for seq in (held.val[i] for i in th.spread_order(len(held.val))):
-        if len(seq.token_ids) - 1 > seq.num_prompt_tokens:
-            prompt = tok.decode(seq.token_ids[: seq.num_prompt_tokens].tolist())
-            kinds.append("code requests" if any(q in prompt for q in requests) else "other")
+    for seq in th.chained_replies(held.val):
+        prompt = tok.decode(seq.token_ids[: seq.num_prompt_tokens].tolist())
+        kinds.append("code requests" if any(q in prompt for q in requests) else "other")
     return kinds
 
 

@@ -32,6 +32,7 @@ import functools
 import math
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -352,15 +353,22 @@ def held_out_chains(head: EagleHead, embed, sequences: list[Sequence], depth: in
     was_training = head.training
     head.eval()
     chains, total = [], 0
-    for seq in (sequences[i] for i in spread_order(len(sequences))):
+    for seq in chained_replies(sequences):
         if total >= max_positions:
             break
-        if len(seq.token_ids) - 1 > seq.num_prompt_tokens:
-            right, _, sure = chain_hits(head, embed, seq.token_ids, seq.features, seq.num_prompt_tokens, depth)
-            chains.append((right, sure))
-            total += len(right)
+        right, _, sure = chain_hits(head, embed, seq.token_ids, seq.features, seq.num_prompt_tokens, depth)
+        chains.append((right, sure))
+        total += len(right)
     head.train(was_training)
     return chains
+
+
+def chained_replies(sequences: list[Sequence]) -> Iterator[Sequence]:
+    """The sequences held_out_chains scores, in its order: those with a reply position to anchor a
+    chain on, in spread_order."""
+    for seq in (sequences[i] for i in spread_order(len(sequences))):
+        if len(seq.token_ids) - 1 > seq.num_prompt_tokens:
+            yield seq
 
 
 def fit_stop_power(chains: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
