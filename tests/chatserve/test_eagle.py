@@ -1449,6 +1449,7 @@ def test_user_turns_mix_the_targets_own_questions_into_the_tasks():
     assert len(data["topics"]) >= 200 and "{topic}" in data["question_request"]
     assert len(data["code_topics"]) >= 100 and "{topic}" in data["code_request"] and "{n}" in data["code_request"]
     assert not set(data["topics"]) & set(data["code_topics"])  # one `written` dict holds both kinds
+    assert all(len(set(data[k])) == len(data[k]) for k in ("topics", "code_topics"))  # a topic written once
 
 
 def test_alternate_takes_one_of_each_in_turn_until_all_are_done():
