@@ -107,17 +107,27 @@ def decode_run(engine: Engine, prompts: list[list[int]], batch: int, max_tokens:
     return summarize(outs, time.perf_counter() - start, batch)
 
 
+def turn_order(names: list[str], round_index: int) -> list[str]:
+    """The engines' order in round `round_index`: engine `round_index` of `names` leads, and every
+    other round the rest follow in reverse, so over two rounds each of three engines follows each
+    of the others once. With the cycle always one way (session 83), the second head always
+    followed the first and the first always followed off, and the same two heads read 5.9 points
+    apart on code when their places were swapped."""
+    k = round_index % len(names)
+    order = names[k:] + names[:k]
+    return order if round_index % 2 == 0 else order[:1] + order[:0:-1]
+
+
 def lockstep_runs(engines: dict[str, Engine], prompts: list[list[int]], batch: int, max_tokens: int,
                   first: int, turn_steps: int = 1) -> dict[str, dict]:
-    """decode_run for every engine at once, their steps interleaved (engine `first` of the dict's
-    order leads, then the next..., `turn_steps` steps each a turn): a burst of this host's noise
-    lands on all of them alike, where decode_run's engines, timed one after another, each took
-    their own. Each engine's time is the sum of its own steps. Engines whose weights together
-    outgrow the L3 evict one another's: one step a turn then prices every step from a cold cache
-    (l3_warning), and more steps a turn pay that once a turn."""
+    """decode_run for every engine at once, their steps interleaved (in round `first`'s
+    turn_order, `turn_steps` steps each a turn): a burst of this host's noise lands on all of
+    them alike, where decode_run's engines, timed one after another, each took their own. Each
+    engine's time is the sum of its own steps. Engines whose weights together outgrow the L3
+    evict one another's: one step a turn then prices every step from a cold cache (l3_warning),
+    and more steps a turn pay that once a turn."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-    names = list(engines)
-    names = names[first % len(names):] + names[: first % len(names)]
+    names = turn_order(list(engines), first)
     outs: dict[str, list] = {name: [] for name in names}
     spent = dict.fromkeys(names, 0.0)
     steps: dict[str, list[float]] = {name: [] for name in names}  # each step's seconds
