@@ -323,7 +323,8 @@ def cmd_train_head(args) -> int:
     retain_freed_memory()  # a batch job: each step's large tensors reuse the last step's memory
 
     cfg = TrainConfig(minutes=args.minutes, max_steps=args.max_steps, max_data_tokens=args.max_data_tokens,
-                      reply_tokens=args.reply_tokens, head_vocab_size=args.head_vocab_size, fresh=args.fresh,
+                      reply_tokens=args.reply_tokens, min_free_gb=args.min_free_gb,
+                      head_vocab_size=args.head_vocab_size, fresh=args.fresh,
                       seed=args.seed, unroll=args.unroll, feature_weight=args.feature_weight,
                       greedy_weight=args.greedy_weight,
                       data_share=args.data_share, init=args.init, train_dtype=args.train_dtype,
@@ -479,6 +480,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--out", default=None, help="head file (default: the cache dir, keyed by a hash of the weights)")
     t.add_argument("--max-steps", type=int, default=None, help="stop after this many optimizer steps in all")
     t.add_argument("--max-data-tokens", type=int, default=200_000, help="tokens of training data to collect")
+    t.add_argument("--min-free-gb", type=float, default=10.0,
+                   help="collecting stops before a round that could leave less than this free on the cache's "
+                        "disk (the features take ~12 KB a token on Qwen 1.5B)")
     t.add_argument("--data-share", type=float, default=0.3,
                    help="share of --minutes for collecting data while fewer than --max-data-tokens are saved "
                         "(saved as it goes: a later run collects more; 1 = collect only, 0 = train only)")

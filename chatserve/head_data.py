@@ -25,6 +25,7 @@ import json
 import os
 import random
 import re
+import shutil
 import sysconfig
 import time
 from collections import Counter
@@ -303,6 +304,7 @@ class Collected:
     feature_layers: tuple[int, ...] = ()  # the target layers captured beside the final feature (EAGLE-3's)
     # topic -> the prompts the target wrote itself on it (model_questions, both kinds), kept for a resumed phase
     questions: dict[str, list[str]] = dataclasses.field(default_factory=dict)
+    disk_full: bool = False  # this call stopped before a round that could have left under keep_free bytes free
 
     @property
     def num_tokens(self) -> int:
@@ -311,7 +313,7 @@ class Collected:
 
 def collect(engine, *, max_tokens: int, seconds: float, reply_tokens: int, seed: int = 0, batch: int = 16,
             progress=None, resume: Collected | None = None, checkpoint=None,
-            checkpoint_seconds: float = 300.0) -> Collected:
+            checkpoint_seconds: float = 300.0, disk: Path | None = None, keep_free: int = 0) -> Collected:
     """Sequences of about max_tokens tokens in all, collecting for at most `seconds`: each round
     answers `batch` prompts (greedy, up to reply_tokens each) and adds one plain source sequence.
     The round in flight at the deadline is cut there: replies keep what was fed, prompts with no
@@ -319,14 +321,17 @@ def collect(engine, *, max_tokens: int, seconds: float, reply_tokens: int, seed:
     every engine step and every sequence. A reply's last token is never fed to the target, so its
     sequence ends one token short (the feature before it predicts it).
     resume goes on from what an earlier call collected (killed, or out of time); checkpoint(state)
-    is called every checkpoint_seconds and at the end, so a killed run loses minutes, not the phase."""
+    is called every checkpoint_seconds and at the end, so a killed run loses minutes, not the phase.
+    disk: the folder the checkpoint writes features to. No round starts that could leave less than
+    keep_free bytes free there once its features and those not yet saved are written (disk_full)."""
     tok = engine.tokenizer
     layers = tuple(engine.models.target_runner.feature_layers)
     if resume and resume.sequences and tuple(resume.feature_layers) != layers:
         raise ValueError(f"train-head: the saved data holds features of layers {list(resume.feature_layers)}, "
                          f"not {list(layers)}; collect it again (--fresh) or train on the same layers")
     state = (dataclasses.replace(resume, sequences=list(resume.sequences), asked=set(resume.asked),
-                                 questions=dict(resume.questions), feature_layers=layers)
+                                 questions=dict(resume.questions), feature_layers=layers,
+                                 disk_full=False)
              if resume else Collected([], feature_layers=layers))
     questions = alternate(model_questions(engine, seed, batch, state.questions),
                           model_questions(engine, seed, batch, state.questions, kind="code"))
@@ -355,7 +360,15 @@ def collect(engine, *, max_tokens: int, seconds: float, reply_tokens: int, seed:
             progress(num_tokens)
 
     deadline = start + seconds
+    row_bytes = (len(layers) + 1) * engine.models.target.config.hidden_size * FEATURE_DTYPE.itemsize
+    # a round's rows, about: `batch` replies of reply_tokens after prompts no longer than them, and a source piece
+    round_rows = batch * 2 * reply_tokens + RAW_TOKENS
     while num_tokens < max_tokens and time.perf_counter() < deadline and not state.exhausted:
+        if disk is not None:
+            unsaved = sum(len(s.token_ids) for s in state.sequences[state.saved :])
+            if free_bytes(disk) - (unsaved + round_rows) * row_bytes < keep_free:
+                state.disk_full = True
+                break
         texts = list(itertools.islice(turns, batch))
         asked = [(t, tok.apply_chat_template([{"role": "user", "content": t}])) for t in texts]
         # a snippet is cut at blank lines, and a file without any (a data table) makes one longer
@@ -390,6 +403,14 @@ def collect(engine, *, max_tokens: int, seconds: float, reply_tokens: int, seed:
     if checkpoint:
         checkpoint(state)
     return state
+
+
+def free_bytes(folder: Path) -> int:
+    """Free bytes on the disk that holds `folder` (or its nearest existing parent)."""
+    folder = Path(folder)
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    return shutil.disk_usage(folder).free
 
 
 def choose_vocab(sequences: list[Sequence], vocab_size: int, num_kept: int, always: list[int]) -> torch.Tensor:

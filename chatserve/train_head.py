@@ -39,7 +39,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from chatserve.head_data import Collected, Sequence, choose_vocab, collect, coverage, load_collected, save_collected
+from chatserve.head_data import (Collected, Sequence, choose_vocab, collect, coverage, free_bytes, load_collected,
+                                 save_collected)
 from chatserve.head_store import (HEAD_FORMAT, default_head_path, head_checkpoint_path, head_data_path, save_head,
                                   weights_hash, write_atomic)
 from chatserve.loading import release_free_memory
@@ -69,6 +70,9 @@ class TrainConfig:
     max_steps: int | None = None  # stop at this many optimizer steps in all (tests, smoke runs)
     data_share: float = 0.3  # of the budget for collecting data, while fewer than max_data_tokens are saved
     max_data_tokens: int = 200_000
+    # collecting stops before a round that could leave less free on the data's disk (~12 KB a token
+    # on Qwen 1.5B: its 3.4M tokens were 40 GB, and a disk they left 5.5 GB free failed a pip install)
+    min_free_gb: float = 10.0
     reply_tokens: int = 256  # max_tokens of each of the target's greedy replies
     data_batch: int = 32  # prompts answered at once while collecting (the engine's max_num_seqs must allow them)
     head_vocab_size: int | None = None  # N: the head's LM head rows; None: NEW_HEAD_VOCAB_SIZE, or a resumed head's
@@ -590,7 +594,7 @@ def run(engine, model: str, target_dir: Path, cfg: TrainConfig, out: Path | None
     engine.models.target_runner.feature_layers = layers  # what collect() records beside the final feature
     if cfg.data_share > 0 and (data is None or (not data.exhausted and data.num_tokens < cfg.max_data_tokens)):
         data = _collect(engine, cfg, seconds * cfg.data_share, show_progress, data,
-                        lambda state: save_collected(data_path, state, target_hash))
+                        lambda state: save_collected(data_path, state, target_hash), data_path.parent)
     if data is None or not data.sequences:
         raise ValueError(f"train-head: no training data at {data_path}; collect some with --data-share > 0")
     sequences = data.sequences
@@ -720,7 +724,7 @@ def _resume(engine, ckpt: dict) -> tuple[EagleHead, dict]:
 
 
 def _collect(engine, cfg: TrainConfig, seconds: float, show_progress: bool, resume: Collected | None,
-             checkpoint) -> Collected:
+             checkpoint, disk: Path) -> Collected:
     bar = _bar(show_progress, total=cfg.max_data_tokens, unit="tok", desc="data (target replies + source)")
 
     def progress(num_tokens: int) -> None:
@@ -728,13 +732,18 @@ def _collect(engine, cfg: TrainConfig, seconds: float, show_progress: bool, resu
             bar.update(min(num_tokens, bar.total) - bar.n)
 
     try:
-        return collect(engine, max_tokens=cfg.max_data_tokens, seconds=seconds, reply_tokens=cfg.reply_tokens,
-                       seed=cfg.seed, batch=min(cfg.data_batch, engine.config.max_num_seqs), progress=progress,
-                       resume=resume, checkpoint=checkpoint,
-                       checkpoint_seconds=cfg.checkpoint_seconds)
+        state = collect(engine, max_tokens=cfg.max_data_tokens, seconds=seconds, reply_tokens=cfg.reply_tokens,
+                        seed=cfg.seed, batch=min(cfg.data_batch, engine.config.max_num_seqs), progress=progress,
+                        resume=resume, checkpoint=checkpoint, checkpoint_seconds=cfg.checkpoint_seconds,
+                        disk=disk, keep_free=int(cfg.min_free_gb * 2**30))
     finally:
         if bar is not None:
             bar.close()
+    if state.disk_full:
+        print(f"train-head: collecting stopped at {state.num_tokens:,} tokens: another round could leave less "
+              f"than --min-free-gb {cfg.min_free_gb:g} GB free on {disk} ({free_bytes(disk) / 2**30:.1f} GB now); "
+              f"training goes on with the data saved", file=sys.stderr)
+    return state
 
 
 def _bar(show: bool, **kwargs):

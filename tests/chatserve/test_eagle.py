@@ -1260,7 +1260,8 @@ def test_train_head_command_saves_by_weight_hash_and_resumes(tiny_llama_dir, tmp
 
     monkeypatch.setenv("CHATSERVE_CACHE", str(tmp_path))
     args = ["train-head", "--model", str(tiny_llama_dir), "--dtype", "float32", "-q", "none",
-            "--reply-tokens", "16", "--head-vocab-size", "100", "--minutes", "5"]  # max-steps ends it
+            "--reply-tokens", "16", "--head-vocab-size", "100", "--minutes", "5",  # max-steps ends it
+            "--min-free-gb", "0"]  # whatever this disk has free
     assert main([*args, "--max-data-tokens", "600", "--max-steps", "2", "--train-dtype", "float32"]) == 0
     # the progress bar counts the run by whichever budget ends it: done at 2 steps, long before 5 minutes
     assert "training: 100%" in capsys.readouterr().err.replace("\r", "\n")
@@ -1311,6 +1312,12 @@ def test_train_head_command_saves_by_weight_hash_and_resumes(tiny_llama_dir, tmp
                  "--lr", "1e-3", "--loss-rows", "replies", "--greedy-weight", "0.5"]) == 0
     resumed = torch.load(path.with_name("eagle-head-checkpoint.pt"), weights_only=True)["head"]
     assert len(resumed["head_token_ids"]) == len(ids)
+    # a disk that could not take another round's features: collecting stops and says why, the steps go on
+    rounds = load_collected(path.with_name("eagle-head-data.pt"), None).rounds
+    assert main([*args, "--max-data-tokens", "10000000", "--min-free-gb", "1e9", "--max-steps", "7"]) == 0
+    assert "collecting stopped at" in (err := capsys.readouterr().err) and "--min-free-gb 1e+09 GB free" in err
+    assert load_collected(path.with_name("eagle-head-data.pt"), None).rounds == rounds
+    assert torch.load(path.with_name("eagle-head-checkpoint.pt"), weights_only=True)["state"]["step"] == 7
     # --data-share 1: the whole budget collects (another round), nothing is trained or written
     before = path.stat().st_mtime_ns
     assert main([*args, "--minutes", "0.05", "--data-share", "1", "--max-data-tokens", "10000000"]) == 0
@@ -1616,6 +1623,35 @@ def test_a_killed_data_phase_resumes_where_its_checkpoint_left_it(tiny_llama_dir
     prompts = [tuple(s.token_ids[: s.num_prompt_tokens].tolist()) for s in reordered.sequences
                if s.num_prompt_tokens < len(s.token_ids)]
     assert len(prompts) == len(set(prompts)) == 6
+    assert_pool_empty(engine)
+
+
+def test_the_data_phase_stops_before_a_round_that_could_fill_the_disk(tiny_llama_dir, monkeypatch, tmp_path):
+    """collect(disk=, keep_free=) starts no round whose features, with those not yet saved, could
+    leave less than keep_free bytes free on the disk: with more kept free than the disk has, nothing
+    is collected; with room for one round's rows, the second does not start. Either way the phase
+    is not exhausted, and a run with room goes on to what an uninterrupted run collects."""
+    from chatserve import head_data
+
+    engine = Engine(EngineConfig(model=str(tiny_llama_dir), max_model_len=256, kv_cache_memory=8 << 20))
+    turns = [f"question number {i}" for i in range(6)]
+    monkeypatch.setattr(head_data, "user_turns", lambda seed, questions: iter(turns))
+    monkeypatch.setattr(head_data, "plain_sources", lambda tok, seed: iter([[5, 6, 7, 8]] * 3))
+    kwargs = dict(max_tokens=10**6, seconds=60, reply_tokens=6, batch=2)
+    whole = head_data.collect(engine, **kwargs)
+    assert whole.exhausted and not whole.disk_full
+
+    none = head_data.collect(engine, **kwargs, disk=tmp_path, keep_free=head_data.free_bytes(tmp_path) + (1 << 30))
+    assert none.disk_full and not none.exhausted and none.rounds == 0 and not none.sequences
+
+    row_bytes = whole.sequences[0].features.shape[1] * head_data.FEATURE_DTYPE.itemsize
+    round_bytes = (2 * 2 * 6 + head_data.RAW_TOKENS) * row_bytes
+    monkeypatch.setattr(head_data, "free_bytes", lambda folder: round_bytes + 1000)  # nothing saved: rows pile up
+    one = head_data.collect(engine, **kwargs, disk=tmp_path, keep_free=1000)
+    assert one.disk_full and not one.exhausted and one.rounds == 1 and len(one.sequences) == 3
+    resumed = head_data.collect(engine, **kwargs, resume=one)
+    assert resumed.exhausted and not resumed.disk_full
+    assert [s.token_ids.tolist() for s in resumed.sequences] == [s.token_ids.tolist() for s in whole.sequences]
     assert_pool_empty(engine)
 
 
