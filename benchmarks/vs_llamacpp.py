@@ -3,7 +3,8 @@
 Each configuration is a fresh server process on loopback (so no prefix cache carries over), given
 an unrecorded warm-up turn, then the same prompts in the same order over the OpenAI chat API
 (streamed): a ~170-token chat prompt and a ~1k-token code prompt, each generating --max-tokens
-tokens (ignore_eos). The client records TTFT (request sent -> first content chunk) and TPOT
+tokens (ignore_eos). `--drafts eagle` serves ours with the machine's EAGLE head (llama.cpp has none
+for these models: that row is set against llama.cpp without a draft). The client records TTFT (request sent -> first content chunk) and TPOT
 ((last chunk - first chunk) / (tokens - 1)); ratios are ours / theirs for the same draft setting.
 
     .venv/bin/python benchmarks/vs_llamacpp.py --llama-server /path/to/llama-server \\
@@ -72,7 +73,10 @@ def start_server(kind: str, quant: str | None, model: str, draft: str | None, po
     else:
         cmd = [sys.executable, "-m", "chatserve.cli", "serve", "--model", model, "--port", str(port),
                "--threads", str(threads), "-q", quant, "--max-model-len", "4096"]
-        cmd += ["--draft-model", draft] if draft else ["--no-spec"]
+        if draft == "eagle":  # the machine's EAGLE head for the model (chatserve import-head / train-head)
+            cmd += ["--draft", "eagle"]
+        else:
+            cmd += ["--draft-model", draft] if draft else ["--no-spec"]
     log = open(f"/tmp/vs_llamacpp_{kind}_{port}.log", "w")
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
 
@@ -145,6 +149,8 @@ def main() -> None:
         draft = None if draft_name == "none" else draft_name
         for config in args.configs:
             kind, _, quant = config.partition(":")
+            if kind == "llama.cpp" and draft == "eagle":
+                continue  # llama.cpp has no EAGLE head for these models: ours is set against its other runs
             print(f"== {config} draft={draft_name}", flush=True)
             res = run_config(kind, quant or None, args, draft)
             res.update(config=config, draft=draft_name, loadavg=os.getloadavg()[0])
@@ -154,7 +160,9 @@ def main() -> None:
             results.append(res)
     print("\nours / llama.cpp (same draft setting; < 1 is better for us):")
     for draft_name in args.drafts:
-        theirs = next((r for r in results if r["config"] == "llama.cpp" and r["draft"] == draft_name), None)
+        llama = {r["draft"]: r for r in results if r["config"] == "llama.cpp"}
+        # the same draft setting; our EAGLE head against llama.cpp without a draft
+        theirs = llama.get("none") if draft_name == "eagle" else llama.get(draft_name)
         if theirs is None:
             continue
         for r in results:
@@ -163,7 +171,8 @@ def main() -> None:
             for name, turn in r["turns"].items():
                 t = theirs["turns"][name]
                 print(f"  draft={draft_name:28s} {r['config']:16s} {name:8s} "
-                      f"TTFT {turn['ttft_s'] / t['ttft_s']:.2f}x  TPOT {turn['tpot_ms'] / t['tpot_ms']:.2f}x")
+                      f"TTFT {turn['ttft_s'] / t['ttft_s']:.2f}x  TPOT {turn['tpot_ms'] / t['tpot_ms']:.2f}x"
+                      f"  (llama.cpp draft={theirs['draft']})")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         for r in results:
