@@ -3,9 +3,10 @@
 Each configuration is a fresh server process on loopback (so no prefix cache carries over), given
 an unrecorded warm-up turn, then the same prompts in the same order over the OpenAI chat API
 (streamed): a ~170-token chat prompt and a ~1k-token code prompt, each generating --max-tokens
-tokens (ignore_eos). `--drafts eagle` serves ours with the machine's EAGLE head (llama.cpp has none
-for these models: that row is set against llama.cpp without a draft). The client records TTFT (request sent -> first content chunk) and TPOT
+tokens (ignore_eos). The client records TTFT (request sent -> first content chunk) and TPOT
 ((last chunk - first chunk) / (tokens - 1)); ratios are ours / theirs for the same draft setting.
+`--drafts eagle` serves ours with the machine's EAGLE head (llama.cpp has none for these models:
+that row is set against llama.cpp without a draft).
 
     .venv/bin/python benchmarks/vs_llamacpp.py --llama-server /path/to/llama-server \\
         --configs chatserve:int4 chatserve:int8 chatserve:none llama.cpp \\
@@ -159,8 +160,8 @@ def main() -> None:
                       flush=True)
             results.append(res)
     print("\nours / llama.cpp (same draft setting; < 1 is better for us):")
+    llama = {r["draft"]: r for r in results if r["config"] == "llama.cpp"}
     for draft_name in args.drafts:
-        llama = {r["draft"]: r for r in results if r["config"] == "llama.cpp"}
         # the same draft setting; our EAGLE head against llama.cpp without a draft
         theirs = llama.get("none") if draft_name == "eagle" else llama.get(draft_name)
         if theirs is None:
