@@ -36,6 +36,9 @@ def _engine_args(p: argparse.ArgumentParser, default_model: str, speculate_by_de
     p.add_argument("--eagle-head", default=None, metavar="PATH",
                    help="EAGLE head file for --draft eagle (default: the one `chatserve train-head` saved for "
                         "the model's weights)")
+    p.add_argument("--no-costs-cache", action="store_true",
+                   help="time adaptive k's cost table (~200 forwards) at this start and keep nothing; by default "
+                        "it is kept in the cache dir by machine and models, and a later start reads it back")
     p.add_argument("--draft-catch-up", default="decode", choices=DRAFT_CATCH_UPS,
                    help="when a draft model catches up on tokens it has not seen: in bounded chunks inside "
                         "decode steps (default), beside the target's prefill chunks, or all at once")
@@ -135,6 +138,7 @@ def engine_config(args, chosen: tuple[str | None, str | None, str] | None = None
             draft_catch_up=args.draft_catch_up,
             eagle_head=args.eagle_head,
             suffix_corpus_tokens=args.suffix_corpus_tokens,
+            costs_cache_dir=None if args.no_costs_cache else str(_costs_cache_dir()),
         )
     from kernels.backend import resolve_device
 
@@ -159,6 +163,12 @@ def engine_config(args, chosen: tuple[str | None, str | None, str] | None = None
         quantization=quantization,
         chat_template=args.chat_template,
     )
+
+
+def _costs_cache_dir() -> Path:
+    from chatserve.catalog import cache_dir
+
+    return cache_dir() / "spec-costs"
 
 
 def _dtype(choice: str, device: str, quantization: str | None) -> str:
@@ -258,7 +268,8 @@ def cmd_serve(args) -> int:
     engine = Engine(config)
     mem = {k: v / 2**30 for k, v in engine.memory_stats().items()}
     methods = ", ".join(engine.spec_methods) or "none"
-    print(f"loaded {config.model} (draft: {draft}; methods: {methods}) in {time.perf_counter() - start:.1f} s; "
+    costs = f"; adaptive k's costs {engine.spec.costs_source}" if engine.spec else ""
+    print(f"loaded {config.model} (draft: {draft}; methods: {methods}{costs}) in {time.perf_counter() - start:.1f} s; "
           f"weights {config.quantization or config.dtype}: {mem['weights_bytes']:.2f} GiB, resident "
           f"{mem['rss_bytes']:.2f} GiB (peak {mem['peak_rss_bytes']:.2f}), KV pool {mem['kv_pool_bytes']:.2f} GiB "
           f"(included)", file=sys.stderr)

@@ -48,6 +48,10 @@ class SpecConfig:
     # many tokens (a question asked again, code repeated across conversations); 0 = each
     # request's own tokens only (benchmarks of fresh conversations that repeat their files).
     suffix_corpus_tokens: int = 1 << 16
+    # Where adaptive k's measured cost table is kept, by machine and loaded models (spec_costs.
+    # cached_spec_costs): a later start reads it instead of timing ~200 forwards. None: measured at
+    # every start (the library's default; `chatserve serve` keeps it in the cache dir).
+    costs_cache_dir: str | None = None
 
     @property
     def max_draft_tokens(self) -> int:

@@ -135,6 +135,7 @@ def load_head(path: Path | None, model: str, target_dir: Path, cfg, max_position
     except ValueError as e:
         raise ValueError(f"{path}: {e}; {train_hint(model)}") from None
     head.info = record["info"]
+    head.path = path  # the file it came from (what the engine measured on it is keyed by it)
     return head.to(dtype).eval()
 
 

@@ -41,6 +41,9 @@ class LoadedModels:
     eagle_runner: HeadRunner | None = None  # an EAGLE head on the target's features
     sampling_defaults: dict = field(default_factory=dict)  # from generation_config.json (read_sampling_defaults)
     device: str = "cpu"  # where weights, the pool and the logits live (kernels/backend.py)
+    # what was loaded and how (model files by path, size and mtime; the settings that change a forward's
+    # cost): a key for what is measured on these models (spec_costs.cached_spec_costs); "" = unknown
+    fingerprint: str = ""
 
 
 def resolve(name_or_path: str) -> Path:
@@ -70,7 +73,7 @@ def load_models(config: EngineConfig) -> LoadedModels:
     max_model_len = min(config.max_model_len or 10**9, target_cfg.max_position_embeddings)
     tokenizer = Tokenizer(target_dir, config.chat_template)
     target = _in_huge_pages(_quantized(_load(target_dir, target_cfg, dtype, max_model_len, config), config).to(device))
-    draft = None
+    draft, draft_dir = None, None
     if config.spec and config.spec.draft_model:
         draft_dir = resolve(config.spec.draft_model)
         draft_cfg = read_config(draft_dir)
@@ -103,8 +106,31 @@ def load_models(config: EngineConfig) -> LoadedModels:
         target_runner.feature_layers = head.feature_layers  # an EAGLE-3 head's layers, captured every step
     vocab = target_cfg.vocab_size
     release_free_memory()
+    fingerprint = models_fingerprint(config, target_dir, draft_dir, getattr(head, "path", None), kernels)
     return LoadedModels(tokenizer, target, target_runner, draft, draft_runner, bm, max_model_len, vocab, eagle_runner,
-                        read_sampling_defaults(target_dir), device)
+                        read_sampling_defaults(target_dir), device, fingerprint)
+
+
+def models_fingerprint(config: EngineConfig, target_dir: Path, draft_dir: Path | None, head_path: Path | None,
+                       kernels: str) -> str:
+    """JSON of what load_models built: each model's files (path, size, mtime) and the settings that
+    change what a forward costs. Two loads with the same fingerprint run the same forwards."""
+    def files(path: Path | None) -> list[str]:
+        if path is None:
+            return []
+        path = Path(path)
+        found = sorted(path.glob("*.safetensors")) + sorted(path.glob("*.gguf")) if path.is_dir() else [path]
+        return [f"{f.resolve()}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in found]
+
+    spec = config.spec
+    return json.dumps({
+        "target": files(target_dir), "draft": files(draft_dir), "head": files(head_path),
+        "quantization": config.quantization, "dtype": config.dtype, "device": config.device, "kernels": kernels,
+        "kv_cache_dtype": config.kv_cache_dtype, "kv_unquantized_layers": config.kv_cache_unquantized_layers,
+        "kv_smooth_keys": config.kv_smooth_keys, "block_size": config.block_size,
+        "draft_kv_cache_dtype": spec.draft_kv_cache_dtype if spec else None,
+        "draft_vocab_size": spec.draft_vocab_size if spec and draft_dir else None,
+    }, sort_keys=True)
 
 
 SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")

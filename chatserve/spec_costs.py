@@ -22,16 +22,25 @@ head's draft positions: propose times each (the head's step with its drafting gl
 target forward that left the caches cold) and
 a second ObservedForwards rescales the head's table: on SmolLM2 a position cost 1.2-1.6 ms served
 where the start-up table said 1.0-1.6 (and 0.6 ms in a loop; docs/benchmarks.md session 45).
+
+Measuring the table took about half of a server's start (Qwen 1.5B with its head on 2 cores), so
+cached_spec_costs keeps it on disk, keyed by the machine and what was loaded, and a later start on the
+same machine and models reads it back: ObservedForwards rescales a table from service anyway, so one
+measured at an earlier start does what one measured now would.
 """
 
 from __future__ import annotations
 
 import bisect
 import dataclasses
+import hashlib
+import json
+import os
 import statistics
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -353,6 +362,51 @@ class ObservedForwards:
             pairs = [(rows, min(seen, key=lambda r: (abs(r - rows), r))) for rows in points]
             self._nearest = (key, pairs)
         return self._nearest[1]
+
+
+COSTS_FORMAT = 1  # raise when what measure_spec_costs times changes: older files are measured again
+_TABLES = ("target_seconds", "draft_seconds", "catch_up_seconds", "head_seconds")
+
+
+def costs_key(fingerprint: str, max_k: int, max_num_seqs: int, max_rows_k: int | None) -> str:
+    """A digest of what a measured table depends on: the loaded models and their settings
+    (LoadedModels.fingerprint), the grid asked for, this machine's CPU and threads, the torch and
+    kernel builds, and the CHATSERVE_* switches of the kernels."""
+    from kernels.cpu_ext import build_id
+    from kernels.cpu_features import cpu_flags, cpu_name
+
+    switches = {k: v for k, v in os.environ.items() if k.startswith("CHATSERVE_") and k != "CHATSERVE_CACHE"}
+    parts = {"format": COSTS_FORMAT, "models": fingerprint, "max_k": max_k, "max_num_seqs": max_num_seqs,
+             "max_rows_k": max_rows_k, "grid": [CONTEXT, MAX_ROWS, ROUNDS, FEW_ROWS, list(CATCH_UP_ROWS)],
+             "cpu": [cpu_name(), sorted(cpu_flags())], "threads": torch.get_num_threads(),
+             "torch": torch.__version__, "kernels": build_id(), "switches": switches}
+    return hashlib.blake2b(json.dumps(parts, sort_keys=True).encode(), digest_size=12).hexdigest()
+
+
+def cached_spec_costs(models, max_k: int, max_num_seqs: int, max_rows_k: int | None,
+                      cache_dir: str | Path | None) -> tuple[SpecCosts | None, str]:
+    """(measure_spec_costs' table, where it came from). With a cache_dir and models that say what
+    they are (a fingerprint), a table measured before for the same key is read back, and a new one
+    is written there; a file that does not parse is measured again and replaced."""
+    if cache_dir is None or not models.fingerprint:
+        return measure_spec_costs(models, max_k, max_num_seqs, max_rows_k), "measured"
+    path = Path(cache_dir).expanduser() / f"{costs_key(models.fingerprint, max_k, max_num_seqs, max_rows_k)}.json"
+    try:
+        record = json.loads(path.read_text())
+        tables = {name: {int(rows): float(t) for rows, t in record[name].items()} for name in _TABLES}
+        return SpecCosts(**tables), f"read from {path} (measured {record['measured_at']})"
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        pass
+    costs = measure_spec_costs(models, max_k, max_num_seqs, max_rows_k)
+    if costs is None:
+        return None, "measured"
+    record = {name: getattr(costs, name) for name in _TABLES}
+    record["measured_at"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(record, indent=1))
+    os.replace(tmp, path)
+    return costs, f"measured, saved to {path}"
 
 
 @torch.inference_mode()

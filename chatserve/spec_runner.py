@@ -20,7 +20,7 @@ from chatserve.config import SpecConfig
 from chatserve.request import Request
 from chatserve.sampler import Sampler
 from chatserve.scheduler import ScheduledSeq
-from chatserve.spec_costs import MAX_ROWS, ObservedForwards, SpecCosts, assumed_spec_costs, measure_spec_costs
+from chatserve.spec_costs import MAX_ROWS, ObservedForwards, SpecCosts, assumed_spec_costs, cached_spec_costs
 from chatserve.spec_methods import SPEC_METHODS, Offer, SpecMethod, SpecState
 from spec.adaptive import AdaptiveDraftLength, allocate_drafts, chain_stop_gains, step_seconds
 from spec.stats import SpecStats
@@ -60,9 +60,12 @@ class SpecRunner:
         # stays, the simpler rule; to be measured where rows are cheap (eagle_head.py --variant)
         self.keeps_computed_drafts = False
         self.costs = None
+        self.costs_source = "none (fixed k)"  # where the cost table came from, for the start-up log
         if config.adaptive:
-            measured = measure_spec_costs(models, config.num_draft_tokens, max_num_seqs, config.max_draft_tokens)
+            measured, self.costs_source = cached_spec_costs(models, config.num_draft_tokens, max_num_seqs,
+                                                            config.max_draft_tokens, config.costs_cache_dir)
             if measured is None:  # no scratch room in the pool: a linear model instead
+                self.costs_source = "assumed (no scratch room in the KV pool to measure)"
                 self.costs = assumed_spec_costs(MAX_ROWS, models.draft_runner is not None,
                                                 models.eagle_runner is not None)
             else:

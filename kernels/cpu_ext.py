@@ -121,3 +121,9 @@ def extension():
 
 def is_available() -> bool:
     return extension() is not None
+
+
+def build_id() -> str:
+    """Which build of the kernels this process runs ("none" without one): its directory's name,
+    a digest of the sources, headers and torch installation."""
+    return _build_directory().name if is_available() else "none"

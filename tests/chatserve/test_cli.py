@@ -95,6 +95,15 @@ def test_free_draft_cap_reaches_the_spec_config_and_is_checked(tiny_llama_dir, c
     assert "num_free_draft_tokens: must be in [1, 32], got 64" in capsys.readouterr().err
 
 
+def test_serve_keeps_the_cost_table_in_the_cache_dir_unless_told_not_to(tiny_llama_dir, tmp_path, monkeypatch):
+    from chatserve.cli import engine_config
+
+    monkeypatch.setenv("CHATSERVE_CACHE", str(tmp_path))
+    args = ["serve", "--model", str(tiny_llama_dir), "--draft", "suffix"]
+    assert engine_config(build_parser().parse_args(args)).spec.costs_cache_dir == str(tmp_path / "spec-costs")
+    assert engine_config(build_parser().parse_args([*args, "--no-costs-cache"])).spec.costs_cache_dir is None
+
+
 def test_auto_dtype_is_float32_where_the_quantized_kernels_run(tiny_llama_dir, monkeypatch):
     """The int4 / int8 C++ kernels take float32 activations and the decode stack is float32 only, so
     auto never picks bfloat16 for them, even on a CPU with native bf16; dense weights still may."""

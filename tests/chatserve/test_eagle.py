@@ -715,16 +715,16 @@ def test_the_heads_served_steps_reprice_its_start_up_table(oracle, monkeypatch):
     head table follows them, as the target's follows its forwards: a head timed at start-up as
     nearly free, then slowed by 30 ms a step, is priced at >= 30 ms once its steps are seen, and
     the allocator stops buying its drafts. Costs set by hand stay as set."""
-    from chatserve import spec_runner
+    from chatserve import spec_costs
     from chatserve.spec_costs import ObservedForwards
 
-    measure = spec_runner.measure_spec_costs
+    measure = spec_costs.measure_spec_costs
 
     def nearly_free_head(*args, **kwargs):
         costs = measure(*args, **kwargs)
         return dataclasses.replace(costs, head_seconds={r: t / 100 for r, t in costs.head_seconds.items()})
 
-    monkeypatch.setattr(spec_runner, "measure_spec_costs", nearly_free_head)
+    monkeypatch.setattr(spec_costs, "measure_spec_costs", nearly_free_head)
     model_dir, head_path = oracle
     engine = make_engine(model_dir, head_path, adaptive=True)
     engine.spec.config = dataclasses.replace(engine.spec.config, confidence_stop=False)  # see above

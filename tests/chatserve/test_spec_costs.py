@@ -2,6 +2,7 @@
 round up to the next measured row count; with no room to measure, a linear model stands in."""
 
 import dataclasses
+import os
 import time
 
 import pytest
@@ -66,6 +67,46 @@ def test_costs_are_measured_and_the_pool_is_left_as_it_was(tiny_llama_dir, tiny_
     no_draft = Engine(EngineConfig(model=str(tiny_llama_dir), kv_cache_memory=8 << 20, max_num_seqs=4))
     ngram = measure_spec_costs(no_draft.models, 2, 4)
     assert ngram.draft_seconds == {} and ngram.draft(4) == 0.0
+
+
+def test_a_measured_table_is_kept_and_read_back_for_the_same_models_and_grid(tiny_llama_dir, tiny_draft_dir,
+                                                                              tmp_path, monkeypatch):
+    """With costs_cache_dir, the first start measures and saves the table; a second start of the same
+    models and grid reads it back unmeasured and prices with the same numbers; another grid, other
+    model files (touched), or a file that does not parse are measured again; without a cache dir
+    nothing is kept."""
+    import shutil
+
+    from chatserve import spec_costs
+
+    calls = []
+    measure = spec_costs.measure_spec_costs
+    monkeypatch.setattr(spec_costs, "measure_spec_costs", lambda *a, **k: (calls.append(a[1:]), measure(*a, **k))[1])
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_llama_dir, model_dir)
+    cache = tmp_path / "costs"
+    spec = SpecConfig(method="draft", draft_model=str(tiny_draft_dir), num_draft_tokens=4, costs_cache_dir=str(cache))
+
+    def start(max_num_seqs=2, spec=spec):
+        return Engine(EngineConfig(model=str(model_dir), kv_cache_memory=8 << 20, spec=spec, max_num_seqs=max_num_seqs))
+
+    first = start()
+    assert len(calls) == 1 and first.spec.costs_source.startswith("measured, saved to ")
+    (saved,) = cache.glob("*.json")
+    second = start()
+    assert len(calls) == 1 and second.spec.costs_source.startswith(f"read from {saved}")
+    assert second.spec.costs == first.spec.costs  # every table, to the float
+    assert second.spec.costs.draft_seconds and second.spec.costs.catch_up_seconds
+    start(max_num_seqs=3)  # another grid: another key
+    assert len(calls) == 2 and len(list(cache.glob("*.json"))) == 2
+    saved.write_text("{")  # cut short
+    assert start().spec.costs_source.startswith("measured, saved to") and len(calls) == 3
+    assert start().spec.costs_source.startswith("read from") and len(calls) == 3  # replaced by a whole one
+    for weights in model_dir.glob("*.safetensors"):  # the same path, other bytes as far as anyone can tell
+        os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))
+    assert start().spec.costs_source.startswith("measured") and len(calls) == 4
+    uncached = start(spec=dataclasses.replace(spec, costs_cache_dir=None))
+    assert uncached.spec.costs_source == "measured" and len(calls) == 5 and len(list(cache.glob("*.json"))) == 3
 
 
 def test_a_full_pool_skips_calibration(tiny_llama_dir, tiny_draft_dir):
@@ -369,18 +410,18 @@ def test_a_draft_models_served_steps_reprice_its_table(monkeypatch, tiny_llama_d
     sampling) and the engine's draft table follows them: a draft model timed at start-up as nearly
     free, then slowed by 30 ms a forward, is priced at >= 30 ms once its steps are seen, the rows it
     was never timed at keep their keys, and the allocator then stops buying its drafts."""
-    from chatserve import spec_runner
+    from chatserve import spec_costs
     from chatserve.sampling_params import SamplingParams
     from chatserve.spec_costs import ObservedForwards
     from tests.chatserve.test_engine import assert_pool_empty
 
-    measure = spec_runner.measure_spec_costs
+    measure = spec_costs.measure_spec_costs
 
     def nearly_free_draft(*args, **kwargs):
         costs = measure(*args, **kwargs)
         return dataclasses.replace(costs, draft_seconds={r: t / 100 for r, t in costs.draft_seconds.items()})
 
-    monkeypatch.setattr(spec_runner, "measure_spec_costs", nearly_free_draft)
+    monkeypatch.setattr(spec_costs, "measure_spec_costs", nearly_free_draft)
     spec = SpecConfig(method="draft", draft_model=str(tiny_draft_dir), num_draft_tokens=4, suffix_corpus_tokens=0)
     engine = Engine(EngineConfig(model=str(tiny_llama_dir), kv_cache_memory=8 << 20, spec=spec, max_num_seqs=2))
     measured = engine.spec.costs
