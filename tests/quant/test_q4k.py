@@ -108,6 +108,23 @@ def test_quantize_module_takes_the_files_blocks_only_when_they_are_the_weight():
     assert isinstance(quantize_module(nn.Linear(256, 20), "int4"), Int4Linear)  # 20 outputs: not groups of 8
 
 
+def test_a_files_blocks_with_rows_moved_as_llama_q_and_k_are_refused():
+    """_from_file decodes 64 rows drawn at random of a bigger layer: llama's q/k permutation (rows of
+    each head's two halves interleaved; 2 of a head's 64 rows stay in place) is still caught, and the
+    same rows in order are taken."""
+    n, head_dim = 512, 64
+    raw = random_blocks(n, 256, seed=5)
+    weight = torch.from_numpy(gguf.dequantize(raw, gguf.GGMLQuantizationType.Q4_K))
+    moved = torch.arange(n).view(n // head_dim, 2, head_dim // 2).transpose(1, 2).reshape(n)
+    assert (moved == torch.arange(n)).sum() == 2 * n // head_dim
+    linear = nn.Linear(256, n, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(weight)
+    assert quantize_module(linear, "int4", file_rows=("Q4_K", raw)).subs.max() <= 63  # the file's 6-bit scales
+    refused = quantize_module(linear, "int4", file_rows=("Q4_K", raw[moved.numpy()]))
+    assert refused.subs.max() > 63  # quantized from the float weight instead
+
+
 def test_gguf_blocks_by_layer(tmp_path):
     """Which layers of a GGUF file come as blocks: every part of a fused layer of one type."""
     writer = gguf.GGUFWriter(tmp_path / "m.gguf", "qwen2")
