@@ -26,27 +26,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import httpx  # noqa: E402
-
-from benchmarks.vs_llamacpp import free_port  # noqa: E402
+from benchmarks.vs_llamacpp import free_port, wait_ready  # noqa: E402
 from chatserve.bench.sweep import stop_process  # noqa: E402
 
 LOADED = re.compile(r"^loaded .* in (?P<seconds>[0-9.]+) s;", re.MULTILINE)
-
-
-def wait_ready(port: int, proc: subprocess.Popen, timeout: float = 900) -> None:
-    """Until /health answers 200, polled every 0.1 s."""
-    deadline = time.perf_counter() + timeout
-    while time.perf_counter() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}; see its log")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise TimeoutError("server did not become ready")
 
 
 def one_start(flags: list[str], log: Path) -> dict:
@@ -56,7 +39,7 @@ def one_start(flags: list[str], log: Path) -> dict:
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
         try:
-            wait_ready(port, proc)
+            wait_ready(port, proc, poll=0.1)
             ready = time.perf_counter() - start
         finally:
             stop_process(proc, grace_s=10)
@@ -85,12 +68,12 @@ def main() -> None:
             runs[name].append(run)
             print(f"round {r + 1} [{name}]: ready {run['ready_s']:.1f} s, engine {run['engine_s']} s, "
                   f"costs {run['costs']}", flush=True)
-    summary = {v: {"median_ready_s": statistics.median(x["ready_s"] for x in rs),
-                                 "median_ready_s_after_first": statistics.median(x["ready_s"] for x in rs[1:])
-                                 if len(rs) > 1 else None}
-               for v, rs in runs.items()}
-    for name, row in summary.items():
-        print(f"{name}: median ready {row['median_ready_s']:.1f} s (after round 1: {row['median_ready_s_after_first']})")
+    summary = {}
+    for name, rs in runs.items():
+        ready = [x["ready_s"] for x in rs]
+        later = statistics.median(ready[1:]) if len(ready) > 1 else None
+        summary[name] = {"median_ready_s": statistics.median(ready), "median_ready_s_after_first": later}
+        print(f"{name}: median ready {statistics.median(ready):.1f} s (after round 1: {later})")
     if args.json:
         args.json.write_text(json.dumps({"kind": "server-start", "argv": sys.argv, "flags": args.flags,
                                          "machine": {"cpu_count": os.cpu_count(), "loadavg": os.getloadavg()},

@@ -82,7 +82,8 @@ def start_server(kind: str, quant: str | None, model: str, draft: str | None, po
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
 
 
-def wait_ready(port: int, proc: subprocess.Popen, timeout: float = 900) -> None:
+def wait_ready(port: int, proc: subprocess.Popen, timeout: float = 900, poll: float = 1.0) -> None:
+    """Until /health answers 200, asked every `poll` seconds."""
     deadline = time.time() + timeout
     while time.time() < deadline:
         if proc.poll() is not None:
@@ -92,7 +93,7 @@ def wait_ready(port: int, proc: subprocess.Popen, timeout: float = 900) -> None:
                 return
         except httpx.HTTPError:
             pass
-        time.sleep(1)
+        time.sleep(poll)
     raise TimeoutError("server did not become ready")
 
 

@@ -46,6 +46,7 @@ import torch
 
 from chatserve.batch import BatchItem
 from chatserve.block_manager import BlockTable
+from chatserve.head_store import write_atomic
 from spec.sampling import argmax_rows
 
 CONTEXT = 48  # tokens already in the cache when the timed rows arrive: a short chat
@@ -402,10 +403,7 @@ def cached_spec_costs(models, max_k: int, max_num_seqs: int, max_rows_k: int | N
         return None, "measured"
     record = {name: getattr(costs, name) for name in _TABLES}
     record["measured_at"] = time.strftime("%Y-%m-%d %H:%M:%S")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(record, indent=1))
-    os.replace(tmp, path)
+    write_atomic(path, lambda tmp: tmp.write_text(json.dumps(record, indent=1)))
     return costs, f"measured, saved to {path}"
 
 
