@@ -260,8 +260,9 @@ def main() -> None:
     ap.add_argument("--variant", nargs="*", default=[], metavar="NAME:SETTING=VALUE,...",
                     help="the (first) EAGLE head (with --no-eagle the draft model) again with SpecConfig fields or "
                          f"the attributes {RUNNER_SETTINGS + METHOD_SETTINGS} changed, run beside the others as NAME")
-    ap.add_argument("--workloads", nargs="+", default=["code", "chat"], choices=["code", "chat", "edit", "paste"],
-                    help="paste: a long file and a question (its prefix cached before the rounds)")
+    ap.add_argument("--workloads", nargs="+", default=["code", "chat"], choices=[*PROMPTS, "paste"],
+                    help="prompts.json's sets (chat_wide / code_wide: 40 / 24 more); paste: a long file and a "
+                         "question (its prefix cached before the rounds)")
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 2])
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--costs-only", action="store_true", help="the step costs alone, no decode runs")

@@ -31,7 +31,8 @@ def main() -> None:
     ap.add_argument("--quantization", default="int4")
     ap.add_argument("--k", type=int, default=4, help="drafts a step")
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--kinds", nargs="+", default=["code", "chat"])
+    ap.add_argument("--kinds", nargs="+", default=["code", "chat"], choices=list(PROMPTS),
+                    help="prompts.json's sets (chat_wide / code_wide: 40 / 24 more prompts than chat / code's 8)")
     ap.add_argument("--float-heads", action="store_true", help="also run each head unquantized")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
@@ -55,14 +56,35 @@ def main() -> None:
                                             for n in ("num_accepted", "num_drafted", "num_spec_steps"))
                 run = {"head": path, "feature_layers": list(head.feature_layers), "head_weights": head_quantization,
                        "kind": kind, "mean_accepted_length": (accepted + steps) / steps, "acceptance": accepted / drafted,
-                       "num_drafted": drafted}
+                       "num_drafted": drafted, "tokens": sum(len(o["token_ids"]) for o in outs),
+                       "per_prompt": [(o["stats"].num_accepted + o["stats"].num_spec_steps) / max(o["stats"].num_spec_steps, 1)
+                                      for o in outs]}
                 results["runs"][f"{path}|{head_quantization}|{kind}"] = run
                 print(f"{Path(path).parent.name}/{Path(path).name} layers {list(head.feature_layers) or 'final'} "
                       f"({head_quantization}) {kind}: mean accepted length {run['mean_accepted_length']:.3f}, "
                       f"acceptance {run['acceptance']:.3f} of {drafted} drafts", flush=True)
     loading._quantized = quantized
+    paired(results["runs"])
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))
+
+
+def paired(runs: dict) -> None:
+    """Each later head against the first on the same kind and weights: the ratio of mean accepted
+    lengths and on how many prompts it was longer / shorter (a prompt's own mean accepted length)."""
+    first = {}
+    for run in runs.values():
+        key = (run["kind"], run["head_weights"])
+        if key not in first:
+            first[key] = run
+            continue
+        base = first[key]
+        better = sum(a > b for a, b in zip(run["per_prompt"], base["per_prompt"]))
+        worse = sum(a < b for a, b in zip(run["per_prompt"], base["per_prompt"]))
+        run["vs_first"] = {"ratio": run["mean_accepted_length"] / base["mean_accepted_length"],
+                           "prompts_longer": better, "prompts_shorter": worse}
+        print(f"{run['kind']} ({run['head_weights']}) {Path(run['head']).name} / {Path(base['head']).name}: "
+              f"{run['vs_first']['ratio']:.3f}, longer on {better} prompts, shorter on {worse} of {len(run['per_prompt'])}")
 
 
 if __name__ == "__main__":

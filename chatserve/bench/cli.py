@@ -19,7 +19,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="websocket /ws or OpenAI /v1/chat/completions with SSE")
     w = p.add_argument_group("workload")
     w.add_argument("--prompts", default="chat,code,edit",
-                   help="built-in prompt sets, comma-separated: chat, code, edit, long, multiturn")
+                   help="built-in prompt sets, comma-separated: chat, code, edit, long, multiturn, "
+                        "chat_wide, code_wide (40 / 24 more single turns)")
     w.add_argument("--dataset", default=None, help="JSONL of conversations ({'messages': [...]} or {'prompt': ...})")
     w.add_argument("--num-requests", type=int, default=16, help="requests (chat turns) per run")
     w.add_argument("--turns", type=int, default=1, help="max turns per session (multi-turn conversations)")

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"
-PROMPT_SETS = ("chat", "code", "edit", "long", "multiturn")
+PROMPT_SETS = ("chat", "code", "edit", "long", "multiturn", "chat_wide", "code_wide")
 
 
 @dataclass(frozen=True)

@@ -1558,6 +1558,20 @@ def test_model_questions_of_kind_code_ask_for_code_and_drop_the_held_out_prompts
     assert_pool_empty(engine)
 
 
+def test_no_benchmark_prompt_is_a_shipped_training_prompt():
+    """head_prompts.json's own chat and code prompts are answered as they are (only the target's
+    written questions are filtered, model_questions), so none of them may be a prompt benchmarks
+    measure a head on (every list of prompts.json, chat_wide and code_wide included)."""
+    import json
+
+    from chatserve import head_data
+
+    data = json.loads(head_data.PROMPTS_FILE.read_text())
+    held_out = head_data.held_out_prompts()
+    assert len(held_out) >= 8 * 3 + 40 + 24  # chat, code, edit and the wide sets
+    assert not {head_data._normal(p) for p in data["chat"] + data["code"]} & held_out
+
+
 def test_model_questions_kept_in_the_data_are_not_written_again(tiny_llama_dir, monkeypatch, tmp_path):
     """The questions written on each topic go into `written` (the data phase's state, saved with
     its data): a resumed phase yields them in the same order without asking the target again,
