@@ -8,7 +8,9 @@ on every held-out reply, and beside each the same chains walked as serving walks
 (train_head.walked_length: the number serving measures, session 31: 1.86 walked, 1.88 served).
 The heads run in float32; served, their weights are quantized like the target's. Every held-out
 reply is also split by what was asked (from the same chains, no second pass): the requests to write
-code the target wrote itself (head_data.model_questions, kind "code") and the rest.
+code (the target's own, head_data.model_questions kind "code", and the shipped code prompts), chat
+(the shipped chat prompts and the messages the target wrote on its chat topics) and the rest
+(head_data.sequence_kinds).
 
     .venv/bin/python benchmarks/head_heldout.py --model qwen2.5-coder-1.5b-instruct \\
         --out benchmarks/results/head_heldout_qwen_session66.json
@@ -27,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 import chatserve.train_head as th  # noqa: E402
 from chatserve.config import EngineConfig  # noqa: E402
 from chatserve.engine import Engine  # noqa: E402
-from chatserve.head_data import PROMPTS_FILE, QUESTION_KINDS, load_collected  # noqa: E402
+from chatserve.head_data import load_collected, sequence_kinds  # noqa: E402
 from chatserve.head_store import default_head_path, head_data_path, weights_hash  # noqa: E402
 from chatserve.loading import resolve  # noqa: E402
 
@@ -73,17 +75,10 @@ class HeldOut:
 
 
 def reply_kinds(held: HeldOut) -> list[str]:
-    """Per held-out reply, in the order th.held_out_chains scores them (th.chained_replies): "code
-    requests" when its prompt is one of the requests to write code the target wrote (the data's
-    questions on code_topics), else "other"."""
-    topics = json.loads(PROMPTS_FILE.read_text()).get(QUESTION_KINDS["code"][0], [])
-    requests = {q for t in topics for q in held.data.questions.get(t, [])}
-    tok = held.engine.tokenizer
-    kinds = []
-    for seq in th.chained_replies(held.val):
-        prompt = tok.decode(seq.token_ids[: seq.num_prompt_tokens].tolist())
-        kinds.append("code requests" if any(q in prompt for q in requests) else "other")
-    return kinds
+    """Per held-out reply, in the order th.held_out_chains scores them (th.chained_replies), what it
+    answered (head_data.sequence_kinds): "chat", "code requests" (the requests to write code the
+    target wrote, and head_prompts.json's code prompts) or "other" (tasks on given source)."""
+    return sequence_kinds(list(th.chained_replies(held.val)), held.data.questions, held.engine.tokenizer)
 
 
 def scores(hits: list) -> dict:

@@ -341,7 +341,7 @@ def cmd_train_head(args) -> int:
                       data_share=args.data_share, init=args.init, train_dtype=args.train_dtype,
                       head_intermediate_size=args.head_intermediate_size,
                       data_batch=args.data_batch, feature_layers=_feature_layers(args.feature_layers),
-                      reply_only=args.loss_rows == "replies",
+                      reply_only=args.loss_rows == "replies", request_weight=args.request_weight,
                       **{k: v for k, v in (("window", args.window), ("batch_tokens", args.batch_tokens),
                                             ("lr", args.lr)) if v})
     quantization = _quantization(args.quantization)
@@ -522,6 +522,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="positions the loss is taken over: all, or the replies' only (prompts stay context, "
                         "as EAGLE's data masks the user's turns; a plain source file keeps all; on SmolLM2 "
                         "its head drafted worse: the prompts' rows teach it what replies copy)")
+    t.add_argument("--request-weight", type=float, default=1.0, metavar="W",
+                   help="draw the replies to requests (chat, and requests to write code: what users send) W times "
+                        "as often per token as the tasks on given source code (default 1: by length alone)")
     t.add_argument("--lr", type=float, default=None,
                    help="peak learning rate (default 6e-4): warm-up, then a cosine to a tenth over the run")
     t.add_argument("--feature-layers", nargs="+", default=None, metavar="LAYER",

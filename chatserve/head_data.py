@@ -139,6 +139,26 @@ def model_questions(engine, seed: int, batch: int, written: dict[str, list[str]]
             yield from written[topic]
 
 
+REQUEST_KINDS = ("chat", "code requests")  # what users send; the rest: tasks on given source, plain source
+
+
+def sequence_kinds(sequences: list[Sequence], questions: dict[str, list[str]], tokenizer) -> list[str]:
+    """What each sequence answered: "chat" (head_prompts.json's chat prompts, and the messages the
+    target wrote on its chat topics), "code requests" (its code prompts, and the requests to write
+    code the target wrote on its code_topics), "plain" (source text, no reply) or "other" (the tasks
+    on standard-library source: "explain this code", ...). By the prompt's token ids, laid out as
+    collect() lays out a user turn; a prompt laid out otherwise is "other". In the data of sessions
+    85-86 (1.05M tokens) requests were 25% of the tokens and tasks on source 74%."""
+    data = json.loads(PROMPTS_FILE.read_text())
+    texts = {text: kind for kind, (topics_key, _) in QUESTION_KINDS.items()
+             for topic in data.get(topics_key, ()) for text in questions.get(topic, ())}
+    texts.update({text: kind for kind in QUESTION_KINDS for text in data.get(kind, ())})
+    names = {"chat": "chat", "code": "code requests"}
+    layouts = {tuple(tokenizer.apply_chat_template([{"role": "user", "content": t}])): names[k] for t, k in texts.items()}
+    return ["plain" if s.num_prompt_tokens >= len(s.token_ids)
+            else layouts.get(tuple(s.token_ids[: s.num_prompt_tokens].tolist()), "other") for s in sequences]
+
+
 def held_out_prompts() -> set[str]:
     """The prompts benchmarks measure a head on (HELD_OUT_FILE's lists), normalized (_normal)."""
     data = json.loads(HELD_OUT_FILE.read_text()) if HELD_OUT_FILE.exists() else {}

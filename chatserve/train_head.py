@@ -39,8 +39,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from chatserve.head_data import (Collected, Sequence, choose_vocab, collect, coverage, free_bytes, load_collected,
-                                 save_collected)
+from chatserve.head_data import (REQUEST_KINDS, Collected, Sequence, choose_vocab, collect, coverage, free_bytes,
+                                 load_collected, save_collected, sequence_kinds)
 from chatserve.head_store import (HEAD_FORMAT, default_head_path, head_checkpoint_path, head_data_path, save_head,
                                   weights_hash, write_atomic)
 from chatserve.loading import release_free_memory
@@ -84,6 +84,10 @@ class TrainConfig:
     # the same compute, and a better head than 2048 at 3e-4 given 1.5x the positions
     batch_tokens: int = 512
     reply_only: bool = False  # loss over reply positions only (prompts stay context); see batch_windows
+    # a sequence answering a request (head_data.REQUEST_KINDS: chat, requests to write code) is drawn
+    # this many times as often per token as one on given source (tasks, plain source): served, the
+    # head drafts replies to requests, and tasks on source were 74% of the data's tokens
+    request_weight: float = 1.0
     lr: float = 6e-4
     warmup_steps: int = 20
     min_lr_ratio: float = 0.1  # each run's lr follows a cosine from lr down to lr * this over its budget
@@ -97,6 +101,10 @@ class TrainConfig:
     # the target layers a new head fuses (EAGLE-3); () = the final feature (EAGLE-1); None = those of the
     # checkpoint or data being resumed, else eagle3_layers()
     feature_layers: tuple[int, ...] | None = None
+
+    def __post_init__(self):
+        if not self.request_weight > 0:
+            raise ValueError(f"train-head: --request-weight must be > 0, got {self.request_weight}")
 
 
 INITS = ("random", "last-layer")
@@ -244,14 +252,17 @@ def set_vocab(head: EagleHead, target, target_dir: Path, head_token_ids: torch.T
 
 
 def batch_windows(sequences: list[Sequence], num_windows: int, window: int, gen: torch.Generator,
-                  reply_only: bool = False):
-    """num_windows windows of up to `window` positions, sequences picked by length, padded at the
+                  reply_only: bool = False, weights: torch.Tensor | None = None):
+    """num_windows windows of up to `window` positions, sequences picked by length (times `weights`,
+    one per sequence, if given), padded at the
     end -> (features_in [B, W, width] f_{i-1}, token_ids [B, W] t_i, targets [B, W, width] f_i,
     mask [B, W] bool: the rows the loss is taken over); width is the data's
     (EagleHead.feature_width). reply_only: a prompt's positions are context, not loss rows, in a
     sequence with a reply (a plain source has none: all its rows stay), as EAGLE's data masks the
     user's turns: served, the head drafts replies."""
     lengths = torch.tensor([len(s.token_ids) for s in sequences], dtype=torch.float)
+    if weights is not None:
+        lengths = lengths * weights
     hidden = sequences[0].features.shape[1]
     features_in = torch.zeros(num_windows, window, hidden)
     targets = torch.zeros(num_windows, window, hidden)
@@ -474,7 +485,7 @@ def loss_fn(head: EagleHead, embed, features_in, token_ids, targets, mask, noise
 
 
 def train(head: EagleHead, embed, sequences: list[Sequence], cfg: TrainConfig, seconds: float, state: dict,
-          save=None, progress=None, val: list[Sequence] = (), on_best=None) -> dict:
+          save=None, progress=None, val: list[Sequence] = (), on_best=None, weights: torch.Tensor | None = None) -> dict:
     """Optimize head on sequences for `seconds` (or up to cfg.max_steps in all). state: {"step",
     "seconds", "optimizer"} from a checkpoint, or empty; updated. save(state) is called every
     cfg.checkpoint_seconds and at the end; progress(metrics) after every step, with its "step" (in
@@ -482,7 +493,7 @@ def train(head: EagleHead, embed, sequences: list[Sequence], cfg: TrainConfig, s
     head is validated at those times too (state["val_top1"]: validate; state["val_accepted"]:
     validate_chain, the best so far in "best_val_accepted"; state["val_walked"]: the same chains
     as serving walks them, walked_length), and on_best(val_accepted) is called
-    when it beats the best. The forward and loss run in
+    when it beats the best. `weights`: each sequence's sampling weight per token (batch_windows). The forward and loss run in
     choose_train_dtype(cfg.train_dtype, cpu_flags()), validation in float32."""
     use_bf16 = choose_train_dtype(cfg.train_dtype, cpu_flags()) == torch.bfloat16
     params = [p for p in head.parameters() if p.requires_grad]
@@ -508,7 +519,7 @@ def train(head: EagleHead, embed, sequences: list[Sequence], cfg: TrainConfig, s
         with torch.enable_grad():
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=use_bf16):
                 loss, metrics = loss_fn(head, embed, *batch_windows(sequences, num_windows, cfg.window, gen,
-                                                                         cfg.reply_only),
+                                                                         cfg.reply_only, weights),
                                         noise_gen=gen, unroll=cfg.unroll, lm_weight=lm_weight,
                                         feature_weight=cfg.feature_weight, greedy_weight=cfg.greedy_weight)
             opt.zero_grad(set_to_none=True)
@@ -657,7 +668,8 @@ def run(engine, model: str, target_dir: Path, cfg: TrainConfig, out: Path | None
             bar.set_postfix(step=metrics["step"], loss=f"{metrics['loss']:.3f}", top1=f"{metrics['top1']:.2f}",
                             **chained, **held_out)
 
-    state = train(head, embed, train_seqs, cfg, remaining, state, save, progress, val, save_best)
+    weights = request_weights(train_seqs, data.questions, engine.tokenizer, cfg.request_weight, info)
+    state = train(head, embed, train_seqs, cfg, remaining, state, save, progress, val, save_best, weights)
     if bar is not None:
         bar.close()
     if not val:  # nothing to choose by: the last weights
@@ -672,6 +684,25 @@ def run(engine, model: str, target_dir: Path, cfg: TrainConfig, out: Path | None
                           last_val_accepted=state.get("val_accepted"), last_val_walked=state.get("val_walked"))
     write_atomic(head_path, lambda tmp: torch.save(record, tmp))
     return head_path
+
+
+def request_weights(sequences: list[Sequence], questions: dict[str, list[str]], tokenizer, weight: float,
+                    info: dict) -> torch.Tensor | None:
+    """Each sequence's sampling weight per token (TrainConfig.request_weight on those answering a
+    request, head_data.sequence_kinds; 1 on the rest), or None at weight 1. info gets each kind's
+    share of the tokens, and of the windows drawn."""
+    if weight == 1.0:
+        return None
+    kinds = sequence_kinds(sequences, questions, tokenizer)
+    weights = torch.tensor([weight if k in REQUEST_KINDS else 1.0 for k in kinds])
+    lengths = torch.tensor([float(len(s.token_ids)) for s in sequences])
+    shares = {}
+    for kind in sorted(set(kinds)):
+        rows = torch.tensor([k == kind for k in kinds])
+        shares[kind] = {"tokens": round(float(lengths[rows].sum() / lengths.sum()), 4),
+                        "drawn": round(float((lengths * weights)[rows].sum() / (lengths * weights).sum()), 4)}
+    info["kind_shares"] = shares
+    return weights
 
 
 def _feature_layers(cfg: TrainConfig, ckpt: dict | None, data: Collected | None, num_layers: int) -> tuple[int, ...]:

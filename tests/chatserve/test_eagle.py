@@ -481,6 +481,52 @@ def test_feature_weight_zero_leaves_the_feature_regression_out_of_the_loss(tiny_
     assert not torch.allclose(head.fc.weight.grad, by_tokens)
 
 
+def test_weighted_windows_draw_sequences_by_length_times_weight():
+    """batch_windows(weights=...): a sequence is drawn in proportion to its length times its weight
+    (weight 0: never; 3 on one of two equal lengths: ~3/4 of the windows), and weights of ones draw
+    exactly the windows no weights do."""
+    width, window = 2, 8
+    sequences = [Sequence(torch.arange(40) + 100 * i, torch.zeros(40, width), 5) for i in range(3)]
+    drawn = lambda w: batch_windows(sequences, 2000, window, torch.Generator().manual_seed(0), weights=w)[1][:, 0] // 100
+    picks = drawn(torch.tensor([3.0, 1.0, 0.0]))
+    assert not (picks == 2).any()
+    assert 0.70 < float((picks == 0).float().mean()) < 0.80
+    assert torch.equal(drawn(torch.ones(3)), drawn(None))
+    with pytest.raises(ValueError, match="request-weight"):
+        TrainConfig(request_weight=0)
+
+
+def test_sequence_kinds_and_request_weights_tell_requests_from_tasks_on_source(tiny_llama_dir, monkeypatch, tmp_path):
+    """sequence_kinds reads what a sequence answered from its prompt's token ids: the shipped chat and
+    code prompts and the questions the target wrote on chat / code topics are requests ("chat",
+    "code requests"), a task on source is "other", a sequence without a reply "plain"; request_weights
+    puts TrainConfig.request_weight on the requests and reports each kind's share."""
+    import json
+
+    from chatserve import head_data
+
+    prompts = tmp_path / "head_prompts.json"
+    prompts.write_text(json.dumps({"chat": ["Hi there"], "code": ["Write a sort"], "topics": ["bees"],
+                                   "code_topics": ["SQL"]}))
+    monkeypatch.setattr(head_data, "PROMPTS_FILE", prompts)
+    tok = make_engine(tiny_llama_dir, method=None).tokenizer
+    questions = {"bees": ["Do bees sleep?"], "SQL": ["Write a join"], "gone": ["Write a heap"]}
+    asked = ["Hi there", "Write a sort", "Do bees sleep?", "Write a join", "Explain this code: x = 1", "Write a heap"]
+    sequences = []
+    for text in asked:
+        ids = tok.apply_chat_template([{"role": "user", "content": text}])
+        sequences.append(Sequence(torch.tensor(ids + [5, 6, 7]), torch.zeros(len(ids) + 3, 2), len(ids)))
+    sequences.append(Sequence(torch.tensor([5, 6, 7]), torch.zeros(3, 2), 3))
+    kinds = head_data.sequence_kinds(sequences, questions, tok)
+    assert kinds == ["chat", "code requests", "chat", "code requests", "other", "other", "plain"]
+    info = {}
+    assert th.request_weights(sequences, questions, tok, 1.0, info) is None and not info
+    weights = th.request_weights(sequences, questions, tok, 4.0, info)
+    assert weights.tolist() == [4.0, 4.0, 4.0, 4.0, 1.0, 1.0, 1.0]
+    assert sum(v["tokens"] for v in info["kind_shares"].values()) == pytest.approx(1.0, abs=1e-3)
+    assert info["kind_shares"]["chat"]["drawn"] > info["kind_shares"]["chat"]["tokens"]
+
+
 def test_greedy_weight_adds_the_cross_entropy_on_the_targets_top_token(tiny_llama_dir):
     """greedy_weight w adds w x -log q(the target's top token) to the token loss, the log of a greedy
     draft's acceptance, computed here from the head's own forward; at 0 the loss is the soft one."""
