@@ -39,6 +39,9 @@ def _engine_args(p: argparse.ArgumentParser, default_model: str, speculate_by_de
     p.add_argument("--no-costs-cache", action="store_true",
                    help="time adaptive k's cost table (~200 forwards) at this start and keep nothing; by default "
                         "it is kept in the cache dir by machine and models, and a later start reads it back")
+    p.add_argument("--no-weights-cache", action="store_true",
+                   help="convert the model's weights (int4 / int8) at this start and keep nothing; by default the "
+                        "converted model is kept in the cache dir (~1 GB for a 1.5B) and a later start maps it back")
     p.add_argument("--draft-catch-up", default="decode", choices=DRAFT_CATCH_UPS,
                    help="when a draft model catches up on tokens it has not seen: in bounded chunks inside "
                         "decode steps (default), beside the target's prefill chunks, or all at once")
@@ -162,7 +165,14 @@ def engine_config(args, chosen: tuple[str | None, str | None, str] | None = None
         spec=spec,
         quantization=quantization,
         chat_template=args.chat_template,
+        converted_cache_dir=None if args.no_weights_cache else str(_converted_cache_dir()),
     )
+
+
+def _converted_cache_dir() -> Path:
+    from chatserve.catalog import cache_dir
+
+    return cache_dir() / "converted"
 
 
 def _costs_cache_dir() -> Path:
@@ -269,6 +279,7 @@ def cmd_serve(args) -> int:
     mem = {k: v / 2**30 for k, v in engine.memory_stats().items()}
     methods = ", ".join(engine.spec_methods) or "none"
     costs = f"; adaptive k's costs {engine.spec.costs_source}" if engine.spec else ""
+    costs += f"; weights {engine.models.converted_source}"
     print(f"loaded {config.model} (draft: {draft}; methods: {methods}{costs}) in {time.perf_counter() - start:.1f} s; "
           f"weights {config.quantization or config.dtype}: {mem['weights_bytes']:.2f} GiB, resident "
           f"{mem['rss_bytes']:.2f} GiB (peak {mem['peak_rss_bytes']:.2f}), KV pool {mem['kv_pool_bytes']:.2f} GiB "

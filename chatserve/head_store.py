@@ -208,5 +208,9 @@ def target_rows(target_dir: Path, token_ids: torch.Tensor) -> torch.Tensor:
 def write_atomic(path: Path, write) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    write(tmp)
-    os.replace(tmp, path)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:  # a full disk or an interrupt: no partial file left behind
+        tmp.unlink(missing_ok=True)
+        raise

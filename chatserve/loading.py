@@ -44,6 +44,7 @@ class LoadedModels:
     # what was loaded and how (model files by path, size and mtime; the settings that change a forward's
     # cost): a key for what is measured on these models (spec_costs.cached_spec_costs); "" = unknown
     fingerprint: str = ""
+    converted_source: str = "converted"  # where the target's converted weights came from (chatserve/converted.py)
 
 
 def resolve(name_or_path: str) -> Path:
@@ -72,7 +73,8 @@ def load_models(config: EngineConfig) -> LoadedModels:
     target_cfg = read_config(target_dir)
     max_model_len = min(config.max_model_len or 10**9, target_cfg.max_position_embeddings)
     tokenizer = Tokenizer(target_dir, config.chat_template)
-    target = _in_huge_pages(_quantized(_load(target_dir, target_cfg, dtype, max_model_len, config), config).to(device))
+    target, converted_source = _load_kept(target_dir, target_cfg, dtype, max_model_len, config, device)
+    target = _in_huge_pages(_quantized(target, config).to(device))
     draft, draft_dir = None, None
     if config.spec and config.spec.draft_model:
         draft_dir = resolve(config.spec.draft_model)
@@ -108,7 +110,7 @@ def load_models(config: EngineConfig) -> LoadedModels:
     release_free_memory()
     fingerprint = models_fingerprint(config, target_dir, draft_dir, getattr(head, "path", None), kernels)
     return LoadedModels(tokenizer, target, target_runner, draft, draft_runner, bm, max_model_len, vocab, eagle_runner,
-                        read_sampling_defaults(target_dir), device, fingerprint)
+                        read_sampling_defaults(target_dir), device, fingerprint, converted_source)
 
 
 def models_fingerprint(config: EngineConfig, target_dir: Path, draft_dir: Path | None, head_path: Path | None,
@@ -211,6 +213,21 @@ def limit_malloc_arenas(num_arenas: int = 2) -> bool:
     if libc is None or not hasattr(libc, "mallopt") or os.environ.get("MALLOC_ARENA_MAX"):
         return False
     return bool(libc.mallopt(M_ARENA_MAX, num_arenas))
+
+
+def _load_kept(model_dir: Path, model_cfg, dtype: torch.dtype, max_model_len: int, config: EngineConfig,
+               device: str = "cpu") -> tuple[DecoderLM, str]:
+    """(_load's model, where it came from): with config.converted_cache_dir and a CPU scheme that
+    converts while loading (int4, int8), the conversion kept there by an earlier start, or made now
+    and kept (chatserve/converted.py); else converted now."""
+    from quant.apply import NATIVE_SCHEMES
+
+    convert = functools.partial(_load, model_dir, model_cfg, dtype, max_model_len, config)
+    if not config.converted_cache_dir or config.quantization not in NATIVE_SCHEMES or device != "cpu":
+        return convert(), "converted"
+    from chatserve.converted import load_or_convert
+
+    return load_or_convert(config.converted_cache_dir, model_dir, dtype, config.quantization, max_model_len, convert)
 
 
 def _load(model_dir: Path, model_cfg, dtype: torch.dtype, max_model_len: int, config: EngineConfig,

@@ -118,3 +118,12 @@ def test_auto_dtype_is_float32_where_the_quantized_kernels_run(tiny_llama_dir, m
             assert config.dtype == "float32" and config.quantization in ("int4", "int8"), q
     assert engine_config(build_parser().parse_args([*base, "-q", "none"])).dtype == "bfloat16"
     assert engine_config(build_parser().parse_args([*base, "-q", "int4", "--dtype", "bfloat16"])).dtype == "bfloat16"
+
+
+def test_serve_keeps_the_converted_weights_in_the_cache_dir_unless_told_not_to(tiny_llama_dir, tmp_path, monkeypatch):
+    from chatserve.cli import engine_config
+
+    monkeypatch.setenv("CHATSERVE_CACHE", str(tmp_path))
+    args = ["serve", "--model", str(tiny_llama_dir)]
+    assert engine_config(build_parser().parse_args(args)).converted_cache_dir == str(tmp_path / "converted")
+    assert engine_config(build_parser().parse_args([*args, "--no-weights-cache"])).converted_cache_dir is None
