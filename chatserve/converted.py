@@ -43,7 +43,8 @@ def sources_digest() -> str:
     h = hashlib.blake2b(digest_size=12)
     for name in SOURCES:
         path = ROOT / name
-        files = sorted(p for p in path.rglob("*") if p.suffix in (".py", ".cpp", ".h")) if path.is_dir() else [path]
+        files = (sorted(p for p in path.rglob("*") if p.suffix in (".py", ".cpp", ".h")) if path.is_dir()
+                 else [path] if path.is_file() else [])
         for f in files:
             h.update(str(f.relative_to(ROOT)).encode())
             h.update(f.read_bytes())
