@@ -45,11 +45,27 @@ def child(model: str, cache: str | None, max_tokens: int) -> dict:
         h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
         h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     rss = int(next(line.split()[1] for line in open("/proc/self/status") if line.startswith("VmRSS:"))) * 1024
+    mapped = mapped_file_bytes(".pt")
     asks = [engine.tokenizer.apply_chat_template([{"role": "user", "content": p}])
             for p in prompts["code"][:2] + prompts["chat"][:2]]
     outs = engine.generate(asks, SamplingParams(max_tokens=max_tokens, temperature=0.0))
     return {"load_seconds": seconds, "source": engine.models.converted_source, "rss_bytes": rss,
+            "kept_file_resident_bytes": mapped,
             "tensors": h.hexdigest(), "replies": [o["token_ids"] for o in outs]}
+
+
+def mapped_file_bytes(suffix: str) -> int:
+    """Resident bytes of this process's mappings of files ending in `suffix` (/proc/self/smaps): what
+    of a kept conversion's mapping is still in use after the load (the huge pages move copies the
+    large tensors out of it)."""
+    total, inside = 0, False
+    for line in open("/proc/self/smaps"):
+        head = line.split()
+        if head and "-" in head[0] and len(head) >= 5 and ":" in head[3]:  # a mapping's first line
+            inside = len(head) >= 6 and head[5].endswith(suffix)
+        elif inside and line.startswith("Rss:"):
+            total += int(head[1]) * 1024
+    return total
 
 
 def main() -> None:
@@ -78,7 +94,8 @@ def main() -> None:
                 result = run("-" if name == "converted" else tmp)
                 runs[name].append(result)
                 print(f"round {r + 1} {name}: load {result['load_seconds']:.1f} s, RSS "
-                      f"{result['rss_bytes'] / 2**30:.2f} GiB ({result['source']})", flush=True)
+                      f"{result['rss_bytes'] / 2**30:.2f} GiB, of it the kept file's mapping "
+                      f"{result['kept_file_resident_bytes'] / 2**20:.0f} MiB ({result['source']})", flush=True)
     every = [first] + [x for v in runs.values() for x in v]
     same_tensors = len({x["tensors"] for x in every}) == 1
     # greedy replies of a batch of four: across processes a near tie can go either way with the same weights
