@@ -41,7 +41,7 @@ def _engine_args(p: argparse.ArgumentParser, default_model: str, speculate_by_de
                         "it is kept in the cache dir by machine and models, and a later start reads it back")
     p.add_argument("--no-weights-cache", action="store_true",
                    help="convert the model's weights (int4 / int8) at this start and keep nothing; by default the "
-                        "converted model is kept in the cache dir (~1 GB for a 1.5B) and a later start maps it back")
+                        "converted model is kept in the cache dir (~1.2 GB for a 1.5B) and a later start reads it back")
     p.add_argument("--draft-catch-up", default="decode", choices=DRAFT_CATCH_UPS,
                    help="when a draft model catches up on tokens it has not seen: in bounded chunks inside "
                         "decode steps (default), beside the target's prefill chunks, or all at once")

@@ -105,7 +105,7 @@ class EngineConfig:
     quantization: str | None = None  # weight quantization: "int4", "int8" (fast on CPU), "bnb-int8", "bnb-nf4"
     chat_template: str | None = None  # a Jinja file replacing the tokenizer's chat template
     # Where the target as loading converted it (int4 / int8) is kept between starts (chatserve/converted.py):
-    # a later start maps it back instead of reading the float checkpoint and converting it. None: converted
+    # a later start reads it back instead of reading the float checkpoint and converting it. None: converted
     # at every start (the library's default; `chatserve serve` keeps it in the cache dir).
     converted_cache_dir: str | None = None
     device: str = "cpu"  # "auto" | "cpu" | "cuda" (kernels/backend.py)
