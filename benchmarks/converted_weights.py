@@ -4,8 +4,8 @@ the seconds of load_models each way, resident memory after it, and whether they 
 Each variant in its own process, in turn, `--rounds` times (a fresh process reads the files as a
 server start does; the page cache is not dropped, so both read from memory when it holds the files).
 
-    .venv/bin/python benchmarks/converted_weights.py --model qwen2.5-coder-1.5b-instruct --rounds 2 \\
-        --json benchmarks/results/converted_weights_qwen_session87.json
+    .venv/bin/python benchmarks/converted_weights.py --model qwen2.5-coder-1.5b-instruct --rounds 1 \\
+        --json benchmarks/results/converted_weights_qwen_zen5_session87.json
 """
 
 from __future__ import annotations

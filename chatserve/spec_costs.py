@@ -35,7 +35,6 @@ import bisect
 import dataclasses
 import hashlib
 import json
-import os
 import statistics
 import time
 from collections import deque
@@ -373,14 +372,11 @@ def costs_key(fingerprint: str, max_k: int, max_num_seqs: int, max_rows_k: int |
     """A digest of what a measured table depends on: the loaded models and their settings
     (LoadedModels.fingerprint), the grid asked for, this machine's CPU and threads, the torch and
     kernel builds, and the CHATSERVE_* switches of the kernels."""
-    from kernels.cpu_ext import build_id
-    from kernels.cpu_features import cpu_flags, cpu_name
+    from kernels.cpu_ext import build_environment
 
-    switches = {k: v for k, v in os.environ.items() if k.startswith("CHATSERVE_") and k != "CHATSERVE_CACHE"}
     parts = {"format": COSTS_FORMAT, "models": fingerprint, "max_k": max_k, "max_num_seqs": max_num_seqs,
              "max_rows_k": max_rows_k, "grid": [CONTEXT, MAX_ROWS, ROUNDS, FEW_ROWS, list(CATCH_UP_ROWS)],
-             "cpu": [cpu_name(), sorted(cpu_flags())], "threads": torch.get_num_threads(),
-             "torch": torch.__version__, "kernels": build_id(), "switches": switches}
+             "threads": torch.get_num_threads(), **build_environment()}
     return hashlib.blake2b(json.dumps(parts, sort_keys=True).encode(), digest_size=12).hexdigest()
 
 

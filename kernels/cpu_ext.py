@@ -127,3 +127,16 @@ def build_id() -> str:
     """Which build of the kernels this process runs ("none" without one): its directory's name,
     a digest of the sources, headers and torch installation."""
     return _build_directory().name if is_available() else "none"
+
+
+def build_environment() -> dict:
+    """What kernels run here and how, for keys of what is measured or converted on this machine
+    (spec_costs.costs_key, converted.converted_key): the CPU's name and flags, torch's version, the
+    kernels' build and the CHATSERVE_* switches (the cache dir's aside)."""
+    import torch
+
+    from kernels.cpu_features import cpu_name
+
+    switches = {k: v for k, v in os.environ.items() if k.startswith("CHATSERVE_") and k != "CHATSERVE_CACHE"}
+    return {"cpu": [cpu_name(), sorted(cpu_flags())], "torch": torch.__version__, "kernels": build_id(),
+            "switches": switches}
