@@ -75,6 +75,8 @@ class TrainConfig:
     min_free_gb: float = 10.0
     reply_tokens: int = 256  # max_tokens of each of the target's greedy replies
     data_batch: int = 32  # prompts answered at once while collecting (the engine's max_num_seqs must allow them)
+    # of the target's own questions (chat and requests to write code) asked after each task on source
+    questions_per_task: int = 1
     head_vocab_size: int | None = None  # N: the head's LM head rows; None: NEW_HEAD_VOCAB_SIZE, or a resumed head's
     window: int = 256
     unroll: int = 1  # passes of training-time test (EagleHead.forward_unrolled); 1 = EAGLE-1's training
@@ -105,6 +107,8 @@ class TrainConfig:
     def __post_init__(self):
         if not self.request_weight > 0:
             raise ValueError(f"train-head: --request-weight must be > 0, got {self.request_weight}")
+        if self.questions_per_task < 1:
+            raise ValueError(f"train-head: --questions-per-task must be >= 1, got {self.questions_per_task}")
 
 
 INITS = ("random", "last-layer")
@@ -764,7 +768,8 @@ def _collect(engine, cfg: TrainConfig, seconds: float, show_progress: bool, resu
 
     try:
         state = collect(engine, max_tokens=cfg.max_data_tokens, seconds=seconds, reply_tokens=cfg.reply_tokens,
-                        seed=cfg.seed, batch=min(cfg.data_batch, engine.config.max_num_seqs), progress=progress,
+                        seed=cfg.seed, batch=min(cfg.data_batch, engine.config.max_num_seqs),
+                        questions_per_task=cfg.questions_per_task, progress=progress,
                         resume=resume, checkpoint=checkpoint, checkpoint_seconds=cfg.checkpoint_seconds,
                         disk=disk, keep_free=int(cfg.min_free_gb * 2**30))
     finally:

@@ -494,6 +494,8 @@ def test_weighted_windows_draw_sequences_by_length_times_weight():
     assert torch.equal(drawn(torch.ones(3)), drawn(None))
     with pytest.raises(ValueError, match="request-weight"):
         TrainConfig(request_weight=0)
+    with pytest.raises(ValueError, match="questions-per-task"):
+        TrainConfig(questions_per_task=0)
 
 
 def test_sequence_kinds_and_request_weights_tell_requests_from_tasks_on_source(tiny_llama_dir, monkeypatch, tmp_path):
@@ -1468,7 +1470,7 @@ def test_training_data_skips_prompts_longer_than_the_context(tiny_llama_dir, mon
 
     engine = Engine(EngineConfig(model=str(tiny_llama_dir), max_model_len=256, kv_cache_memory=8 << 20))
     turns = iter(["short question", "x " * 400, "another short one"])
-    monkeypatch.setattr(head_data, "user_turns", lambda seed, questions: turns)
+    monkeypatch.setattr(head_data, "user_turns", lambda seed, questions, **_: turns)
     monkeypatch.setattr(head_data, "plain_sources", lambda tok, seed: iter([]))
     sequences = head_data.collect(engine, max_tokens=10**6, seconds=60, reply_tokens=8, batch=2).sequences
     assert len(sequences) == 2 and all(len(s.token_ids) <= 256 for s in sequences)
@@ -1499,6 +1501,12 @@ def test_user_turns_mix_the_targets_own_questions_into_the_tasks():
     assert set(turns[0 : 2 * n : 2]) == shipped and not shipped & set(turns[1 : 2 * n : 2])
     assert turns[2 * n + 1] == "Q one?" and turns[2 * n + 3] == "Q two?"
     assert not {turns[2 * n], turns[2 * n + 2], turns[2 * n + 4]} & ({"Q one?", "Q two?"} | shipped)  # tasks
+    # per_task questions after each task, while they last; then tasks alone
+    three = list(itertools.islice(head_data.user_turns(0, iter(["Q1", "Q2", "Q3", "Q4"]), per_task=3), 2 * n + 7))
+    assert three[2 * n + 1 : 2 * n + 4] == ["Q1", "Q2", "Q3"] and three[2 * n + 5] == "Q4"
+    assert not {three[2 * n], three[2 * n + 4], three[2 * n + 6]} & ({"Q1", "Q2", "Q3", "Q4"} | shipped)
+    with pytest.raises(ValueError, match="per_task"):
+        next(head_data.user_turns(0, iter(()), per_task=0))
     assert len(data["topics"]) >= 200 and "{topic}" in data["question_request"]
     assert len(data["code_topics"]) >= 100 and "{topic}" in data["code_request"] and "{n}" in data["code_request"]
     assert not set(data["topics"]) & set(data["code_topics"])  # one `written` dict holds both kinds
@@ -1655,7 +1663,7 @@ def test_a_killed_data_phase_resumes_where_its_checkpoint_left_it(tiny_llama_dir
 
     engine = Engine(EngineConfig(model=str(tiny_llama_dir), max_model_len=256, kv_cache_memory=8 << 20))
     turns = [f"question number {i}" for i in range(6)]
-    monkeypatch.setattr(head_data, "user_turns", lambda seed, questions: iter(turns))
+    monkeypatch.setattr(head_data, "user_turns", lambda seed, questions, **_: iter(turns))
     monkeypatch.setattr(head_data, "plain_sources", lambda tok, seed: iter([[5, 6, 7, 8]] * 3))
     whole = head_data.collect(engine, max_tokens=10**6, seconds=60, reply_tokens=6, batch=2)
     assert whole.exhausted and whole.rounds == 4 and len(whole.sequences) == 6 + 3
@@ -1678,7 +1686,7 @@ def test_a_killed_data_phase_resumes_where_its_checkpoint_left_it(tiny_llama_dir
     assert [s.token_ids.tolist() for s in resumed.sequences] == [s.token_ids.tolist() for s in whole.sequences]
     assert len(saved[0].sequences) == 3  # the resumed state is a copy
     # the prompt set reordered (or grown) between runs: what was answered is not asked again
-    monkeypatch.setattr(head_data, "user_turns", lambda seed, questions: iter(turns[::-1]))
+    monkeypatch.setattr(head_data, "user_turns", lambda seed, questions, **_: iter(turns[::-1]))
     reordered = head_data.collect(engine, max_tokens=10**6, seconds=60, reply_tokens=6, batch=2, resume=saved[0])
     prompts = [tuple(s.token_ids[: s.num_prompt_tokens].tolist()) for s in reordered.sequences
                if s.num_prompt_tokens < len(s.token_ids)]
@@ -1695,7 +1703,7 @@ def test_the_data_phase_stops_before_a_round_that_could_fill_the_disk(tiny_llama
 
     engine = Engine(EngineConfig(model=str(tiny_llama_dir), max_model_len=256, kv_cache_memory=8 << 20))
     turns = [f"question number {i}" for i in range(6)]
-    monkeypatch.setattr(head_data, "user_turns", lambda seed, questions: iter(turns))
+    monkeypatch.setattr(head_data, "user_turns", lambda seed, questions, **_: iter(turns))
     monkeypatch.setattr(head_data, "plain_sources", lambda tok, seed: iter([[5, 6, 7, 8]] * 3))
     kwargs = dict(max_tokens=10**6, seconds=60, reply_tokens=6, batch=2)
     whole = head_data.collect(engine, **kwargs)
@@ -1803,7 +1811,7 @@ def test_training_data_records_features_while_generating(tiny_llama_dir, monkeyp
                                  max_num_batched_tokens=16, enable_prefix_caching=prefix_caching))
     shared = "def add(a, b):\n    return a + b\n" * 2
     turns = iter([shared + "what does it do?", shared + "rename it"])
-    monkeypatch.setattr(head_data, "user_turns", lambda seed, questions: turns)
+    monkeypatch.setattr(head_data, "user_turns", lambda seed, questions, **_: turns)
     monkeypatch.setattr(head_data, "plain_sources", lambda tok, seed: iter([]))
     fed = []
     monkeypatch.setattr(head_data, "target_features",
@@ -1831,7 +1839,7 @@ def test_the_data_round_ends_at_the_deadline_and_shows_progress_every_step(tiny_
     engine.generate([engine.tokenizer.encode("warm up")], SamplingParams(max_tokens=2))
     long_one = "x " * 150  # ~320 tokens in chunks of at most 64: still prefilling at the deadline
     turns = iter(["short question", "another short one", long_one, "never asked this round"])
-    monkeypatch.setattr(head_data, "user_turns", lambda seed, questions: turns)
+    monkeypatch.setattr(head_data, "user_turns", lambda seed, questions, **_: turns)
     monkeypatch.setattr(head_data, "plain_sources", lambda tok, seed: iter([[1, 2, 3, 4, 5]]))
     step, steps = engine.step, []
 
