@@ -539,7 +539,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "its head drafted worse: the prompts' rows teach it what replies copy)")
     t.add_argument("--request-weight", type=float, default=1.0, metavar="W",
                    help="draw the replies to requests (chat, and requests to write code: what users send) W times "
-                        "as often per token as the tasks on given source code (default 1: by length alone)")
+                        "as often per token as the tasks on given source code, and weigh their held-out replies W "
+                        "times in the validation that picks the saved head (default 1: by length alone)")
     t.add_argument("--lr", type=float, default=None,
                    help="peak learning rate (default 6e-4): warm-up, then a cosine to a tenth over the run")
     t.add_argument("--feature-layers", nargs="+", default=None, metavar="LAYER",

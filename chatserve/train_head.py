@@ -88,7 +88,8 @@ class TrainConfig:
     reply_only: bool = False  # loss over reply positions only (prompts stay context); see batch_windows
     # a sequence answering a request (head_data.REQUEST_KINDS: chat, requests to write code) is drawn
     # this many times as often per token as one on given source (tasks, plain source): served, the
-    # head drafts replies to requests, and tasks on source were 74% of the data's tokens
+    # head drafts replies to requests, and tasks on source were 74% of the data's tokens; validation,
+    # which picks the saved head, weighs held-out replies alike
     request_weight: float = 1.0
     lr: float = 6e-4
     warmup_steps: int = 20
@@ -385,9 +386,13 @@ def held_out_chains(head: EagleHead, embed, sequences: list[Sequence], depth: in
 def chained_replies(sequences: list[Sequence]) -> Iterator[Sequence]:
     """The sequences held_out_chains scores, in its order: those with a reply position to anchor a
     chain on, in spread_order."""
-    for seq in (sequences[i] for i in spread_order(len(sequences))):
-        if len(seq.token_ids) - 1 > seq.num_prompt_tokens:
-            yield seq
+    return (sequences[i] for i in chained_indices(sequences))
+
+
+def chained_indices(sequences: list[Sequence]) -> list[int]:
+    """chained_replies' indices into sequences."""
+    return [i for i in spread_order(len(sequences))
+            if len(sequences[i].token_ids) - 1 > sequences[i].num_prompt_tokens]
 
 
 def fit_stop_power(chains: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
@@ -408,19 +413,33 @@ def fit_stop_power(chains: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
 
 
 def validate_chain(head: EagleHead, embed, sequences: list[Sequence], depth: int = VAL_DEPTH,
-                   max_positions: int = VAL_CHAIN_POSITIONS) -> float:
+                   max_positions: int = VAL_CHAIN_POSITIONS, weights: torch.Tensor | None = None) -> float:
     """The mean accepted length (tokens per verification, the bonus token included) of a fixed
     chain of `depth` drafts from every reply position of held-out sequences, at T = 0: what a
     head is chosen by. Pass-0 agreement (validate) scores the first draft alone; a head trained
     with --unroll may trade a point of it for much better later drafts, and a served chain pays
     for those. Serving measures less (walked_length: hard stretches get a verification at every
-    position); this is the smoother of the two to choose by. nan without any reply position."""
-    return every_anchor_length(held_out_hits(head, embed, sequences, depth, max_positions))
+    position); this is the smoother of the two to choose by. nan without any reply position.
+    weights: each sequence's (request_weights), its anchors weighed by it, as training draws it."""
+    hits = held_out_hits(head, embed, sequences, depth, max_positions)
+    return every_anchor_length(hits, hit_weights(weights, sequences, len(hits)))
 
 
-def every_anchor_length(hits: list[torch.Tensor]) -> float:
-    """1 + the mean over every anchor of hits (held_out_hits) of the drafts its chain gets accepted."""
-    return 1.0 + float(torch.cat(hits).float().sum(1).mean()) if hits else float("nan")
+def hit_weights(weights: torch.Tensor | None, sequences: list[Sequence], num_hits: int) -> list[float] | None:
+    """The weights (one per sequence) of the first num_hits replies held_out_hits scored, in its order."""
+    return None if weights is None else [float(weights[i]) for i in chained_indices(sequences)[:num_hits]]
+
+
+def every_anchor_length(hits: list[torch.Tensor], weights: list[float] | None = None) -> float:
+    """1 + the mean over every anchor of hits (held_out_hits) of the drafts its chain gets accepted;
+    with weights (one per reply), each reply's anchors count weights[i] times."""
+    if not hits:
+        return float("nan")
+    accepted = torch.cat(hits).float().sum(1)
+    if weights is None:
+        return 1.0 + float(accepted.mean())
+    w = torch.cat([torch.full((len(h),), float(wi)) for h, wi in zip(hits, weights, strict=True)])
+    return 1.0 + float((w * accepted).sum() / w.sum())
 
 
 def walked_length(hits: list[torch.Tensor], k: int) -> float:
@@ -489,7 +508,8 @@ def loss_fn(head: EagleHead, embed, features_in, token_ids, targets, mask, noise
 
 
 def train(head: EagleHead, embed, sequences: list[Sequence], cfg: TrainConfig, seconds: float, state: dict,
-          save=None, progress=None, val: list[Sequence] = (), on_best=None, weights: torch.Tensor | None = None) -> dict:
+          save=None, progress=None, val: list[Sequence] = (), on_best=None, weights: torch.Tensor | None = None,
+          val_weights: torch.Tensor | None = None) -> dict:
     """Optimize head on sequences for `seconds` (or up to cfg.max_steps in all). state: {"step",
     "seconds", "optimizer"} from a checkpoint, or empty; updated. save(state) is called every
     cfg.checkpoint_seconds and at the end; progress(metrics) after every step, with its "step" (in
@@ -497,7 +517,8 @@ def train(head: EagleHead, embed, sequences: list[Sequence], cfg: TrainConfig, s
     head is validated at those times too (state["val_top1"]: validate; state["val_accepted"]:
     validate_chain, the best so far in "best_val_accepted"; state["val_walked"]: the same chains
     as serving walks them, walked_length), and on_best(val_accepted) is called
-    when it beats the best. `weights`: each sequence's sampling weight per token (batch_windows). The forward and loss run in
+    when it beats the best. `weights`: each sequence's sampling weight per token (batch_windows);
+    `val_weights` each held-out one's, what its anchors weigh in val_accepted. The forward and loss run in
     choose_train_dtype(cfg.train_dtype, cpu_flags()), validation in float32."""
     use_bf16 = choose_train_dtype(cfg.train_dtype, cpu_flags()) == torch.bfloat16
     params = [p for p in head.parameters() if p.requires_grad]
@@ -540,14 +561,14 @@ def train(head: EagleHead, embed, sequences: list[Sequence], cfg: TrainConfig, s
             progress({**metrics, "step": state["step"], "done": done})
         if (save or val) and time.perf_counter() - last_save > cfg.checkpoint_seconds:
             state.update(seconds=state["seconds"] + time.perf_counter() - last_save, optimizer=opt.state_dict())
-            _validate_into(state, head, embed, val, on_best)
+            _validate_into(state, head, embed, val, on_best, val_weights)
             if save:
                 save(state)
             last_save = time.perf_counter()
     head.eval()
     state.update(seconds=state["seconds"] + time.perf_counter() - last_save, optimizer=opt.state_dict(),
                  metrics=metrics)
-    _validate_into(state, head, embed, val, on_best)
+    _validate_into(state, head, embed, val, on_best, val_weights)
     if save:
         save(state)
     return state
@@ -573,12 +594,13 @@ def lr_scale(cfg: TrainConfig, step: int, done: float) -> float:
     return warm * (cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * cosine)
 
 
-def _validate_into(state: dict, head: EagleHead, embed, val: list[Sequence], on_best) -> None:
+def _validate_into(state: dict, head: EagleHead, embed, val: list[Sequence], on_best,
+                   val_weights: torch.Tensor | None = None) -> None:
     if not val:
         return
     state["val_top1"] = validate(head, embed, val)
     hits = held_out_hits(head, embed, val)
-    state["val_accepted"] = accepted = every_anchor_length(hits)
+    state["val_accepted"] = accepted = every_anchor_length(hits, hit_weights(val_weights, val, len(hits)))
     state["val_walked"] = walked_length(hits, VAL_DEPTH)
     if not accepted <= state.get("best_val_accepted", -1.0):
         state["best_val_accepted"] = accepted
@@ -645,8 +667,11 @@ def run(engine, model: str, target_dir: Path, cfg: TrainConfig, out: Path | None
     # last run's (more data), so the head on disk is scored again before it can be replaced
     state.pop("best_val_top1", None)  # what heads were chosen by before validate_chain
     state.pop("best_val_accepted", None)
+    # held-out replies weigh as training draws them (--request-weight): the head is chosen for what users send
+    val_weights = request_weights(val, data.questions, engine.tokenizer, cfg.request_weight, {})
     if val and ckpt and head_path.is_file():
-        state["best_val_accepted"] = validate_chain(_load_servable(head_path, engine, target_hash) or head, embed, val)
+        state["best_val_accepted"] = validate_chain(_load_servable(head_path, engine, target_hash) or head, embed, val,
+                                                    weights=val_weights)
 
     def save(state: dict) -> None:
         _save(ckpt_path, {"format": CHECKPOINT_FORMAT, "target_hash": target_hash, "head": head.state_dict(),
@@ -673,7 +698,7 @@ def run(engine, model: str, target_dir: Path, cfg: TrainConfig, out: Path | None
                             **chained, **held_out)
 
     weights = request_weights(train_seqs, data.questions, engine.tokenizer, cfg.request_weight, info)
-    state = train(head, embed, train_seqs, cfg, remaining, state, save, progress, val, save_best, weights)
+    state = train(head, embed, train_seqs, cfg, remaining, state, save, progress, val, save_best, weights, val_weights)
     if bar is not None:
         bar.close()
     if not val:  # nothing to choose by: the last weights

@@ -233,6 +233,12 @@ def test_a_chain_is_scored_by_the_tokens_it_gets_accepted(tiny_llama_dir, conver
     assert top1 > 0.5 and one == pytest.approx(1.0 + top1)
     assert one < four <= 5.0 and four == pytest.approx(1.0 + float(hits.float().mean(0).sum()))
     assert all(hits[:, s].sum() >= hits[:, s + 1].sum() for s in range(3))  # a draft holds only after the ones before
+    # weighted as training draws sequences: a weight of 0 leaves a sequence out, equal weights change nothing
+    weights = torch.tensor([0.0 if i % 2 else 3.0 for i in range(len(sequences))])
+    with one_thread():
+        assert validate_chain(head, embed, sequences, max_positions=math.inf, weights=weights) == pytest.approx(
+            validate_chain(head, embed, sequences[::2], max_positions=math.inf))
+        assert validate_chain(head, embed, sequences, weights=torch.full((len(sequences),), 2.0)) == pytest.approx(four)
     untrained = new_head(target, tiny_llama_dir, engine.max_model_len, everything, seed=0)
     with one_thread():
         untrained_top1 = validate(untrained, embed, sequences)
@@ -255,6 +261,8 @@ def test_a_walk_verifies_where_serving_would():
     assert th.walked_length([hits([0, 3, 0, 0, 1, 0])], 4) == 2.0  # 1 + 4 + 1 tokens: anchors 0, 1, 5
     assert th.walked_length([hits([1, 0]), hits([0])], 4) == pytest.approx(3 / 2)  # each reply walked from its start
     assert math.isnan(th.walked_length([], 4)) and math.isnan(th.every_anchor_length([]))
+    # each reply's anchors weigh its weight: 4 drafts x 2 anchors at 3, none x 2 at 1 -> 1 + 24 / 8
+    assert th.every_anchor_length([hits([4, 4]), hits([0, 0])], [3.0, 1.0]) == 4.0
 
 
 def test_validation_samples_the_whole_held_out_set():
@@ -1354,10 +1362,10 @@ def test_train_head_command_saves_by_weight_hash_and_resumes(tiny_llama_dir, tmp
     assert "val_len=" in capsys.readouterr().err
     # resumed without --head-vocab-size: the head keeps its size (not the default's 32768)
     no_size = [a for a in args if a not in ("--head-vocab-size", "100")]
-    # (and in windows of another size, at another lr, the loss over replies, with the greedy term: the flags reach
-    # the training loop)
+    # (and in windows of another size, at another lr, the loss over replies, with the greedy term, requests drawn
+    # and validated 3x: the flags reach the training loop)
     assert main([*no_size, "--data-share", "0", "--max-steps", "6", "--window", "24", "--batch-tokens", "72",
-                 "--lr", "1e-3", "--loss-rows", "replies", "--greedy-weight", "0.5"]) == 0
+                 "--lr", "1e-3", "--loss-rows", "replies", "--greedy-weight", "0.5", "--request-weight", "3"]) == 0
     resumed = torch.load(path.with_name("eagle-head-checkpoint.pt"), weights_only=True)["head"]
     assert len(resumed["head_token_ids"]) == len(ids)
     # a disk that could not take another round's features: collecting stops and says why, the steps go on
@@ -1368,7 +1376,8 @@ def test_train_head_command_saves_by_weight_hash_and_resumes(tiny_llama_dir, tmp
     assert torch.load(path.with_name("eagle-head-checkpoint.pt"), weights_only=True)["state"]["step"] == 7
     # --data-share 1: the whole budget collects (another round), nothing is trained or written
     before = path.stat().st_mtime_ns
-    assert main([*args, "--minutes", "0.05", "--data-share", "1", "--max-data-tokens", "10000000"]) == 0
+    assert main([*args, "--minutes", "0.05", "--data-share", "1", "--max-data-tokens", "10000000",
+                 "--questions-per-task", "2"]) == 0
     assert torch.load(path.with_name("eagle-head-data.pt"), weights_only=True)["rounds"] >= 3  # rounds fit in 3 s
     assert path.stat().st_mtime_ns == before
     assert f"Train with: chatserve train-head --model {tiny_llama_dir} --data-share 0" in capsys.readouterr().err
