@@ -5,6 +5,11 @@ verification, the bonus token included) and the per-draft acceptance. Each head 
 `serve` quantizes it (like the target), and with --float-heads also in float32, to tell what the
 head's own quantization costs. No timing: benchmarks/eagle_head.py times them.
 
+--held-out also serves the prompts of train-head's own held-out replies that answer a request (the
+cache's data, train_head.split_validation, head_data.sequence_kinds: "held-out chat", "held-out code
+requests"), prompts like those the head was trained on, to tell how much of the gap between
+head_heldout.py's walked length and what the benchmark prompts get is the prompts and how much serving.
+
     .venv/bin/python benchmarks/head_served_acceptance.py --model smollm2-135m-instruct --float-heads \\
         --heads ~/.cache/chatserve/heads/<hash>/eagle-head.pt ~/.cache/chatserve/heads/<hash>/final/eagle-head.pt \\
         --out benchmarks/results/head_served_acceptance_smollm2_session36.json
@@ -34,10 +39,15 @@ def main() -> None:
     ap.add_argument("--kinds", nargs="+", default=["code", "chat"], choices=list(PROMPTS),
                     help="prompts.json's sets (chat_wide / code_wide: 40 / 24 more prompts than chat / code's 8)")
     ap.add_argument("--float-heads", action="store_true", help="also run each head unquantized")
+    ap.add_argument("--held-out", action="store_true",
+                    help="also the prompts of train-head's held-out replies to chat and to requests to write code")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     quantized = loading._quantized
     results = {"model": args.model, "k": args.k, "max_tokens": args.max_tokens, "runs": {}}
+    sets = {kind: PROMPTS[kind] for kind in args.kinds}
+    if args.held_out:
+        sets.update(held_out_prompts(args.model))
     for head_quantization in (["as served", "float32"] if args.float_heads else ["as served"]):
         def head_kept_float(model, config):  # the target still quantized; the head not
             return model if type(model).__name__ == "EagleHead" else quantized(model, config)
@@ -49,8 +59,9 @@ def main() -> None:
                                          spec=SpecConfig(method="eagle", eagle_head=path, adaptive=False,
                                                          num_draft_tokens=args.k, suffix_corpus_tokens=0)))
             head = engine.models.eagle_runner.head
-            for kind in args.kinds:
-                prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS[kind]]
+            for kind, texts in sets.items():
+                prompts = [p if isinstance(p, list) else engine.tokenizer.apply_chat_template(
+                    [{"role": "user", "content": p}]) for p in texts]
                 outs = engine.generate(prompts, SamplingParams(max_tokens=args.max_tokens, temperature=0.0))
                 accepted, drafted, steps = (sum(getattr(o["stats"], n) for o in outs)
                                             for n in ("num_accepted", "num_drafted", "num_spec_steps"))
@@ -67,6 +78,25 @@ def main() -> None:
     paired(results["runs"])
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))
+
+
+def held_out_prompts(model: str) -> dict[str, list[list[int]]]:
+    """"held-out chat" / "held-out code requests": the prompt token ids of the cache's held-out
+    replies of each kind (every one, in the order the data holds them)."""
+    import chatserve.train_head as th
+    from chatserve.head_data import load_collected, sequence_kinds
+    from chatserve.head_store import default_head_path, head_data_path, weights_hash
+    from chatserve.tokenizer import Tokenizer
+
+    target_dir = loading.resolve(model)
+    target_hash = weights_hash(target_dir)
+    data = load_collected(head_data_path(default_head_path(target_hash)), target_hash)
+    if data is None:
+        raise SystemExit(f"--held-out: no train-head data for {model} in the cache")
+    val = th.split_validation(data.sequences)[1]
+    kinds = sequence_kinds(val, data.questions, Tokenizer(target_dir))
+    return {f"held-out {kind}": [s.token_ids[: s.num_prompt_tokens].tolist() for s, k in zip(val, kinds) if k == kind]
+            for kind in ("chat", "code requests")}
 
 
 def paired(runs: dict) -> None:
