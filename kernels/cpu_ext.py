@@ -16,7 +16,6 @@ import contextlib
 import functools
 import hashlib
 import os
-import shutil
 import sys
 from pathlib import Path
 
@@ -87,6 +86,20 @@ def _builder(directory: Path):
             fcntl.flock(held, fcntl.LOCK_UN)
 
 
+def _use_one_ninja() -> None:
+    """Put pip's ninja (a dependency; it lives beside the interpreter) first on PATH, whatever else
+    is installed. torch runs whichever `ninja` PATH finds, and two versions rebuild each other's
+    work: Debian's 1.11 and pip's 1.13 keep .ninja_log in formats that hash commands differently,
+    so a process started from the activated venv (pip's) after one started as .venv/bin/python
+    (Debian's, on PATH) rebuilt all the kernels, ~1.5 min of two cores, and so on at each switch."""
+    venv_bin = os.path.dirname(sys.executable)
+    if os.path.exists(os.path.join(venv_bin, "ninja")):
+        path = os.environ.get("PATH", "")
+        if path.split(os.pathsep)[0] != venv_bin:
+            os.environ["PATH"] = venv_bin + os.pathsep + path
+    # else: whichever ninja PATH finds (none: the build fails and the plain-torch paths serve)
+
+
 @functools.lru_cache(maxsize=1)
 def extension():
     """The compiled module, or None (see the module docstring)."""
@@ -94,9 +107,7 @@ def extension():
         return None
     if not set(CPU_FLAGS) <= cpu_flags():
         return None
-    venv_bin = os.path.dirname(sys.executable)  # pip's ninja lives beside the interpreter
-    if shutil.which("ninja") is None and os.path.exists(os.path.join(venv_bin, "ninja")):
-        os.environ["PATH"] = venv_bin + os.pathsep + os.environ.get("PATH", "")
+    _use_one_ninja()
     try:
         from torch.utils.cpp_extension import load
 

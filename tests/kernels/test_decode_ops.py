@@ -2,6 +2,8 @@
 do not depend on how many rows share a call, and the model paths that use them against the torch
 paths they replace (the same model with the C++ kernels switched off)."""
 
+import os
+
 import pytest
 import torch
 
@@ -266,3 +268,20 @@ def test_the_build_directory_follows_the_sources_content(tmp_path, monkeypatch):
     assert cpu_ext._build_directory() == here and here.parent == tmp_path / "ext"
     (copy / cpu_ext.SOURCES[0]).write_text((copy / cpu_ext.SOURCES[0]).read_text() + "\n// changed\n")
     assert cpu_ext._build_directory() != here
+
+
+def test_the_kernels_are_built_by_the_ninja_beside_the_interpreter(tmp_path, monkeypatch):
+    """Another ninja earlier on PATH (Debian's 1.11 beside pip's 1.13) rebuilt every kernel each time
+    the two took turns: pip's, where it is, goes first, once; without it PATH is left alone."""
+    import sys
+
+    interpreter_bin = tmp_path / "venv" / "bin"
+    interpreter_bin.mkdir(parents=True)
+    monkeypatch.setattr(sys, "executable", str(interpreter_bin / "python"))
+    monkeypatch.setenv("PATH", os.pathsep.join(["/usr/bin", "/bin"]))
+    cpu_ext._use_one_ninja()
+    assert os.environ["PATH"] == os.pathsep.join(["/usr/bin", "/bin"])  # no ninja there: untouched
+    (interpreter_bin / "ninja").touch()
+    cpu_ext._use_one_ninja()
+    cpu_ext._use_one_ninja()
+    assert os.environ["PATH"].split(os.pathsep) == [str(interpreter_bin), "/usr/bin", "/bin"]
