@@ -352,6 +352,7 @@ def cmd_train_head(args) -> int:
                       data_share=args.data_share, init=args.init, train_dtype=args.train_dtype,
                       head_intermediate_size=args.head_intermediate_size,
                       data_batch=args.data_batch, questions_per_task=args.questions_per_task,
+                      sampled_questions=args.sampled_questions,
                       feature_layers=_feature_layers(args.feature_layers),
                       reply_only=args.loss_rows == "replies", request_weight=args.request_weight,
                       **{k: v for k, v in (("window", args.window), ("batch_tokens", args.batch_tokens),
@@ -514,6 +515,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--questions-per-task", type=int, default=1, metavar="N",
                    help="while collecting: the model's own questions (chat, requests to write code) asked after "
                         "each task on pasted source; more moves the data to what users send (default 1)")
+    t.add_argument("--sampled-questions", action="store_true",
+                   help="while collecting: the model writes new questions for each --seed, sampled, and asked for "
+                        "specific code requests, instead of its one greedy set a topic (used up after a few seeds)")
     t.add_argument("--reply-tokens", type=int, default=256, help="max tokens of each of the model's own replies")
     t.add_argument("--head-vocab-size", type=int, default=None,
                    help="rows of the head's LM head (most frequent ids); default 32768 for a new head, a resumed "

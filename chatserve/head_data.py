@@ -43,6 +43,10 @@ PROMPTS_FILE = Path(__file__).parent / "data" / "head_prompts.json"
 HELD_OUT_FILE = Path(__file__).parent / "data" / "prompts.json"  # what benchmarks measure a head on
 # what model_questions asks the target to write: kind -> (head_prompts.json's topics, its request)
 QUESTION_KINDS = {"chat": ("topics", "question_request"), "code": ("code_topics", "code_request")}
+# model_questions(sampled=True): the request each kind is asked with instead (head_prompts.json's keys),
+# and the temperature its questions are sampled at
+SAMPLED_REQUESTS = {"chat": "question_request", "code": "specific_code_request"}
+QUESTION_TEMPERATURE = 0.8
 SNIPPET_LINES = 40  # lines of stdlib source per "source task" prompt
 FILE_LINES = (60, 250)  # a whole stdlib file this long is pasted into a "file task" (~0.6-2.5k tokens)
 RAW_TOKENS = 768  # tokens per plain source sequence
@@ -112,7 +116,7 @@ def user_turns(seed: int, questions: Iterator[str] | None = None, per_task: int 
 
 
 def model_questions(engine, seed: int, batch: int, written: dict[str, list[str]] | None = None,
-                    kind: str = "chat") -> Iterator[str]:
+                    kind: str = "chat", sampled: bool = False) -> Iterator[str]:
     """Prompts the target writes itself: for each topic of head_prompts.json (seeded order; kind
     "code": each of its code_topics, with code_request) it is asked, greedily and `batch` topics at
     once, for QUESTIONS_PER_TOPIC messages a user might send about it, one a line; a line that is
@@ -123,24 +127,44 @@ def model_questions(engine, seed: int, batch: int, written: dict[str, list[str]]
     phase's state: topic -> the messages written on it) keeps each topic's messages once written,
     and a topic found there is not asked again: a resumed phase, which skips the prompts already
     answered, no longer has the target write them all again first (on Qwen 1.5B two batches of 128
-    topics, minutes of its time that are not data)."""
+    topics, minutes of its time that are not data).
+    sampled: the target writes a new set for each seed, sampled at QUESTION_TEMPERATURE (seeded by
+    seed and topic) and, for code, asked for specific requests (SAMPLED_REQUESTS), kept in `written`
+    under question_key(topic, seed). Why: greedy, a topic has one set, and the code requests of
+    four phases were generic and alike across topics ("Write a script that reads a file and counts
+    the number of lines" on C++ strings)."""
     data = json.loads(PROMPTS_FILE.read_text())
     topics_key, request_key = QUESTION_KINDS[kind]
+    if sampled:
+        request_key = SAMPLED_REQUESTS[kind]
     topics = list(data.get(topics_key, ()))
     random.Random(seed).shuffle(topics)
     held_out = held_out_prompts()
-    params = SamplingParams(max_tokens=QUESTION_TOKENS, temperature=0.0)
     tok = engine.tokenizer
     written = {} if written is None else written
+    keys = {topic: question_key(topic, seed) if sampled else topic for topic in topics}
     for i in range(0, len(topics), batch):
-        todo = [topic for topic in topics[i : i + batch] if topic not in written]
+        todo = [topic for topic in topics[i : i + batch] if keys[topic] not in written]
         asks = [tok.apply_chat_template([{"role": "user", "content": data[request_key].format(
             n=QUESTIONS_PER_TOPIC, topic=topic)}]) for topic in todo]
+        params = [SamplingParams(max_tokens=QUESTION_TOKENS, temperature=QUESTION_TEMPERATURE, top_p=0.95,
+                                 seed=prompt_key(keys[topic]) % 2**31) if sampled
+                  else SamplingParams(max_tokens=QUESTION_TOKENS, temperature=0.0) for topic in todo]
         for topic, out in zip(todo, engine.generate(asks, params) if asks else ()):
             lines = [q for q in question_lines(out["text"]) if _normal(q) not in held_out]
-            written[topic] = lines[:QUESTIONS_PER_TOPIC]
+            written[keys[topic]] = lines[:QUESTIONS_PER_TOPIC]
         for topic in topics[i : i + batch]:
-            yield from written[topic]
+            yield from written[keys[topic]]
+
+
+def question_key(topic: str, seed: int) -> str:
+    """Where `written` keeps the questions sampled on topic for seed (model_questions(sampled=True))."""
+    return f"{topic} [seed {seed}]"
+
+
+def question_topic(key: str) -> str:
+    """The topic of a `written` key (question_key's, or a greedy set's: the topic itself)."""
+    return re.sub(r" \[seed \d+\]$", "", key)
 
 
 REQUEST_KINDS = ("chat", "code requests")  # what users send; the rest: tasks on given source, plain source
@@ -154,8 +178,9 @@ def sequence_kinds(sequences: list[Sequence], questions: dict[str, list[str]], t
     collect() lays out a user turn; a prompt laid out otherwise is "other". In the data of sessions
     85-86 (1.05M tokens) requests were 25% of the tokens and tasks on source 74%."""
     data = json.loads(PROMPTS_FILE.read_text())
-    texts = {text: kind for kind, (topics_key, _) in QUESTION_KINDS.items()
-             for topic in data.get(topics_key, ()) for text in questions.get(topic, ())}
+    topic_kinds = {topic: kind for kind, (topics_key, _) in QUESTION_KINDS.items() for topic in data.get(topics_key, ())}
+    texts = {text: topic_kinds[question_topic(key)] for key, lines in questions.items()
+             if question_topic(key) in topic_kinds for text in lines}
     texts.update({text: kind for kind in QUESTION_KINDS for text in data.get(kind, ())})
     names = {"chat": "chat", "code": "code requests"}
     layouts = {tuple(tokenizer.apply_chat_template([{"role": "user", "content": t}])): names[k] for t, k in texts.items()}
@@ -336,11 +361,13 @@ class Collected:
 
 
 def collect(engine, *, max_tokens: int, seconds: float, reply_tokens: int, seed: int = 0, batch: int = 16,
-            questions_per_task: int = 1, progress=None, resume: Collected | None = None, checkpoint=None,
-            checkpoint_seconds: float = 300.0, disk: Path | None = None, keep_free: int = 0) -> Collected:
+            questions_per_task: int = 1, sampled_questions: bool = False, progress=None,
+            resume: Collected | None = None, checkpoint=None, checkpoint_seconds: float = 300.0,
+            disk: Path | None = None, keep_free: int = 0) -> Collected:
     """Sequences of about max_tokens tokens in all, collecting for at most `seconds`: each round
     answers `batch` prompts (greedy, up to reply_tokens each; user_turns: questions_per_task of the
-    target's own questions after each task on source) and adds one plain source sequence.
+    target's own questions after each task on source, model_questions(sampled=sampled_questions))
+    and adds one plain source sequence.
     The round in flight at the deadline is cut there: replies keep what was fed, prompts with no
     reply token fed yet are dropped (asked again by a resumed run). progress(num_tokens) is called after
     every engine step and every sequence. A reply's last token is never fed to the target, so its
@@ -358,8 +385,8 @@ def collect(engine, *, max_tokens: int, seconds: float, reply_tokens: int, seed:
                                  questions=dict(resume.questions), feature_layers=layers,
                                  disk_full=False)
              if resume else Collected([], feature_layers=layers))
-    questions = alternate(model_questions(engine, seed, batch, state.questions),
-                          model_questions(engine, seed, batch, state.questions, kind="code"))
+    questions = alternate(model_questions(engine, seed, batch, state.questions, sampled=sampled_questions),
+                          model_questions(engine, seed, batch, state.questions, kind="code", sampled=sampled_questions))
     turns, raw = user_turns(seed, questions, per_task=questions_per_task), plain_sources(tok, seed)
     if state.asked:
         turns = (t for t in turns if prompt_key(t) not in state.asked)

@@ -77,6 +77,9 @@ class TrainConfig:
     data_batch: int = 32  # prompts answered at once while collecting (the engine's max_num_seqs must allow them)
     # of the target's own questions (chat and requests to write code) asked after each task on source
     questions_per_task: int = 1
+    # the target writes new questions for each seed, sampled, and asked for specific code requests
+    # (head_data.model_questions(sampled=True)) instead of its one greedy set a topic
+    sampled_questions: bool = False
     head_vocab_size: int | None = None  # N: the head's LM head rows; None: NEW_HEAD_VOCAB_SIZE, or a resumed head's
     window: int = 256
     unroll: int = 1  # passes of training-time test (EagleHead.forward_unrolled); 1 = EAGLE-1's training
@@ -794,7 +797,8 @@ def _collect(engine, cfg: TrainConfig, seconds: float, show_progress: bool, resu
     try:
         state = collect(engine, max_tokens=cfg.max_data_tokens, seconds=seconds, reply_tokens=cfg.reply_tokens,
                         seed=cfg.seed, batch=min(cfg.data_batch, engine.config.max_num_seqs),
-                        questions_per_task=cfg.questions_per_task, progress=progress,
+                        questions_per_task=cfg.questions_per_task, sampled_questions=cfg.sampled_questions,
+                        progress=progress,
                         resume=resume, checkpoint=checkpoint, checkpoint_seconds=cfg.checkpoint_seconds,
                         disk=disk, keep_free=int(cfg.min_free_gb * 2**30))
     finally:

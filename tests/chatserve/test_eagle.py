@@ -1621,6 +1621,52 @@ def test_model_questions_of_kind_code_ask_for_code_and_drop_the_held_out_prompts
     assert_pool_empty(engine)
 
 
+def test_sampled_questions_are_new_for_each_seed_and_ask_for_specific_code(tiny_llama_dir, monkeypatch, tmp_path):
+    """sampled=True: code topics are asked with specific_code_request, every topic's set is sampled
+    (a seed per topic and seed) and kept under question_key(topic, seed), so another seed writes a new
+    set beside the greedy ones and the same seed reuses its own; sequence_kinds still knows their kind."""
+    import json
+
+    from chatserve import head_data
+
+    prompts = tmp_path / "head_prompts.json"
+    prompts.write_text(json.dumps({"topics": ["bees"], "question_request": "chat {n} on {topic}",
+                                   "code_topics": ["C# classes"], "code_request": "code {n} on {topic}",
+                                   "specific_code_request": "specific {n} on {topic}"}))
+    monkeypatch.setattr(head_data, "PROMPTS_FILE", prompts)
+    engine = Engine(EngineConfig(model=str(tiny_llama_dir), max_model_len=256, kv_cache_memory=8 << 20))
+    asked, params = [], []
+    generate = engine.generate
+
+    def spy(ps, sp):
+        asked.extend(engine.tokenizer.decode(p) for p in ps)
+        params.extend(sp)
+        return generate(ps, sp)
+
+    monkeypatch.setattr(engine, "generate", spy)
+    monkeypatch.setattr(head_data, "question_lines", lambda text: [f"Write {len(asked)} things please"])
+    written = {"C# classes": ["Write a greedy one please"]}
+    code = list(head_data.model_questions(engine, seed=3, batch=4, written=written, kind="code", sampled=True))
+    assert len(asked) == 1 and "specific 6 on C# classes" in asked[0]
+    assert params[0].temperature == head_data.QUESTION_TEMPERATURE and params[0].seed is not None
+    key = head_data.question_key("C# classes", 3)
+    assert code == written[key] and head_data.question_topic(key) == "C# classes"
+    assert head_data.question_topic("C# classes") == "C# classes"
+    assert list(head_data.model_questions(engine, seed=3, batch=4, written=written, kind="code", sampled=True)) == code
+    assert len(asked) == 1  # the same seed: its set is kept
+    list(head_data.model_questions(engine, seed=4, batch=4, written=written, kind="code", sampled=True))
+    chat = list(head_data.model_questions(engine, seed=4, batch=4, written=written, sampled=True))
+    assert len(asked) == 3 and "chat 6 on bees" in asked[2] and params[1].seed != params[0].seed
+    assert sorted(written) == ["C# classes", "C# classes [seed 3]", "C# classes [seed 4]", "bees [seed 4]"]
+    tok = engine.tokenizer
+    sequences = []
+    for text in ["Write a greedy one please", code[0], chat[0], "Explain this"]:
+        ids = tok.apply_chat_template([{"role": "user", "content": text}])
+        sequences.append(Sequence(torch.tensor(ids + [5, 6]), torch.zeros(len(ids) + 2, 2), len(ids)))
+    assert head_data.sequence_kinds(sequences, written, tok) == ["code requests", "code requests", "chat", "other"]
+    assert_pool_empty(engine)
+
+
 def test_no_benchmark_prompt_is_a_shipped_training_prompt():
     """head_prompts.json's own chat and code prompts are answered as they are (only the target's
     written questions are filtered, model_questions), so none of them may be a prompt benchmarks
