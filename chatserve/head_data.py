@@ -211,13 +211,16 @@ def alternate(*iterators: Iterator[str]) -> Iterator[str]:
 
 
 def question_lines(text: str) -> list[str]:
-    """The messages of a reply that lists them one a line: numbering, bullets and quotes taken
-    off; lines of fewer than 3 words (a stray word) and those ending in a colon ("Here are six
-    messages:") dropped."""
+    """The messages of a reply that lists them one a line: numbering, bullets, bold and quotes
+    taken off; dropped: lines of fewer than 3 words (a stray word), those ending in a colon ("Here
+    are six messages:"), a field's label ("Output: ..."), and lines that are not a sentence (not
+    starting with a capital letter, or ending in `{` or `;`: code the target wrote under a request)."""
     lines = []
     for line in text.splitlines():
-        line = re.sub(r"^\s*(?:[-*\u2022]|\d+[.)])\s*", "", line).strip().strip('"').strip()
-        if len(line.split()) >= 3 and not line.endswith(":"):
+        line = re.sub(r"^\s*(?:[-*\u2022]|\d+[.)])\s*", "", line.replace("**", "")).strip().strip('"').strip()
+        words = line.split()
+        if (len(words) >= 3 and not line.endswith((":", "{", ";")) and not words[0].endswith(":")
+                and line[0].isupper()):
             lines.append(line)
     return lines
 

@@ -1495,6 +1495,11 @@ def test_question_lines_take_one_message_a_line():
                                      "Which herbs grow well on a windowsill?",
                                      "Can mint share a pot with other herbs?",
                                      "Write me a short care plan for a rosemary plant."]
+    # what a sampled code request brought along: bold, a field's label, the code itself
+    text = ('**Merge two DataFrames on their id column.**\n*Output:** Merged DataFrame\n'
+            'func Concat(a string, b string) (string, error) {\nreturn "", errors.New("both must be set")\n'
+            'if a == "" || b == "" {\n// Concatenate two strings and return an error\nx = compute(a, b, c);')
+    assert question_lines(text) == ["Merge two DataFrames on their id column."]
 
 
 def test_user_turns_mix_the_targets_own_questions_into_the_tasks():
